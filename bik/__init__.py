@@ -1,0 +1,16 @@
+"""bik: batch-invariant kernels. A row's result never depends on how it was batched,
+chunked or padded, so rollout and training compute the same bits."""
+
+from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
+from .ops.attention import DEFAULT_SPLIT_SIZE, KEY_BLOCK, attention
+from .ops.log_softmax import log_softmax, token_logprobs
+from .ops.matmul import linear, matmul
+from .ops.rms_norm import rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_SPLIT_SIZE", "KEY_BLOCK", "attention", "available_backends", "get_backend",
+    "linear", "log_softmax", "matmul", "register_backend", "rms_norm", "set_backend",
+    "token_logprobs", "use_backend",
+]

@@ -1,0 +1,25 @@
+"""Deterministic backward by recomputation.
+
+The backward passes of rms_norm, log_softmax and attention differentiate the float32
+reference formula (bik.reference) with torch autograd. Every op in those graphs is
+deterministic on CPU and CUDA (no atomics, no scatter), so gradients are reproducible run to
+run; they are not promised to be batch-invariant (DESIGN.md, kernel rules).
+"""
+
+import torch
+
+
+def grads(formula, inputs, needs, grad_out):
+    """Gradients of ``formula(*fp32 inputs)`` w.r.t. the tensors whose ``needs`` flag is set,
+    each returned in its input's dtype (``None`` elsewhere)."""
+    with torch.enable_grad():
+        leaves = [
+            t.detach().float().requires_grad_(need) if isinstance(t, torch.Tensor) else t
+            for t, need in zip(inputs, needs)
+        ]
+        out = formula(*leaves)
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+        found = iter(torch.autograd.grad(out, wanted, grad_out.float()))
+    return tuple(
+        next(found).to(t.dtype) if need else None for t, need in zip(inputs, needs)
+    )

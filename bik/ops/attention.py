@@ -1,0 +1,111 @@
+"""Scaled-dot-product attention with one algorithm for prefill, chunked prefill and decode.
+
+The reduction order of every backend (DESIGN.md, attention rules):
+  * keys are visited in blocks of KEY_BLOCK, counted from the row's first valid key
+    ``kv_start[b]`` (so left padding never moves a block boundary);
+  * blocks are grouped into splits of a FIXED number of keys ``split_size`` (never a fixed
+    number of splits); inside a split an online softmax runs over its blocks in ascending order;
+  * the split partials are merged in ascending split order.
+A query therefore sees the same blocks, splits and merge sequence whether it is computed in
+a full prefill, in a chunk, or alone during decode over a KV cache.
+"""
+
+import math
+
+import torch
+
+from .. import _checks, backends, reference
+from . import _recompute
+
+KEY_BLOCK = 32  # keys per block; split_size must be a multiple of it
+DEFAULT_SPLIT_SIZE = 256  # keys per split unless the caller fixes another
+
+
+def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=None):
+    """Attention of ``q [B, Hq, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``; returns ``[B, Hq, Tq, D]``.
+
+    The Tq queries are the last Tq of the Tk positions (Tq == Tk: prefill, Tq == 1: decode).
+    Hq must be a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
+    ``kv_start [B]``: each row's first valid key (left padding); keys before it are masked and
+    a query before it attends nothing and returns zeros. ``scale`` defaults to 1/sqrt(D).
+    """
+    _validate_qkv(q, k, v)
+    batch, _, tq, dim = q.shape
+    tk = k.shape[2]
+    scale = 1.0 / math.sqrt(dim) if scale is None else _checks.positive_number("scale", scale)
+    kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
+    split_size = _validate_split_size(split_size)
+    return _Attention.apply(q, k, v, bool(causal), scale, kv_start, split_size)
+
+
+def _validate_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _checks.floating(name, t)
+        _checks.rank(name, t, 4)
+    for name, t in (("k", k), ("v", v)):
+        _checks.same_dtype(name, t, "q", q)
+        _checks.same_device(name, t, "q", q)
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    _checks.dim_size("k", k, 0, q.shape[0], "B, the batch of q")
+    _checks.dim_size("k", k, 3, q.shape[3], "D, the head dim of q")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"k: expected a head count Hkv > 0 dividing Hq={q.shape[1]} (GQA), got {k.shape[1]}"
+        )
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(
+            f"q: expected at most Tk={k.shape[2]} queries (the last Tq key positions), "
+            f"got Tq={q.shape[2]}"
+        )
+
+
+def _validate_kv_start(kv_start, batch, tk, device):
+    if kv_start is None:
+        return torch.zeros(batch, dtype=torch.int32, device=device)
+    _checks.tensor("kv_start", kv_start)
+    if kv_start.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"kv_start: expected dtype int32 or int64, got {kv_start.dtype}")
+    if kv_start.shape != (batch,):
+        raise ValueError(f"kv_start: expected shape ({batch},), got {tuple(kv_start.shape)}")
+    if kv_start.device != device:
+        raise ValueError(f"kv_start: expected device {device} (same as q), got {kv_start.device}")
+    if batch and (int(kv_start.min()) < 0 or int(kv_start.max()) >= max(tk, 1)):
+        raise ValueError(
+            f"kv_start: expected values in [0, {max(tk - 1, 0)}] (Tk={tk}), "
+            f"got min {int(kv_start.min())}, max {int(kv_start.max())}"
+        )
+    return kv_start.to(torch.int32)
+
+
+def _validate_split_size(split_size):
+    if split_size is None:
+        return DEFAULT_SPLIT_SIZE
+    if isinstance(split_size, bool) or not isinstance(split_size, int) or split_size <= 0 \
+            or split_size % KEY_BLOCK:
+        raise ValueError(
+            f"split_size: expected a positive multiple of {KEY_BLOCK} (the key block), "
+            f"got {split_size!r}"
+        )
+    return split_size
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, kv_start, split_size):
+        ctx.save_for_backward(q, k, v, kv_start)
+        ctx.causal, ctx.scale = causal, scale
+        if q.numel() == 0:
+            return torch.empty_like(q)
+        backend = backends.resolve(q.device)
+        return backend.attention(q, k, v, causal, scale, kv_start, split_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, kv_start = ctx.saved_tensors
+
+        def formula(q_, k_, v_):
+            return reference.attention(q_, k_, v_, ctx.causal, ctx.scale, kv_start, None)
+
+        grads = _recompute.grads(formula, (q, k, v), ctx.needs_input_grad[:3], grad)
+        return (*grads, None, None, None, None)

@@ -1,0 +1,86 @@
+"""log_softmax over the last dim and token log-probs, both fp32 math, one row at a time.
+
+Backends find each row's max and sum of exponentials with an online softmax over fixed-size
+chunks in ascending order (per-lane partials, then one fixed reduction tree across lanes).
+``token_logprobs`` is THE log-prob formula of bik: the sampler and the trainer both call it.
+"""
+
+import torch
+
+from .. import _checks, backends, reference
+from . import _recompute
+
+
+def log_softmax(x, dim=-1, dtype=None):
+    """``torch.log_softmax`` over the last dim with fp32 math; output dtype ``dtype`` or x's."""
+    _checks.floating("x", x)
+    _checks.rank("x", x, (1,))
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError(f"dim: expected the last dim (-1 or {x.dim() - 1}), got {dim!r}")
+    if dtype is not None and dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected None, float32, bfloat16 or float16, got {dtype}")
+    return _LogSoftmax.apply(x, dtype or x.dtype)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """fp32 ``log_softmax(logits / temperature)`` over the full vocabulary, gathered at ``tokens``.
+
+    logits ``[..., V]``, tokens ``[...]`` (integer, in ``[0, V)``); returns fp32 ``[...]``.
+    """
+    _checks.floating("logits", logits)
+    _checks.rank("logits", logits, (1,))
+    _checks.tensor("tokens", tokens)
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"tokens: expected dtype int64 or int32, got {tokens.dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"tokens: expected shape {tuple(logits.shape[:-1])} (logits without its last dim), "
+            f"got {tuple(tokens.shape)}"
+        )
+    _checks.same_device("tokens", tokens, "logits", logits)
+    vocab = logits.shape[-1]
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(
+            f"tokens: expected ids in [0, {vocab}) (the vocabulary size of logits), "
+            f"got min {int(tokens.min())}, max {int(tokens.max())}"
+        )
+    temperature = _checks.positive_number("temperature", temperature)
+    return _TokenLogprobs.apply(logits, tokens, temperature)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_dtype):
+        ctx.save_for_backward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.numel() == 0:
+            return torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        formula = lambda x_: reference.log_softmax(x_, 1.0, torch.float32)  # noqa: E731
+        (grad_x,) = _recompute.grads(formula, (x,), (True,), grad)
+        return grad_x, None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature = temperature
+        rows = logits.reshape(-1, logits.shape[-1])
+        if tokens.numel() == 0:
+            return torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+        backend = backends.resolve(logits.device)
+        return backend.token_logprobs(rows, tokens.reshape(-1), temperature).reshape(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, tokens = ctx.saved_tensors
+        rows, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+        formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)  # noqa: E731
+        (grad_rows,) = _recompute.grads(formula, (rows,), (True,), grad.reshape(-1))
+        return grad_rows.reshape(logits.shape), None, None

@@ -1,0 +1,77 @@
+"""matmul / linear with one fixed reduction order per output element.
+
+Every backend accumulates each output element over K in ascending, fixed-size K tiles into an
+fp32 accumulator (no split-K, no atomics), so a row's result does not depend on how many
+other rows share the call. Bias is added in fp32 before the single final rounding.
+"""
+
+import torch
+
+from .. import _checks, backends
+
+
+def _validate(a_name, a, b_name, b, bias):
+    _checks.floating(a_name, a)
+    _checks.floating(b_name, b)
+    _checks.rank(a_name, a, (1,))
+    _checks.rank(b_name, b, 2)
+    _checks.same_dtype(b_name, b, a_name, a)
+    _checks.same_device(b_name, b, a_name, a)
+    if bias is not None:
+        _checks.floating("bias", bias)
+        _checks.rank("bias", bias, 1)
+        _checks.same_dtype("bias", bias, a_name, a)
+        _checks.same_device("bias", bias, a_name, a)
+
+
+def matmul(a, b, bias=None):
+    """``a [..., K] @ b [K, N] (+ bias [N])``; ``b`` may be any strided view (e.g. ``w.t()``)."""
+    _validate("a", a, "b", b, bias)
+    _checks.dim_size("b", b, 0, a.shape[-1], "K, the last dim of a")
+    if bias is not None:
+        _checks.dim_size("bias", bias, 0, b.shape[1], "N, the last dim of b")
+    return _Matmul.apply(a, b, bias)
+
+
+def linear(x, weight, bias=None):
+    """``torch.nn.functional.linear`` semantics: ``x [..., K] @ weight[N, K].T (+ bias [N])``."""
+    _validate("x", x, "weight", weight, bias)
+    _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
+    if bias is not None:
+        _checks.dim_size("bias", bias, 0, weight.shape[0], "N, the first dim of weight")
+    return _Matmul.apply(x, weight.t(), bias)
+
+
+def _forward(a, b, bias):
+    """Validated ``a [..., K] @ b [K, N]`` through the backend's batched kernel."""
+    k, n = b.shape
+    rows = a.reshape(-1, k)
+    if rows.shape[0] == 0 or n == 0:
+        return a.new_zeros(*a.shape[:-1], n)
+    out = backends.resolve(a.device).matmul(rows.unsqueeze(0), b.unsqueeze(0), bias)
+    return out.reshape(*a.shape[:-1], n)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias):
+        ctx.save_for_backward(a, b)
+        ctx.has_bias = bias is not None
+        return _forward(a, b, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each gradient is itself a bik matmul, so it has a fixed reduction order too:
+        # grad_b and grad_bias reduce over the rows M in ascending tiles (deterministic).
+        a, b = ctx.saved_tensors
+        k, n = b.shape
+        rows, grad_rows = a.reshape(-1, k), grad.reshape(-1, n).to(a.dtype)
+        grad_a = grad_b = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _forward(grad_rows, b.t(), None).reshape(a.shape)
+        if ctx.needs_input_grad[1]:
+            grad_b = _forward(rows.t(), grad_rows, None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            ones = grad_rows.new_ones(1, grad_rows.shape[0])
+            grad_bias = _forward(ones, grad_rows, None).reshape(n)
+        return grad_a, grad_b, grad_bias

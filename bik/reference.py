@@ -1,0 +1,70 @@
+"""The "reference" backend: plain, differentiable torch.
+
+It is the accuracy oracle (run it on float64 inputs for a ground truth) and what the op
+backward passes differentiate. It is NOT batch-invariant: torch picks kernels and reduction
+orders by shape. Kernel signatures match every other backend (see bik.backends).
+"""
+
+import torch
+
+
+def check_device(device):
+    """Plain torch runs everywhere."""
+
+
+def matmul(a, b, bias):
+    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` in a's dtype."""
+    out = torch.matmul(a, b)
+    return out if bias is None else out + bias
+
+
+def rms_norm(x, weight, eps):
+    """Rows of ``x [R, D]`` scaled to unit RMS then by ``weight``; fp32 math."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+def log_softmax(x, temperature, out_dtype):
+    """fp32 ``log_softmax(x / temperature)`` over the last dim of ``x [R, V]``."""
+    return torch.log_softmax(x.float() / temperature, dim=-1).to(out_dtype)
+
+
+def token_logprobs(logits, tokens, temperature):
+    """``log_softmax(logits [R, V] / temperature)`` gathered at ``tokens [R]``, fp32."""
+    logp = log_softmax(logits, temperature, torch.float32)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def attention_mask(tq, tk, kv_start, causal):
+    """Boolean ``[B, 1, Tq, Tk]``: key j is visible to query i (at position Tk - Tq + i) iff
+    j >= kv_start[b] and, when causal, j <= that position."""
+    keys = torch.arange(tk, device=kv_start.device)
+    visible = keys[None, None, :] >= kv_start[:, None, None].long()
+    if causal:
+        positions = torch.arange(tk - tq, tk, device=kv_start.device)
+        visible = visible & (keys[None, None, :] <= positions[None, :, None])
+    return visible.unsqueeze(1)
+
+
+def attention(q, k, v, causal, scale, kv_start, split_size):
+    """Softmax attention, GQA by head groups; queries with no visible key give zeros.
+
+    ``split_size`` is ignored: plain torch has no fixed split structure.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
+    visible = attention_mask(q.shape[2], k.shape[2], kv_start, causal)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no visible key -> 0
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _repeat_heads(t, groups):
+    """``[B, H, T, D] -> [B, H * groups, T, D]``, each head repeated ``groups`` times in a row.
+
+    expand + reshape (not repeat_interleave) so the backward is a plain sum over the group.
+    """
+    b, h, t_len, d = t.shape
+    return t.unsqueeze(2).expand(b, h, groups, t_len, d).reshape(b, h * groups, t_len, d)

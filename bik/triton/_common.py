@@ -1,0 +1,31 @@
+"""Pieces shared by the Triton kernels."""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once, as triton.jit does: under the interpreter the kernels run on CPU tensors.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def upcast_dot_operands(dtype):
+    """The interpreter stores bfloat16 as raw uint16 and cannot feed it to a matmul; there the
+    operands are widened to fp32 first (exact: a bf16 x bf16 product fits in fp32)."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
+@triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with an fp32 accumulator; fp32 operands use IEEE fp32, never TF32."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+def row_block(length, cap=4096):
+    """Chunk width for one-row-per-program kernels: a function of the row length only,
+    never of the number of rows, so every row is reduced in the same chunks."""
+    return min(triton.next_power_of_2(max(length, 1)), cap)

@@ -1,0 +1,59 @@
+"""Batch-invariant matmul: fixed tiles, ascending BLOCK_K loop, one fp32 accumulator."""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_acc, upcast_dot_operands
+
+# One configuration for every M: a row's K-order can never depend on the batch size.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    batch = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + batch * stride_ab + rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + batch * stride_bb + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The only reduction: over K, in ascending BLOCK_K tiles into one fp32 accumulator.
+    # Out-of-range K entries load as 0 and add exact zeros at the same place for every row.
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols[None, :] < N), other=0.0)
+        acc = dot_acc(a, b, acc, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:  # epilogue in fp32, then the one rounding to the output dtype
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def matmul(a, b, bias):
+    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
+    stride_bb = b.stride(0) if b.shape[0] > 1 else 0
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch)
+    _matmul_kernel[grid](
+        a, b, bias if bias is not None else a, out, m, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        stride_bb, b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HAS_BIAS=bias is not None, UPCAST=upcast_dot_operands(a.dtype),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return out

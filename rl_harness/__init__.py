@@ -1,0 +1,1 @@
+"""RL harness: rollout and policy update through identical bik kernels (to be built)."""
