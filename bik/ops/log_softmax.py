@@ -8,7 +8,7 @@ chunks in ascending order (per-lane partials, then one fixed reduction tree acro
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute
+from . import _recompute, as_rows
 
 
 def log_softmax(x, dim=-1, dtype=None):
@@ -52,7 +52,7 @@ class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_dtype):
         ctx.save_for_backward(x)
-        rows = x.reshape(-1, x.shape[-1])
+        rows = as_rows(x)
         if rows.numel() == 0:
             return torch.empty(x.shape, dtype=out_dtype, device=x.device)
         out = backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype)
@@ -71,7 +71,7 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, logits, tokens, temperature):
         ctx.save_for_backward(logits, tokens)
         ctx.temperature = temperature
-        rows = logits.reshape(-1, logits.shape[-1])
+        rows = as_rows(logits)
         if tokens.numel() == 0:
             return torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
         backend = backends.resolve(logits.device)
@@ -80,7 +80,7 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, tokens = ctx.saved_tensors
-        rows, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+        rows, flat_tokens = as_rows(logits), tokens.reshape(-1)
         formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)  # noqa: E731
         (grad_rows,) = _recompute.grads(formula, (rows,), (True,), grad.reshape(-1))
         return grad_rows.reshape(logits.shape), None, None

@@ -8,6 +8,7 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 import torch
 
 from .. import _checks, backends
+from . import as_rows
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -45,7 +46,7 @@ def linear(x, weight, bias=None):
 def _forward(a, b, bias):
     """Validated ``a [..., K] @ b [K, N]`` through the backend's batched kernel."""
     k, n = b.shape
-    rows = a.reshape(-1, k)
+    rows = as_rows(a)
     if rows.shape[0] == 0 or n == 0:
         return a.new_zeros(*a.shape[:-1], n)
     out = backends.resolve(a.device).matmul(rows.unsqueeze(0), b.unsqueeze(0), bias)
@@ -64,8 +65,8 @@ class _Matmul(torch.autograd.Function):
         # Each gradient is itself a bik matmul, so it has a fixed reduction order too:
         # grad_b and grad_bias reduce over the rows M in ascending tiles (deterministic).
         a, b = ctx.saved_tensors
-        k, n = b.shape
-        rows, grad_rows = a.reshape(-1, k), grad.reshape(-1, n).to(a.dtype)
+        n = b.shape[1]
+        rows, grad_rows = as_rows(a), as_rows(grad).to(a.dtype)
         grad_a = grad_b = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_a = _forward(grad_rows, b.t(), None).reshape(a.shape)

@@ -7,7 +7,7 @@ depends only on the row length D, never on the number of rows.
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute
+from . import _recompute, as_rows
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -28,7 +28,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        rows = x.reshape(-1, x.shape[-1])
+        rows = as_rows(x)
         if rows.numel() == 0:
             return torch.empty_like(x)
         return backends.resolve(x.device).rms_norm(rows, weight, eps).reshape(x.shape)

@@ -1,0 +1,52 @@
+"""Test set-up: Triton runs in the interpreter without a GPU; hypothesis kept small and fast."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton kernel import
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import bik  # noqa: E402
+from bik import backends  # noqa: E402
+
+settings.register_profile(
+    "bik",
+    max_examples=int(os.environ.get("BIK_EXAMPLES", "25")),
+    deadline=None,
+    derandomize=True,  # CI reruns see the same cases
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.load_profile("bik")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def invariant_backends(device=DEVICE):
+    """Every registered batch-invariant backend that can run on ``device``."""
+    usable = []
+    for name in bik.available_backends():
+        if name in ("auto", "reference"):
+            continue
+        try:
+            backends.load(name).check_device(device)
+        except (ImportError, RuntimeError):
+            continue
+        usable.append(name)
+    return usable
+
+
+@pytest.fixture(params=invariant_backends())
+def backend(request):
+    """Runs the test once per invariant backend, with that backend selected."""
+    with bik.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def reference_backend():
+    with bik.use_backend("reference"):
+        yield "reference"
