@@ -8,6 +8,11 @@ orders by shape. Kernel signatures match every other backend (see bik.backends).
 import torch
 
 
+def _at_least_fp32(t):
+    """fp32 math for low-precision inputs; float64 inputs (the oracle) stay float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def check_device(device):
     """Plain torch runs everywhere."""
 
@@ -20,19 +25,19 @@ def matmul(a, b, bias):
 
 def rms_norm(x, weight, eps):
     """Rows of ``x [R, D]`` scaled to unit RMS then by ``weight``; fp32 math."""
-    x32 = x.float()
-    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * inv_rms * weight.float()).to(x.dtype)
+    wide = _at_least_fp32(x)
+    inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return (wide * inv_rms * weight.to(wide.dtype)).to(x.dtype)
 
 
 def log_softmax(x, temperature, out_dtype):
-    """fp32 ``log_softmax(x / temperature)`` over the last dim of ``x [R, V]``."""
-    return torch.log_softmax(x.float() / temperature, dim=-1).to(out_dtype)
+    """``log_softmax(x / temperature)`` (fp32 or wider math) over the last dim of ``x [R, V]``."""
+    return torch.log_softmax(_at_least_fp32(x) / temperature, dim=-1).to(out_dtype)
 
 
 def token_logprobs(logits, tokens, temperature):
-    """``log_softmax(logits [R, V] / temperature)`` gathered at ``tokens [R]``, fp32."""
-    logp = log_softmax(logits, temperature, torch.float32)
+    """``log_softmax(logits [R, V] / temperature)`` gathered at ``tokens [R]`` (fp32 or wider)."""
+    logp = log_softmax(logits, temperature, _at_least_fp32(logits).dtype)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
@@ -55,7 +60,7 @@ def attention(q, k, v, causal, scale, kv_start, split_size):
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
     visible = attention_mask(q.shape[2], k.shape[2], kv_start, causal)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = _at_least_fp32(torch.matmul(q, k.transpose(-1, -2))) * scale
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no visible key -> 0
     return torch.matmul(probs.to(v.dtype), v)

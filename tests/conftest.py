@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton kernel import
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 import bik  # noqa: E402
 from bik import backends  # noqa: E402
@@ -18,6 +18,8 @@ settings.register_profile(
     max_examples=int(os.environ.get("BIK_EXAMPLES", "25")),
     deadline=None,
     derandomize=True,  # CI reruns see the same cases
+    # Shrinking re-runs interpreted kernels for minutes; opt in with BIK_SHRINK=1.
+    phases=[p for p in Phase if p is not Phase.shrink or os.environ.get("BIK_SHRINK") == "1"],
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 settings.load_profile("bik")

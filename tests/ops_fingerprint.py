@@ -1,0 +1,45 @@
+"""Prints one SHA-256 per op over fixed inputs; run in subprocesses by test_determinism.py.
+
+Usage: python ops_fingerprint.py BACKEND
+"""
+
+import hashlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import bik  # noqa: E402
+
+
+def digest(t):
+    return hashlib.sha256(t.detach().cpu().float().numpy().tobytes()).hexdigest()[:16]
+
+
+def main(backend):
+    bik.set_backend(backend)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    x, w = randn(70, 200), randn(130, 200)
+    logits, tokens = randn(9, 3000), torch.arange(9, device=device) * 100
+    q, k, v = randn(2, 4, 50, 32), randn(2, 2, 50, 32), randn(2, 2, 50, 32)
+    results = {
+        "linear": bik.linear(x, w),
+        "rms_norm": bik.rms_norm(x, w[0]),
+        "log_softmax": bik.log_softmax(logits),
+        "token_logprobs": bik.token_logprobs(logits, tokens, 0.9),
+        "attention": bik.attention(q, k, v, split_size=32),
+    }
+    for name, out in results.items():
+        print(name, digest(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
