@@ -9,7 +9,8 @@ Names:
   "auto"      -- picks per tensor device from what is available (see ``_AUTO_ORDER``);
   "triton"    -- Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
   "reference" -- plain torch, the accuracy oracle (NOT batch-invariant).
-Later backends ("cpu", "cuda") register themselves with :func:`register_backend`.
+  "cpu"       -- C++ kernels (csrc/cpu), CPU tensors, when built.
+Later backends ("cuda") register themselves with :func:`register_backend`.
 """
 
 import contextlib
@@ -97,4 +98,5 @@ def resolve(device):
 
 register_backend("reference", "bik.reference")
 register_backend("triton", "bik.triton")
+register_backend("cpu", "bik.cpu")
 set_backend(os.environ.get("BIK_BACKEND", "auto"))

@@ -71,3 +71,14 @@ def test_bik_backend_environment_variable_selects_the_backend():
 def test_auto_resolves_to_an_invariant_backend():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert backends.resolve(device).__name__ != "bik.reference"
+
+
+def test_unbuilt_cpu_backend_says_how_to_build_it():
+    script = ("import sys; sys.modules['bik._cpu'] = None\n"
+              "import torch, bik; bik.set_backend('cpu')\n"
+              "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
+              "except ImportError as e:\n    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "cpu backend is not built" in out and "pip install -e ." in out

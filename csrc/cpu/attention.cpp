@@ -1,0 +1,112 @@
+// Split-KV attention, one query row per OpenMP iteration, the same algorithm as the Triton
+// backend (bik/ops/attention.py): keys in blocks of KEY_BLOCK counted from the row's first
+// valid key, blocks grouped into splits of split_size keys, an online softmax over the blocks
+// of a split in ascending order, split partials merged in ascending order. Each query reads
+// only its own visible keys, so prefill, chunks and decode give the same bits.
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace bik {
+namespace {
+
+constexpr int64_t KEY_BLOCK = 32;  // equals bik.KEY_BLOCK; split_size is a multiple of it
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Partial {  // unnormalised softmax state: sum_j exp(s_j - max) * v_j, sum_j exp(s_j - max)
+  float max = NEG_INF, sum = 0.0f;
+  std::vector<float> acc;
+};
+
+// Folds `part` into `run` (the same formula for blocks' rescaling and splits' merging).
+inline void merge(Partial& run, const Partial& part) {
+  const float new_max = part.max > run.max ? part.max : run.max;
+  const float safe = new_max == NEG_INF ? 0.0f : new_max;
+  const float old_scale = exp_fixed(run.max - safe), part_scale = exp_fixed(part.max - safe);
+  run.sum = run.sum * old_scale + part.sum * part_scale;
+  for (size_t d = 0; d < run.acc.size(); ++d)
+    run.acc[d] = run.acc[d] * old_scale + part.acc[d] * part_scale;
+  run.max = new_max;
+}
+
+// Online softmax over keys [lo, hi) of one split, in ascending blocks.
+template <typename T>
+void split_partial(const float* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride,
+                   int64_t D, float scale, int64_t lo, int64_t hi, Partial& part) {
+  float scores[KEY_BLOCK], probs[KEY_BLOCK];
+  part.max = NEG_INF;
+  part.sum = 0.0f;
+  std::fill(part.acc.begin(), part.acc.end(), 0.0f);
+  for (int64_t n0 = lo; n0 < hi; n0 += KEY_BLOCK) {
+    const int64_t count = std::min(KEY_BLOCK, hi - n0);
+    float block_max = NEG_INF;
+    for (int64_t j = 0; j < count; ++j) {
+      scores[j] = dot_lanes(q, k + (n0 + j) * k_stride, D) * scale;
+      block_max = scores[j] > block_max ? scores[j] : block_max;
+    }
+    const float new_max = block_max > part.max ? block_max : part.max;
+    const float safe = new_max == NEG_INF ? 0.0f : new_max;
+    const float rescale = exp_fixed(part.max - safe);
+    for (int64_t j = 0; j < KEY_BLOCK; ++j) probs[j] = j < count ? exp_fixed(scores[j] - safe) : 0.0f;
+    part.sum = part.sum * rescale + (lane_sum(probs) + lane_sum(probs + LANES));
+    for (int64_t d = 0; d < D; ++d) part.acc[d] *= rescale;
+    for (int64_t j = 0; j < count; ++j) {
+      const T* vj = v + (n0 + j) * v_stride;
+      for (int64_t d = 0; d < D; ++d) part.acc[d] = std::fma(probs[j], to_float(vj[d]), part.acc[d]);
+    }
+    part.max = new_max;
+  }
+}
+
+template <typename T>
+void attention_impl(const AttentionArgs& p) {
+  static_assert(2 * LANES == KEY_BLOCK, "block sums use two lane trees");
+  const T* Q = reinterpret_cast<const T*>(p.q);
+  const T* K = reinterpret_cast<const T*>(p.k);
+  const T* V = reinterpret_cast<const T*>(p.v);
+  const int32_t* starts = reinterpret_cast<const int32_t*>(p.kv_start);
+  T* out = reinterpret_cast<T*>(p.out);
+  const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
+  const int64_t padded = (p.D + LANES - 1) / LANES * LANES;
+#pragma omp parallel
+  {
+    std::vector<float> q(padded, 0.0f);
+    Partial run, part;
+    run.acc.resize(p.D);
+    part.acc.resize(p.D);
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t b = row / (p.Hq * p.Tq), h = (row / p.Tq) % p.Hq, i = row % p.Tq;
+      const int64_t first = starts[b], last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
+      const T* qr = Q + b * p.q_strides[0] + h * p.q_strides[1] + i * p.q_strides[2];
+      const T* kh = K + b * p.k_strides[0] + (h / groups) * p.k_strides[1];
+      const T* vh = V + b * p.v_strides[0] + (h / groups) * p.v_strides[1];
+      for (int64_t d = 0; d < p.D; ++d) q[d] = to_float(qr[d]);
+      run.max = NEG_INF;
+      run.sum = 0.0f;
+      std::fill(run.acc.begin(), run.acc.end(), 0.0f);
+      for (int64_t lo = first; lo <= last; lo += p.split_size) {  // ascending splits
+        const int64_t hi = std::min(lo + p.split_size, last + 1);
+        split_partial(q.data(), kh, vh, p.k_strides[2], p.v_strides[2], p.D, p.scale, lo, hi, part);
+        merge(run, part);
+      }
+      T* o = out + row * p.D;  // a query before its row's first key sees nothing: zeros
+      for (int64_t d = 0; d < p.D; ++d)
+        o[d] = from_float<T>(run.sum == 0.0f ? 0.0f : run.acc[d] / run.sum);
+    }
+  }
+}
+
+}  // namespace
+
+void attention(int dtype, const AttentionArgs& args) {
+  switch (dtype) {
+    case F32: return attention_impl<float>(args);
+    case BF16: return attention_impl<bf16>(args);
+    default: return attention_impl<f16>(args);
+  }
+}
+
+}  // namespace bik

@@ -1,0 +1,49 @@
+// pybind11 bindings of the CPU kernels. No libtorch: tensors arrive as data pointers,
+// shapes and strides (bik/cpu.py does the marshalling), so the module builds in seconds and
+// does not depend on the torch version. The GIL is released while a kernel runs.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using bik::AttentionArgs;
+using bik::MatmulArgs;
+
+namespace {
+
+void matmul(int dtype, uintptr_t a, uintptr_t w, uintptr_t bias, uintptr_t c, int64_t batch,
+            int64_t M, int64_t N, int64_t K, int64_t a_batch_stride, int64_t a_row_stride,
+            int64_t w_batch_stride, int64_t w_row_stride) {
+  bik::matmul(dtype, MatmulArgs{a, w, bias, c, batch, M, N, K, a_batch_stride, a_row_stride,
+                                w_batch_stride, w_row_stride});
+}
+
+void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,
+               std::array<int64_t, 7> sizes, std::array<int64_t, 3> q_strides,
+               std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, float scale,
+               bool causal) {
+  AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
+                     sizes[5], sizes[6], {}, {}, {}, scale, causal};
+  for (int i = 0; i < 3; ++i) {
+    args.q_strides[i] = q_strides[i];
+    args.k_strides[i] = k_strides[i];
+    args.v_strides[i] = v_strides[i];
+  }
+  bik::attention(dtype, args);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "bik's batch-invariant CPU kernels (fixed reduction orders, OpenMP over rows)";
+  auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("matmul", &matmul, release);
+  m.def("rms_norm", &bik::rms_norm, release);
+  m.def("log_softmax", &bik::log_softmax, release);
+  m.def("token_logprobs", &bik::token_logprobs, release);
+  m.def("attention", &attention, release,
+        "sizes = (B, Hq, Hkv, Tq, Tk, D, split_size); strides = (batch, head, position)");
+}

@@ -1,0 +1,103 @@
+// Shared pieces of the CPU kernels: element types, fixed-width lanes, a deterministic exp.
+//
+// Every reduction here has ONE order that does not depend on the number of rows, the
+// thread count or the SIMD width the compiler picks:
+//   * sums over a row run in LANES interleaved partial sums (lane l takes elements
+//     l, l + LANES, ...), then one fixed pairwise tree across the lanes (lane_sum);
+//   * a tail shorter than LANES is zero-padded and goes through the same lane code, so a
+//     vector body and a tail never use different arithmetic;
+//   * products are accumulated with std::fma (one rounding) everywhere, and the build uses
+//     -ffp-contract=off so the compiler never fuses some a*b+c and not others.
+// OpenMP splits work by output rows only: each output element is computed by one thread.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace bik {
+
+constexpr int LANES = 16;
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct bf16 { uint16_t bits; };
+using f16 = _Float16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(f16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline f16 from_float<f16>(float x) { return static_cast<f16>(x); }
+template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even, like torch
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7FFF + ((u >> 16) & 1);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+// Loads up to LANES elements starting at p (n of them valid) as floats, zero-padding the rest.
+template <typename T>
+inline void load_lanes(const T* p, int64_t n, float* out) {
+  if (n >= LANES) {
+    for (int l = 0; l < LANES; ++l) out[l] = to_float(p[l]);
+  } else {
+    for (int l = 0; l < LANES; ++l) out[l] = l < n ? to_float(p[l]) : 0.0f;
+  }
+}
+
+// The fixed pairwise tree over the LANES partial sums.
+inline float lane_sum(const float* lanes) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = lanes[l] + lanes[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Dot product of two length-n rows in the lane order above.
+template <typename T>
+inline float dot_lanes(const float* q, const T* k, int64_t n) {
+  float acc[LANES] = {0};
+  float kv[LANES];
+  for (int64_t i = 0; i < n; i += LANES) {
+    load_lanes(k + i, n - i, kv);
+    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], kv[l], acc[l]);
+  }
+  return lane_sum(acc);
+}
+
+// exp(x) from pure arithmetic (range reduction + Cephes' degree-6 polynomial, about 1 ulp),
+// so the compiler can vectorise it and every lane gets the same bits as a scalar call.
+inline float exp_fixed(float x) {
+  if (!(x > -104.0f)) return std::isnan(x) ? x : 0.0f;  // below the smallest subnormal
+  if (x > 88.72283905f) return std::numeric_limits<float>::infinity();
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693145751953125f, x);  // ln2 split in two for an exact product
+  r = std::fma(n, -1.428606765330187045e-06f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  // Scale by 2^n in two exact power-of-two steps so n in [-150, 128] never overflows a step.
+  const int32_t n_int = static_cast<int32_t>(n), half = n_int >> 1;
+  const uint32_t bits1 = static_cast<uint32_t>(half + 127) << 23;
+  const uint32_t bits2 = static_cast<uint32_t>(n_int - half + 127) << 23;
+  float scale1, scale2;
+  std::memcpy(&scale1, &bits1, sizeof scale1);
+  std::memcpy(&scale2, &bits2, sizeof scale2);
+  return p * scale1 * scale2;
+}
+
+}  // namespace bik
