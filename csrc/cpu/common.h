@@ -40,9 +40,9 @@ template <> inline f16 from_float<f16>(float x) { return static_cast<f16>(x); }
 template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even, like torch
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
-  u += 0x7FFF + ((u >> 16) & 1);
-  return bf16{static_cast<uint16_t>(u >> 16)};
+  const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40;
+  return bf16{static_cast<uint16_t>(x != x ? quiet_nan : rounded)};  // branch-free select
 }
 
 // Loads up to LANES elements starting at p (n of them valid) as floats, zero-padding the rest.
@@ -75,13 +75,14 @@ inline float dot_lanes(const float* q, const T* k, int64_t n) {
   return lane_sum(acc);
 }
 
-// exp(x) from pure arithmetic (range reduction + Cephes' degree-6 polynomial, about 1 ulp),
-// so the compiler can vectorise it and every lane gets the same bits as a scalar call.
+// exp(x) from pure arithmetic (range reduction + Cephes' degree-6 polynomial, about 1 ulp).
+// Branch-free, so loops over it vectorise, and a vector lane and a scalar call give the same
+// bits (the same IEEE operations in the same order).
 inline float exp_fixed(float x) {
-  if (!(x > -104.0f)) return std::isnan(x) ? x : 0.0f;  // below the smallest subnormal
-  if (x > 88.72283905f) return std::numeric_limits<float>::infinity();
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = std::fma(n, -0.693145751953125f, x);  // ln2 split in two for an exact product
+  float xc = x < -104.0f ? -104.0f : x;  // comparisons with NaN are false: NaN flows through
+  xc = xc > 88.72283905f ? 88.72283905f : xc;
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  float r = std::fma(n, -0.693145751953125f, xc);  // ln2 split in two for an exact product
   r = std::fma(n, -1.428606765330187045e-06f, r);
   float p = 1.9875691500e-4f;
   p = std::fma(p, r, 1.3981999507e-3f);
@@ -91,13 +92,14 @@ inline float exp_fixed(float x) {
   p = std::fma(p, r, 5.0000001201e-1f);
   p = std::fma(p, r * r, r) + 1.0f;
   // Scale by 2^n in two exact power-of-two steps so n in [-150, 128] never overflows a step.
-  const int32_t n_int = static_cast<int32_t>(n), half = n_int >> 1;
+  const int32_t n_int = static_cast<int32_t>(n == n ? n : 0.0f), half = n_int >> 1;
   const uint32_t bits1 = static_cast<uint32_t>(half + 127) << 23;
   const uint32_t bits2 = static_cast<uint32_t>(n_int - half + 127) << 23;
   float scale1, scale2;
   std::memcpy(&scale1, &bits1, sizeof scale1);
   std::memcpy(&scale2, &bits2, sizeof scale2);
-  return p * scale1 * scale2;
+  const float value = p * scale1 * scale2;
+  return x < -104.0f ? 0.0f : (x > 88.72283905f ? std::numeric_limits<float>::infinity() : value);
 }
 
 }  // namespace bik

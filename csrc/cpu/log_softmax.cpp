@@ -3,6 +3,8 @@
 // Row statistics in a fixed order: the max over the row (exact, order-free), then the sum of
 // exp(x/T - max) in the lane order of common.h. log_softmax and token_logprobs share
 // row_stats() and log_prob(), so a token's log-prob equals the gathered log_softmax bit for bit.
+#include <algorithm>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -15,23 +17,25 @@ struct RowStats { float max, log_total; };
 
 template <typename T>
 RowStats row_stats(const T* x, int64_t V, float temperature) {
-  float row_max = NEG_INF;
-  bool nan = false;
-  for (int64_t i = 0; i < V; ++i) {
-    const float v = to_float(x[i]) / temperature;
-    nan |= std::isnan(v);
-    row_max = v > row_max ? v : row_max;
-  }
-  if (nan) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
-  const float shift = row_max == NEG_INF ? 0.0f : row_max;  // an all -inf row sums to 0
-  float acc[LANES] = {0};
+  // The max is exact in any order. A NaN anywhere makes the exp sum NaN, hence the whole row.
+  float lane_max[LANES];
+  std::fill(lane_max, lane_max + LANES, NEG_INF);
   for (int64_t i = 0; i < V; i += LANES) {
-    float v[LANES];
-    const int64_t n = V - i;
-    for (int l = 0; l < LANES; ++l)  // padding lanes add exp(-inf) = 0
-      v[l] = l < n ? exp_fixed(to_float(x[i + l]) / temperature - shift) : 0.0f;
-    for (int l = 0; l < LANES; ++l) acc[l] += v[l];
+    const int64_t n = std::min<int64_t>(LANES, V - i);
+    for (int l = 0; l < n; ++l) {
+      const float v = to_float(x[i + l]) / temperature;
+      lane_max[l] = v > lane_max[l] ? v : lane_max[l];
+    }
   }
+  float row_max = NEG_INF;
+  for (int l = 0; l < LANES; ++l) row_max = lane_max[l] > row_max ? lane_max[l] : row_max;
+  const float shift = row_max == NEG_INF ? 0.0f : row_max;  // an all -inf row sums to 0
+  // Sum of exp(x/T - max) in the lane order; tail lanes add nothing (exact).
+  float acc[LANES] = {0};
+  const int64_t full = V / LANES * LANES;
+  for (int64_t i = 0; i < full; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += exp_fixed(to_float(x[i + l]) / temperature - shift);
+  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_fixed(to_float(x[i]) / temperature - shift);
   return {row_max, std::log(lane_sum(acc))};
 }
 

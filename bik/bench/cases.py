@@ -1,0 +1,114 @@
+"""Benchmark cases: each pairs a bik call with its non-invariant baseline on the same inputs.
+
+A case is (op, shape label, dtype, work, make) where ``make(device, dtype)`` returns
+``(bik_fn, baseline_fn)`` and ``work`` = (flops, bytes) for one call.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import bik
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    flops: float
+    bytes: float
+    make: Callable  # (device, dtype) -> (bik_fn, baseline_fn)
+
+
+def _randn(*shape, device, dtype):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def linear(m, k, n):
+    def make(device, dtype):
+        x, w = _randn(m, k, device=device, dtype=dtype), _randn(n, k, device=device, dtype=dtype)
+        return (lambda: bik.linear(x, w)), (lambda: F.linear(x, w))
+
+    return Case("linear", f"M={m} K={k} N={n}", 2 * m * k * n, 2 * (m * k + n * k + m * n), make)
+
+
+def rms_norm(rows, d):
+    def make(device, dtype):
+        x, w = _randn(rows, d, device=device, dtype=dtype), _randn(d, device=device, dtype=dtype)
+        return (lambda: bik.rms_norm(x, w)), (lambda: F.rms_norm(x, (d,), w, 1e-6))
+
+    return Case("rms_norm", f"rows={rows} D={d}", 4 * rows * d, 2 * (2 * rows * d + d), make)
+
+
+def log_softmax(rows, vocab):
+    def make(device, dtype):
+        x = _randn(rows, vocab, device=device, dtype=dtype)
+        return (lambda: bik.log_softmax(x)), (lambda: torch.log_softmax(x, -1))
+
+    return Case("log_softmax", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * 2 * rows * vocab, make)
+
+
+def token_logprobs(rows, vocab):
+    def make(device, dtype):
+        x = _randn(rows, vocab, device=device, dtype=dtype)
+        tokens = torch.randint(vocab, (rows,), device=device)
+
+        def baseline():
+            return torch.log_softmax(x.float(), -1).gather(-1, tokens[:, None])[:, 0]
+
+        return (lambda: bik.token_logprobs(x, tokens)), baseline
+
+    return Case("token_logprobs", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * rows * vocab, make)
+
+
+def attention(batch, heads, kv_heads, tq, tk, dim):
+    """Decode when tq == 1 (baseline: SDPA over the whole cache), else causal prefill."""
+    causal = tq > 1
+
+    def make(device, dtype):
+        q = _randn(batch, heads, tq, dim, device=device, dtype=dtype)
+        k, v = (_randn(batch, kv_heads, tk, dim, device=device, dtype=dtype) for _ in range(2))
+
+        def baseline():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        return (lambda: bik.attention(q, k, v, causal=causal)), baseline
+
+    pairs = tq * tk / (2 if causal else 1)
+    flops = 4 * batch * heads * pairs * dim
+    traffic = 2 * (2 * batch * heads * tq * dim + 2 * batch * kv_heads * tk * dim)
+    kind = "decode" if tq == 1 else "prefill"
+    return Case(f"attention_{kind}", f"B={batch} H={heads}/{kv_heads} Tq={tq} Tk={tk} D={dim}",
+                flops, traffic, make)
+
+
+def cpu_cases(quick):
+    """A small transformer on a CPU: hidden 256-1024, rows 1-4096, decode over 128-2048 keys."""
+    if quick:
+        return [linear(1, 256, 256), linear(64, 256, 256), rms_norm(64, 256),
+                log_softmax(16, 4096), token_logprobs(16, 4096),
+                attention(1, 4, 4, 1, 256, 64), attention(1, 4, 4, 64, 64, 64)]
+    cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
+    cases += [rms_norm(r, d) for d in (256, 1024) for r in (1, 64, 4096)]
+    cases += [log_softmax(r, 32000) for r in (1, 64, 256)]
+    cases += [token_logprobs(r, 32000) for r in (1, 64, 256)]
+    cases += [attention(b, 8, 8, 1, t, 64) for b in (1, 8) for t in (128, 512, 2048)]
+    cases += [attention(1, 8, 8, 512, 512, 64)]
+    return cases
+
+
+def cuda_cases(quick):
+    """Llama/Qwen 1-8B shapes: N, K in 2048-14336; decode over 1k-32k keys; prefill 512-8k."""
+    if quick:
+        return [linear(m, 4096, 4096) for m in (1, 64, 2048)] + [
+            rms_norm(2048, 4096), log_softmax(64, 32000), attention(1, 32, 8, 1, 8192, 128)]
+    shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
+    cases = [linear(m, k, n) for k, n in shapes for m in (1, 8, 64, 256, 2048, 8192)]
+    cases += [rms_norm(r, d) for d in (2048, 4096) for r in (1, 256, 8192)]
+    cases += [log_softmax(r, v) for v in (32000, 152064) for r in (1, 256, 2048)]
+    cases += [token_logprobs(r, 152064) for r in (256, 2048)]
+    cases += [attention(b, 32, 8, 1, t, 128) for b in (1, 16) for t in (1024, 8192, 32768)]
+    cases += [attention(1, 32, 8, t, t, 128) for t in (512, 2048, 8192)]
+    return cases
