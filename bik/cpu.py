@@ -31,12 +31,12 @@ def matmul(a, b, bias):
     batch, m, k = a.shape
     n = b.shape[2]
     a = _inner_contiguous(a)
-    w = _inner_contiguous(b.transpose(1, 2))  # [B, N, K]: both operands contiguous along K
     out = torch.empty(batch, m, n, dtype=a.dtype)
     _cpu.matmul(
-        _DTYPE_CODES[a.dtype], a.data_ptr(), w.data_ptr(),
+        _DTYPE_CODES[a.dtype], a.data_ptr(), b.data_ptr(),
         0 if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
-        batch, m, n, k, a.stride(0), a.stride(1), w.stride(0) if w.shape[0] > 1 else 0, w.stride(1),
+        batch, m, n, k, a.stride(0), a.stride(1), b.stride(0) if b.shape[0] > 1 else 0,
+        b.stride(1), b.stride(2),
     )
     return out
 

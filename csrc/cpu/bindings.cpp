@@ -14,11 +14,11 @@ using bik::MatmulArgs;
 
 namespace {
 
-void matmul(int dtype, uintptr_t a, uintptr_t w, uintptr_t bias, uintptr_t c, int64_t batch,
+void matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t bias, uintptr_t c, int64_t batch,
             int64_t M, int64_t N, int64_t K, int64_t a_batch_stride, int64_t a_row_stride,
-            int64_t w_batch_stride, int64_t w_row_stride) {
-  bik::matmul(dtype, MatmulArgs{a, w, bias, c, batch, M, N, K, a_batch_stride, a_row_stride,
-                                w_batch_stride, w_row_stride});
+            int64_t b_batch_stride, int64_t b_k_stride, int64_t b_n_stride) {
+  bik::matmul(dtype, MatmulArgs{a, b, bias, c, batch, M, N, K, a_batch_stride, a_row_stride,
+                                b_batch_stride, b_k_stride, b_n_stride});
 }
 
 void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,

@@ -1,15 +1,16 @@
 // Entry points of the CPU kernels. Pointers arrive as integers from Python (tensor.data_ptr()),
-// strides are in elements, and the innermost dim of every tensor is contiguous.
+// strides are in elements, and the innermost dim of every tensor is contiguous (except B of
+// matmul, which takes any strides).
 #pragma once
 
 #include <cstdint>
 
 namespace bik {
 
-struct MatmulArgs {  // C[b] = A[b] . W[b]^T (+ bias); C contiguous [batch, M, N]
-  uintptr_t a, w, bias, c;  // bias may be 0
+struct MatmulArgs {  // C[b] = A[b] . B[b] (+ bias); C contiguous [batch, M, N]
+  uintptr_t a, b, bias, c;  // bias may be 0; B may have any strides (e.g. W^T)
   int64_t batch, M, N, K;
-  int64_t a_batch_stride, a_row_stride, w_batch_stride, w_row_stride;
+  int64_t a_batch_stride, a_row_stride, b_batch_stride, b_k_stride, b_n_stride;
 };
 
 struct AttentionArgs {  // see bik/ops/attention.py for the semantics
