@@ -59,7 +59,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["bik", "bik.*", "rl_harness", "rl_harness.*"]),
     install_requires=["torch", "triton", "numpy", "pybind11"],
-    extras_require={"dev": ["pytest", "hypothesis"]},
+    extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
     ext_modules=cpu_extension(),
     cmdclass={"build_ext": OptionalBuildExt},
 )

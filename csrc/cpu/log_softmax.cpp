@@ -15,6 +15,10 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct RowStats { float max, log_total; };
 
+// x / T; at T == 1 the division is skipped, which is exact (x / 1 == x in IEEE arithmetic).
+// The test is loop-invariant, so the compiler unswitches the loops around it.
+inline float scaled(float x, float temperature) { return temperature == 1.0f ? x : x / temperature; }
+
 template <typename T>
 RowStats row_stats(const T* x, int64_t V, float temperature) {
   // The max is exact in any order. A NaN anywhere makes the exp sum NaN, hence the whole row.
@@ -23,7 +27,7 @@ RowStats row_stats(const T* x, int64_t V, float temperature) {
   for (int64_t i = 0; i < V; i += LANES) {
     const int64_t n = std::min<int64_t>(LANES, V - i);
     for (int l = 0; l < n; ++l) {
-      const float v = to_float(x[i + l]) / temperature;
+      const float v = scaled(to_float(x[i + l]), temperature);
       lane_max[l] = v > lane_max[l] ? v : lane_max[l];
     }
   }
@@ -34,13 +38,13 @@ RowStats row_stats(const T* x, int64_t V, float temperature) {
   float acc[LANES] = {0};
   const int64_t full = V / LANES * LANES;
   for (int64_t i = 0; i < full; i += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += exp_fixed(to_float(x[i + l]) / temperature - shift);
-  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_fixed(to_float(x[i]) / temperature - shift);
+    for (int l = 0; l < LANES; ++l) acc[l] += exp_fixed(scaled(to_float(x[i + l]), temperature) - shift);
+  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_fixed(scaled(to_float(x[i]), temperature) - shift);
   return {row_max, std::log(lane_sum(acc))};
 }
 
 inline float log_prob(float x, float temperature, const RowStats& s) {
-  return (x / temperature - s.max) - s.log_total;
+  return (scaled(x, temperature) - s.max) - s.log_total;
 }
 
 template <typename T, typename O>
