@@ -7,10 +7,20 @@ from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
 
+
+def __getattr__(name):
+    # The Hugging Face layer is imported on first use: the kernels never need transformers.
+    if name in ("patch_model", "unpatch_model", "sequence_logprobs", "PatchReport"):
+        from . import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'bik' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_SPLIT_SIZE", "KEY_BLOCK", "attention", "available_backends", "get_backend",
-    "linear", "log_softmax", "matmul", "register_backend", "rms_norm", "set_backend",
-    "token_logprobs", "use_backend",
+    "DEFAULT_SPLIT_SIZE", "KEY_BLOCK", "PatchReport", "attention", "available_backends",
+    "get_backend", "linear", "log_softmax", "matmul", "patch_model", "register_backend",
+    "rms_norm", "sequence_logprobs", "set_backend", "token_logprobs", "unpatch_model",
+    "use_backend",
 ]
