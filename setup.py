@@ -58,7 +58,7 @@ setup(
     description="Deterministic, batch-invariant kernels for LLM inference and training",
     python_requires=">=3.10",
     packages=find_packages(include=["bik", "bik.*", "rl_harness", "rl_harness.*"]),
-    install_requires=["torch", "triton", "numpy", "pybind11"],
+    install_requires=["torch", "triton", "numpy", "pybind11", "transformers>=5,<6"],
     extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
     ext_modules=cpu_extension(),
     cmdclass={"build_ext": OptionalBuildExt},

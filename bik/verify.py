@@ -1,0 +1,240 @@
+"""``python -m bik verify``: the invariance checks on a causal LM, unpatched and patched.
+
+Checks (each compares token log-probs bit for bit):
+  batch_1_vs_n      a sequence alone vs the same sequence in a left-padded batch of N
+  needle            one prompt at random positions in random batches (several trials)
+  decode_vs_prefill generate() with the KV cache vs one full forward of the finished batch
+  chunked_prefill   the sequence fed in random chunks through the KV cache vs one forward
+  left_padding      the sequence behind P pad tokens vs unpadded
+On a mismatch the first module whose output differs (batch 1 vs batch N) is named.
+"""
+
+import random
+
+import torch
+
+from . import hf
+
+PRESETS = {
+    f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES
+}
+_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(name, device="cpu", dtype=torch.float32, seed=0):
+    """A preset (random-init tiny config, no download) or a local model directory."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name in PRESETS:
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(PRESETS[name], **_TINY)
+        model = AutoModelForCausalLM.from_config(config)
+    elif Path(name).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(name)
+    else:
+        raise ValueError(f"model: expected a preset ({', '.join(PRESETS)}) or a local model "
+                         f"directory, got {name!r}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+# -- batches -------------------------------------------------------------------------------
+
+def left_pad(sequences, pad_id, extra=0):
+    """Stack 1-D token tensors into ``ids, attention_mask`` with left padding (+ ``extra``)."""
+    width = max(len(s) for s in sequences) + extra
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = seq
+        mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def _logprobs(model, sequences, pad_id, extra=0):
+    """Per-sequence log-probs of every token after the first, from one padded forward."""
+    device = model.device
+    ids, mask = left_pad(sequences, pad_id, extra)
+    out = hf.sequence_logprobs(model, ids.to(device), mask.to(device), mask.to(device))
+    return [out[row, out.shape[1] - len(seq) + 1:] for row, seq in enumerate(sequences)]
+
+
+def _random_tokens(rng, vocab, length):
+    return torch.tensor([rng.randrange(3, vocab) for _ in range(length)])
+
+
+def _compare(a, b):
+    diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    return torch.equal(a, b), diff
+
+
+# -- checks --------------------------------------------------------------------------------
+
+def check_batch(model, rng, vocab, pad_id):
+    seq = _random_tokens(rng, vocab, 24)
+    others = [_random_tokens(rng, vocab, rng.randrange(4, 40)) for _ in range(6)]
+    position = rng.randrange(len(others) + 1)
+    batch = others[:position] + [seq] + others[position:]
+    return _compare(_logprobs(model, [seq], pad_id)[0], _logprobs(model, batch, pad_id)[position])
+
+
+def check_needle(model, rng, vocab, pad_id, trials=3):
+    needle = _random_tokens(rng, vocab, 16)
+    alone = _logprobs(model, [needle], pad_id)[0]
+    results = []
+    for _ in range(trials):
+        hay = [_random_tokens(rng, vocab, rng.randrange(4, 48)) for _ in range(rng.randrange(1, 9))]
+        position = rng.randrange(len(hay) + 1)
+        batch = hay[:position] + [needle] + hay[position:]
+        results.append(_compare(alone, _logprobs(model, batch, pad_id)[position]))
+    return all(r[0] for r in results), max(r[1] for r in results)
+
+
+def check_decode(model, rng, vocab, pad_id, new_tokens=8):
+    prompts = [_random_tokens(rng, vocab, rng.randrange(3, 20)) for _ in range(3)]
+    ids, mask = left_pad(prompts, pad_id)
+    device = model.device
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
+    generated = out.sequences[:, ids.shape[1]:]
+    from .ops.log_softmax import token_logprobs
+
+    rollout = token_logprobs(torch.stack(out.logits, dim=1), generated)
+    full_mask = torch.cat([mask.to(device), torch.ones_like(generated)], dim=1)
+    trained = hf.sequence_logprobs(model, out.sequences, full_mask, full_mask)[:, ids.shape[1]:]
+    return _compare(rollout, trained)
+
+
+def check_chunked(model, rng, vocab, pad_id):
+    from transformers import DynamicCache
+
+    seq = _random_tokens(rng, vocab, 30).to(model.device)
+    cuts = sorted(rng.sample(range(1, len(seq)), 3))
+    cache, pieces = DynamicCache(), []
+    for start, stop in zip([0, *cuts], [*cuts, len(seq)]):
+        logits = model(input_ids=seq[None, start:stop], past_key_values=cache, use_cache=True,
+                       position_ids=torch.arange(start, stop, device=seq.device)[None]).logits
+        pieces.append(logits[0])
+    from .ops.log_softmax import token_logprobs
+
+    chunked = token_logprobs(torch.cat(pieces)[:-1], seq[1:])
+    return _compare(chunked, _logprobs(model, [seq.cpu()], pad_id)[0])
+
+
+def check_left_padding(model, rng, vocab, pad_id):
+    seq = _random_tokens(rng, vocab, 20)
+    return _compare(_logprobs(model, [seq], pad_id)[0],
+                    _logprobs(model, [seq], pad_id, extra=rng.randrange(1, 40))[0])
+
+
+CHECKS = {
+    "batch_1_vs_n": check_batch,
+    "needle": check_needle,
+    "decode_vs_prefill": check_decode,
+    "chunked_prefill": check_chunked,
+    "left_padding": check_left_padding,
+}
+
+
+def run_checks(model, seed=0):
+    """{check name: (bit-identical, max abs diff)} for ``model`` as it is (patched or not)."""
+    vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
+    results = {}
+    with torch.no_grad():
+        for name, check in CHECKS.items():
+            results[name] = check(model, random.Random(f"{seed}-{name}"), vocab, pad_id)
+    return results
+
+
+def first_divergent_module(model, seed=0):
+    """The first module (in execution order) whose output for a sequence differs between
+    batch 1 and a left-padded batch of 3, or None. If that module's input already differs, the
+    source is an op between modules (such as the attention function) and is named as such."""
+    rng = random.Random(seed)
+    vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
+    seq = _random_tokens(rng, vocab, 12)
+    batch = [_random_tokens(rng, vocab, 20), seq, _random_tokens(rng, vocab, 5)]
+    runs = []
+    for sequences, row in (([seq], 0), (batch, 1)):
+        outputs = []
+        hooks = [m.register_forward_hook(_recorder(name, m, outputs, row, len(seq)))
+                 for name, m in model.named_modules() if name]
+        ids, mask = left_pad(sequences, pad_id)
+        with torch.no_grad():
+            model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                  position_ids=hf.generation_position_ids(mask).to(model.device))
+        for hook in hooks:
+            hook.remove()
+        runs.append(outputs)
+    for (name, kind, in_a, out_a), (_, _, in_b, out_b) in zip(*runs):
+        if not _same(out_a, out_b):
+            if _same(in_a, in_b):
+                return f"{name} ({kind})"
+            parent = name.rsplit(".", 1)[0]
+            return (f"an op that is not a module, inside {parent} (the input of {name} ({kind}) "
+                    "already differs: e.g. the attention function)")
+    return None
+
+
+def _same(a, b):
+    """Equal, or not comparable (missing or differently shaped)."""
+    return a is None or b is None or a.shape != b.shape or torch.equal(a, b)
+
+
+def _recorder(name, module, outputs, row, length):
+    def keep(t):
+        t = t[0] if isinstance(t, tuple) and t else t
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] > row and t.shape[1] >= length:
+            return t[row, -length:].detach().clone()
+        return None
+
+    def hook(_module, inputs, output):
+        outputs.append((name, type(module).__name__, keep(inputs), keep(output)))
+    return hook
+
+
+def verify(model, seed=0, unpatched=True, echo=print):
+    """Run every check unpatched (optional) and patched; returns True if bik passes them all."""
+    before = run_checks(model, seed) if unpatched else None
+    report = hf.patch_model(model)
+    try:
+        after = run_checks(model, seed)
+        culprit = None if all(ok for ok, _ in after.values()) else first_divergent_module(model, seed)
+    finally:
+        hf.unpatch_model(model)
+    culprit_before = first_divergent_module(model, seed) if before and not all(
+        ok for ok, _ in before.values()) else None
+    echo(str(report))
+    echo("| check | plain torch | bik |\n|---|---|---|")
+    for name in CHECKS:
+        plain = _cell(*before[name]) if before else "-"
+        echo(f"| {name} | {plain} | {_cell(*after[name])} |")
+    if culprit_before:
+        echo(f"plain torch: first module whose output depends on the batch: {culprit_before}")
+    passed = all(ok for ok, _ in after.values())
+    if not passed:
+        echo(f"bik: MISMATCH; first module whose output depends on the batch: {culprit or 'none found'}")
+    return passed
+
+
+def _cell(ok, diff):
+    return "bit-identical" if ok else f"DIFFERS (max {diff:.2e})"
+
+
+def main(args):
+    names = list(PRESETS) if args.model == "all" else [args.model]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("verify: --device cuda requested but no CUDA device is available")
+    failed = []
+    for name in names:
+        print(f"\n## {name} ({args.dtype}, {args.device})")
+        model = load_model(name, args.device, DTYPES[args.dtype], args.seed)
+        if not verify(model, args.seed, unpatched=not args.skip_unpatched):
+            failed.append(name)
+    print(f"\nverify: {'FAILED: ' + ', '.join(failed) if failed else 'all checks bit-identical under bik'}")
+    return 1 if failed else 0

@@ -1,0 +1,129 @@
+"""patch_model on Hugging Face causal LMs: bitwise rollout-vs-train log-probs, verify, errors."""
+
+import pytest
+import torch
+
+import bik
+from bik import hf, verify
+from bik.__main__ import main
+
+pytest.importorskip("transformers")
+PRESETS = list(verify.PRESETS)
+
+
+def tiny(preset, dtype=torch.float32):
+    return verify.load_model(preset, dtype=dtype)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
+    model = tiny(preset)
+    plain = verify.run_checks(model)
+    assert not all(ok for ok, _ in plain.values()), "negative control: plain torch should differ"
+    bik.patch_model(model)
+    patched = verify.run_checks(model)
+    assert all(ok for ok, _ in patched.values()), patched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampled_rollout_logprobs_equal_training_logprobs(dtype):
+    model = tiny("tiny-qwen3", dtype)
+    bik.patch_model(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
+    ids, mask = verify.left_pad(prompts, pad_id=0)
+    torch.manual_seed(1)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7,
+                         top_k=0, max_new_tokens=10, min_new_tokens=10, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    generated = out.sequences[:, ids.shape[1]:]
+    rollout = bik.token_logprobs(torch.stack(out.logits, 1), generated, temperature=0.7)
+    full_mask = torch.cat([mask, torch.ones_like(generated)], 1)
+    response = torch.cat([torch.zeros_like(mask), torch.ones_like(generated)], 1)
+    trained = bik.sequence_logprobs(model, out.sequences, full_mask, response, temperature=0.7)
+    assert torch.equal(trained[:, ids.shape[1]:], rollout)
+    assert torch.equal(trained[:, : ids.shape[1]], torch.zeros_like(trained[:, : ids.shape[1]]))
+    for row, prompt in enumerate(prompts):  # each sequence alone, without padding
+        seq = torch.cat([prompt, generated[row]])[None]
+        resp = torch.zeros_like(seq)
+        resp[:, len(prompt):] = 1
+        alone = bik.sequence_logprobs(model, seq, torch.ones_like(seq), resp, temperature=0.7)
+        assert torch.equal(alone[0, len(prompt):], rollout[row])
+
+
+def test_patch_report_and_unpatch_round_trip():
+    model = tiny("tiny-llama")
+    ids = torch.randint(3, 256, (2, 9))
+    before = model(input_ids=ids).logits
+    report = bik.patch_model(model)
+    kinds = list(report.patched.values())
+    assert kinds.count("bik.linear") == 15 and kinds.count("bik.attention") == 2
+    assert kinds.count("bik.rms_norm") == 5 and report.unpatched == [] and report.attention_was == "sdpa"
+    assert "bik.linear" in str(report)
+    assert model.config._attn_implementation == "bik"
+    bik.unpatch_model(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_patch_with_explicit_backend():
+    model = tiny("tiny-qwen2")
+    report = bik.patch_model(model, backend="reference")
+    assert report.backend == "reference"
+    ids = torch.randint(3, 256, (1, 6))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert bik.get_backend() == "auto"  # the model's backend does not leak
+
+
+def test_right_padding_is_rejected_loudly():
+    model = tiny("tiny-qwen3")
+    bik.patch_model(model)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(RuntimeError, match="causal with left padding"):
+        model(input_ids=torch.randint(3, 256, (2, 4)), attention_mask=mask)
+
+
+def test_first_divergent_module_is_named_for_plain_torch():
+    culprit = verify.first_divergent_module(tiny("tiny-mistral"))
+    assert culprit is not None and "model.layers.0" in culprit
+
+
+def test_verify_cli_passes_and_prints_the_table(capsys):
+    assert main(["verify", "--model", "tiny-qwen3"]) == 0
+    printed = capsys.readouterr().out
+    assert "| batch_1_vs_n | DIFFERS" in printed and "| decode_vs_prefill |" in printed
+    assert "all checks bit-identical under bik" in printed
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+
+
+def test_errors():
+    model = tiny("tiny-qwen3")
+    bik.patch_model(model)
+    with pytest.raises(RuntimeError, match="already patched"):
+        bik.patch_model(model)
+    with pytest.raises(ValueError, match="model: family 'gpt2' is not supported"):
+        bik.patch_model(_gpt2())
+    with pytest.raises(TypeError, match="model: expected a Hugging Face causal LM"):
+        bik.patch_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="not patched"):
+        bik.unpatch_model(tiny("tiny-llama"))
+    with pytest.raises(ValueError, match="model: expected a preset"):
+        verify.load_model("no-such-preset")
+    with pytest.raises(ValueError, match="response_mask: expected shape"):
+        ids = torch.ones(2, 5, dtype=torch.long)
+        bik.sequence_logprobs(model, ids, ids, ids[:, :3])
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        bik.patch_model(tiny("tiny-llama"), backend="nope")
+
+
+def test_non_strict_lists_what_it_cannot_patch():
+    report = bik.patch_model(_gpt2(), strict=False)
+    assert report.family == "gpt2"
+    assert any("Conv1D" in entry for entry in report.unpatched)
