@@ -6,6 +6,7 @@ from .ops.attention import DEFAULT_SPLIT_SIZE, KEY_BLOCK, attention
 from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
+from .mode import batch_invariant_mode
 
 
 def __getattr__(name):
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE", "KEY_BLOCK", "PatchReport", "attention", "available_backends",
+    "batch_invariant_mode",
     "get_backend", "linear", "log_softmax", "matmul", "patch_model", "register_backend",
     "rms_norm", "sequence_logprobs", "set_backend", "token_logprobs", "unpatch_model",
     "use_backend",
