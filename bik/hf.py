@@ -13,7 +13,7 @@ import types
 import torch
 
 from . import backends, reference
-from .ops.attention import attention
+from .ops.attention import _validate_split_size, attention
 from .ops.log_softmax import token_logprobs
 from .ops.matmul import linear
 from .ops.rms_norm import rms_norm
@@ -96,14 +96,16 @@ def _check_model(model):
         raise RuntimeError("model: already patched by bik; call bik.unpatch_model(model) first")
 
 
-def patch_model(model, *, backend="auto", strict=True):
+def patch_model(model, *, backend="auto", strict=True, split_size=None):
     """Route every reduction of ``model``'s forward through bik; returns a :class:`PatchReport`.
 
     strict: a module bik cannot make invariant (or an unsupported model family) raises
     ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
+    split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
     """
     _check_model(model)
     backends._check_name(backend)
+    _validate_split_size(split_size)
     family = model.config.model_type
     if strict and family not in SUPPORTED_FAMILIES:
         raise ValueError(f"model: family {family!r} is not supported (supported: "
@@ -125,7 +127,7 @@ def patch_model(model, *, backend="auto", strict=True):
             patched[name] = "bik.attention"
     attention_was = model.config._attn_implementation
     _register_attention()
-    _ATTENTION_BACKENDS[id(model.config)] = backend
+    _ATTENTION_SETTINGS[id(model.config)] = (backend, split_size)
     model.set_attn_implementation(ATTENTION_NAME)
     report = PatchReport(family, backend, patched, unpatched, attention_was)
     model._bik_patch = report
@@ -141,13 +143,13 @@ def unpatch_model(model):
         if kind != "bik.attention":
             del model.get_submodule(name).forward  # the class's own forward shows again
     model.set_attn_implementation(report.attention_was)
-    _ATTENTION_BACKENDS.pop(id(model.config), None)
+    _ATTENTION_SETTINGS.pop(id(model.config), None)
     del model._bik_patch
 
 
 # -- attention -----------------------------------------------------------------------------
 
-_ATTENTION_BACKENDS = {}  # id(config) -> backend name chosen at patch time
+_ATTENTION_SETTINGS = {}  # id(config) -> (backend name, split size) chosen at patch time
 
 
 def _register_attention():
@@ -187,9 +189,10 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError(f"bik attention: {type(module).__name__} is not causal")
     batch, _, tq, _ = query.shape
     kv_start, kv_len = _kv_bounds(attention_mask, batch, tq, key.shape[2])
-    run = _in_backend(_ATTENTION_BACKENDS.get(id(module.config), "auto"), attention)
-    out = run(query, key[:, :, :kv_len], value[:, :, :kv_len], causal=True, scale=scaling,
-              kv_start=kv_start.to(query.device))
+    backend, split_size = _ATTENTION_SETTINGS.get(id(module.config), ("auto", None))
+    out = _in_backend(backend, attention)(
+        query, key[:, :, :kv_len], value[:, :, :kv_len], causal=True, scale=scaling,
+        kv_start=kv_start.to(query.device), split_size=split_size)
     return out.transpose(1, 2), None
 
 

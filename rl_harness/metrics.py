@@ -1,0 +1,61 @@
+"""Mismatch metrics between trainer and rollout log-probs, named as verl / slime users know them.
+
+Notation (per valid token): r = l_train - l_rollout, rho = exp(r). All statistics are computed
+in float64 over the tokens where ``mask`` is set, before any remedy masks tokens (a rejection
+remedy must not be able to drive the mismatch it reacts to to zero).
+"""
+
+import torch
+
+PREFIX = "mismatch/"
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
+    """Every mismatch metric of one batch as a dict of floats (keys prefixed 'mismatch/').
+
+    train_logp, rollout_logp: ``[B, T]`` log-probs of the sampled tokens; mask: ``[B, T]``
+    (1 = response token). ``clip`` is C of the IS-weight fraction and ESS statistics.
+    """
+    if train_logp.shape != rollout_logp.shape or mask.shape != train_logp.shape:
+        raise ValueError(f"mismatch_metrics: expected equal shapes, got {tuple(train_logp.shape)}, "
+                         f"{tuple(rollout_logp.shape)}, {tuple(mask.shape)}")
+    m = mask.to(torch.float64)
+    valid = m.bool()
+    r = torch.where(valid, train_logp.double() - rollout_logp.double(), 0.0)
+    rho = torch.exp(r)
+    tokens_per_seq = m.sum(-1)
+    has_tokens = tokens_per_seq > 0
+    seq_log_ratio = r.sum(-1)  # log of the sequence IS weight prod_t rho_t
+    seq_mean = lambda x: x[has_tokens].mean() if bool(has_tokens.any()) else x.new_zeros(())  # noqa: E731
+    weights = rho[valid]
+    clamped = weights.clamp(1.0 / clip, clip)
+    normalised = clamped / clamped.mean() if weights.numel() else clamped
+    per_seq_mean = lambda x: (x * m).sum(-1) / tokens_per_seq.clamp(min=1)  # noqa: E731
+    stats = {
+        "logprob_abs_diff_mean": _masked_mean(r.abs(), m),
+        "logprob_abs_diff_max": r.abs().max() if r.numel() else r.new_zeros(()),
+        "tokens_unequal_frac": _masked_mean((r != 0).double(), m),
+        "tokens_unequal_count": ((r != 0) & valid).sum().double(),
+        "k1_kl": _masked_mean(-r, m),
+        "k2_kl": _masked_mean(0.5 * r * r, m),
+        "k3_kl": _masked_mean(rho - r - 1.0, m),
+        "log_ppl_abs_diff": seq_mean((per_seq_mean(train_logp.double()) - per_seq_mean(
+            rollout_logp.double())).abs()),
+        "chi2_token": _masked_mean(rho * rho, m) - 1.0,
+        "chi2_seq": seq_mean(torch.exp(2.0 * seq_log_ratio)) - 1.0,
+        "is_weight_mean": weights.mean() if weights.numel() else r.new_ones(()),
+        "is_weight_min": weights.min() if weights.numel() else r.new_ones(()),
+        "is_weight_max": weights.max() if weights.numel() else r.new_ones(()),
+        "seq_is_weight_mean": seq_mean(torch.exp(seq_log_ratio)),
+        "seq_is_weight_max": torch.exp(seq_log_ratio[has_tokens]).max() if bool(has_tokens.any())
+        else r.new_ones(()),
+        "is_ess": 1.0 / (normalised * normalised).mean() if weights.numel() else r.new_ones(()),
+        "is_frac_above_c": (weights > clip).double().mean() if weights.numel() else r.new_zeros(()),
+        "is_frac_below_inv_c": (weights < 1.0 / clip).double().mean() if weights.numel()
+        else r.new_zeros(()),
+    }
+    return {PREFIX + name: float(value) for name, value in stats.items()}
