@@ -63,9 +63,9 @@ def _last_dim(fn, x, dim):
 
 def _log_softmax(x, dim, half_to_float):
     _supported("_log_softmax", x)
+    _backend(x.device)  # refuses the non-invariant reference backend
     out_dtype = torch.float32 if half_to_float else x.dtype
-    with backends.use_backend(_backend(x.device).__name__.rsplit(".", 1)[-1]):
-        return _last_dim(lambda t: log_softmax(t, dtype=out_dtype), x, dim)
+    return _last_dim(lambda t: log_softmax(t, dtype=out_dtype), x, dim)
 
 
 def _softmax(x, dim, half_to_float):
@@ -100,6 +100,7 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
         raise NotImplementedError(
             "bik batch_invariant_mode: SDPA with attn_mask, dropout, or is_causal with Tq != Tk "
             "is not covered; call bik.attention with kv_start instead")
+    _backend(q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = attention(q, k, v, causal=is_causal, scale=scale)
     # logsumexp is only read by the backward formula; plain fp32 math (deterministic).

@@ -52,8 +52,8 @@ CHOICES = {
     "train.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage": ("grpo", "rloo"),
     "train.loss": ("ppo", "reinforce"),
-    "remedy.name": ("none", "token_tis", "seq_tis", "geo_rs", "token_mis", "k1_rs", "k3_rs",
-                    "token_veto", "fp16"),
+    "remedy.name": ("none", "token_tis", "seq_tis", "geo_is", "geo_rs", "token_mis", "k1_rs",
+                    "k3_rs", "token_veto", "fp16"),
     "lr_schedule.name": ("constant", "length_surge"),
 }
 

@@ -1,8 +1,7 @@
 """Named recipes: a description and config overrides on top of rl_harness.config.DEFAULTS."""
 
-# A run that drifts: a biased rollout-side logit error, a higher LR and longer answers.
-_DRIFTING = {"task.max_digits": 4, "train.lr": 5e-4, "rollout.logit_noise_bias": 0.5,
-             "rollout.logit_noise_std": 0.1, "steps": 80}
+# A run that mismatch visibly hurts: a strong biased rollout-side logit drift at a high LR.
+_DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
 
 RECIPES = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
@@ -20,7 +19,8 @@ RECIPES = {
                      {"rollout.logit_noise_bias": 0.5}),
     "logit_rounding": ("rollout logits rounded to 7 mantissa bits (bf16-like)",
                        {"rollout.logit_round_bits": 7}),
-    "drifting": ("a drifting run for the remedies: biased noise, high LR, longer answers", _DRIFTING),
+    "high_lr": ("zero mismatch at the drifting runs' LR (their baseline)", {"train.lr": 1e-3}),
+    "drifting": ("a drifting run for the remedies: biased drift 2.0, LR 1e-3", _DRIFTING),
     "drifting_token_tis": ("drifting + token TIS (C=2)", {**_DRIFTING, "remedy.name": "token_tis"}),
     "drifting_token_mis": ("drifting + token MIS / IcePop [0.5, 2]",
                            {**_DRIFTING, "remedy.name": "token_mis"}),
@@ -30,9 +30,9 @@ RECIPES = {
                           {**_DRIFTING, "lr_schedule.name": "length_surge"}),
     "drifting_fp16": ("drifting + float16 on both sides", {**_DRIFTING, "remedy.name": "fp16"}),
 }
-for _scale in (0.05, 0.2, 0.5, 1.0):  # dose-response: injected biased drift
-    RECIPES[f"dose_bias_{_scale}"] = (f"dose-response: biased drift {_scale}",
-                                      {"rollout.logit_noise_bias": _scale, "train.lr": 5e-4})
+for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift
+    RECIPES[f"dose_bias_{_scale}"] = (f"dose-response: biased drift {_scale}, LR 1e-3",
+                                      {"rollout.logit_noise_bias": _scale, "train.lr": 1e-3})
 DEFAULT = "zero_mismatch"
 
 

@@ -27,6 +27,8 @@ def weights(cfg, old, rollout, mask):
     elif name == "token_mis":  # IcePop: keep rho only inside [low, high]
         inside = ((rho >= cfg["low"]) & (rho <= cfg["high"])).float()
         w, keep = rho * inside, inside
+    elif name == "geo_is":  # geometric-mean sequence IS (length-invariant), capped
+        w = torch.exp(_seq_mean(r, m)).clamp(max=clip).expand_as(rho)
     elif name == "geo_rs":  # geometric-mean rejection (length-invariant)
         geo = torch.exp(_seq_mean(r, m))
         keep = ((geo >= cfg["geo_low"]) & (geo <= cfg["geo_high"])).float().expand_as(rho)
@@ -44,7 +46,7 @@ def weights(cfg, old, rollout, mask):
     stats = {
         "remedy/masked_frac": float(((1 - keep) * m).sum() / valid),
         "remedy/clipped_frac": float(((rho > clip) & mask.bool()).float().sum() / valid)
-        if name in ("token_tis", "seq_tis") else 0.0,
+        if name in ("token_tis", "seq_tis", "geo_is") else 0.0,
     }
     return w, keep, stats
 

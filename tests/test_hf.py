@@ -121,6 +121,8 @@ def test_errors():
         bik.sequence_logprobs(model, ids, ids, ids[:, :3])
     with pytest.raises(ValueError, match="backend: expected one of"):
         bik.patch_model(tiny("tiny-llama"), backend="nope")
+    with pytest.raises(ValueError, match="split_size: expected a positive multiple of 32"):
+        bik.patch_model(tiny("tiny-llama"), split_size=48)
 
 
 def test_non_strict_lists_what_it_cannot_patch():

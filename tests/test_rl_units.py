@@ -72,6 +72,8 @@ def test_remedy_weights():
     assert torch.allclose(w[0], torch.full((3,), 2.0)) and w[1, 0] < 0.26
     _, keep, stats = remedies.weights(_remedy("token_veto", veto=0.5), old, rollout, mask)
     assert keep[1].sum() == 0 and keep[0].sum() == 3 and stats["remedy/masked_frac"] == 0.5
+    w, _, _ = remedies.weights(_remedy("geo_is"), old, rollout, mask)
+    assert torch.allclose(w[0], torch.full((3,), 3.0 ** (1 / 3)), rtol=1e-5)
     _, keep, _ = remedies.weights(_remedy("geo_rs"), old, rollout, mask)
     assert keep.sum() == 0  # both sequences' geometric ratios leave [0.999, 1.001]
     w, _, _ = remedies.weights(_remedy("token_tis", self_normalize=True), old, rollout, mask)
