@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs every recipe into rl_harness/results/<recipe>/ and writes the comparison tables.
+# Usage: bash rl_harness/reproduce.sh [PYTHON]   (from the repository root)
+set -euo pipefail
+PY=${1:-.venv/bin/python}
+OUT=rl_harness/results
+rm -rf "$OUT"
+for recipe in $($PY -c "from rl_harness.recipes import RECIPES; print(' '.join(RECIPES))"); do
+  $PY -m rl_harness run --recipe "$recipe" --out "$OUT/$recipe" > /dev/null 2>&1 || echo "FAILED: $recipe"
+done
+$PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
+  $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding --out $OUT/compare_sources
+$PY -m rl_harness compare $OUT/high_lr $OUT/dose_bias_* --out $OUT/compare_dose
+$PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/compare_remedies
