@@ -3,45 +3,75 @@
 On a CPU machine install torch==2.13.0 first (the Makefile does): a bare ``torch``
 requirement resolved from scratch pulls the CUDA build and gigabytes of CUDA wheels.
 
-The C++ CPU backend (csrc/cpu, pybind11, OpenMP) is built here. Where it cannot be built
-(no C++17 compiler) the install still succeeds without it: the Triton and reference
-backends work, and selecting the "cpu" backend raises an error that says how to build it.
+The C++ CPU backend (csrc/cpu, pybind11, OpenMP) is built here, and the CUDA backend
+(csrc/cuda) where nvcc and a GPU are present or BIK_BUILD_CUDA=1. Where one cannot be built
+the install still succeeds without it: the other backends work, and selecting the missing one
+raises an error that says how to build it.
 """
 
 import glob
+import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
+CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
+
+
 class OptionalBuildExt(build_ext):
-    """Build the extensions, but let the install go on without them on failure."""
+    """Build the extensions, but let the install go on without them on failure.
+
+    .cu sources are compiled by nvcc into objects first, then linked with the C++ ones.
+    """
 
     def run(self):
         try:
             super().run()
         except Exception as error:  # noqa: BLE001 -- any compiler failure
-            self._skip(error)
+            self._skip("extensions", error)
 
     def build_extension(self, ext):
         try:
+            self._compile_cuda(ext)
             super().build_extension(ext)
         except Exception as error:  # noqa: BLE001
-            self._skip(error)
+            self._skip(ext.name, error)
+
+    def _compile_cuda(self, ext):
+        for source in [s for s in ext.sources if s.endswith(".cu")]:
+            obj = os.path.join(self.build_temp, source.replace("/", "_") + ".o")
+            os.makedirs(self.build_temp, exist_ok=True)
+            gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+            subprocess.check_call(["nvcc", "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *gencode,
+                                   "-c", source, "-o", obj])
+            ext.sources.remove(source)
+            ext.extra_objects.append(obj)
 
     @staticmethod
-    def _skip(error):
-        print(f"WARNING: bik's C++ CPU backend was not built ({error}); "
-              "install g++ and reinstall to get it", file=sys.stderr)
+    def _skip(what, error):
+        print(f"WARNING: bik's {what} was not built ({error}); the other backends still work",
+              file=sys.stderr)
 
 
-def cpu_extension():
+def _cuda_wanted():
+    """Build csrc/cuda when asked (BIK_BUILD_CUDA=1) or where nvcc and a GPU are present."""
+    if os.environ.get("BIK_BUILD_CUDA") in ("0", "1"):
+        return os.environ["BIK_BUILD_CUDA"] == "1"
+    if not shutil.which("nvcc") or not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def extensions():
     try:
         from pybind11.setup_helpers import Pybind11Extension
     except ImportError:
         return []
-    return [Pybind11Extension(
+    found = [Pybind11Extension(
         "bik._cpu",
         sorted(glob.glob("csrc/cpu/*.cpp")),
         cxx_std=17,
@@ -50,6 +80,25 @@ def cpu_extension():
         extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-march=native"],
         extra_link_args=["-fopenmp"],
     )]
+    cuda_home = _cuda_home()
+    if cuda_home and _cuda_wanted():
+        # The CUDA runtime is linked statically: no run-time search path to get right.
+        found.append(Pybind11Extension(
+            "bik._cuda", ["csrc/cuda/bindings.cpp", "csrc/cuda/kernels.cu"], cxx_std=17,
+            include_dirs=[os.path.join(cuda_home, "include")],
+            library_dirs=[os.path.join(cuda_home, d) for d in ("lib64", "lib")],
+            libraries=["cudart_static", "rt", "dl", "pthread"], extra_compile_args=["-O3"]))
+    return found
+
+
+def _cuda_home():
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda",
+                  *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    if nvcc:
+        candidates.insert(1, os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    return next((c for c in candidates if c and os.path.exists(os.path.join(c, "include", "cuda_runtime.h"))),
+                None)
 
 
 setup(
@@ -60,6 +109,6 @@ setup(
     packages=find_packages(include=["bik", "bik.*", "rl_harness", "rl_harness.*"]),
     install_requires=["torch", "triton", "numpy", "pybind11", "transformers>=5,<6"],
     extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
-    ext_modules=cpu_extension(),
+    ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -9,8 +9,8 @@ Names:
   "auto"      -- picks per tensor device from what is available (see ``_AUTO_ORDER``);
   "triton"    -- Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
   "reference" -- plain torch, the accuracy oracle (NOT batch-invariant).
-  "cpu"       -- C++ kernels (csrc/cpu), CPU tensors, when built.
-Later backends ("cuda") register themselves with :func:`register_backend`.
+  "cpu"       -- C++ kernels (csrc/cpu), CPU tensors, when built;
+  "cuda"      -- CUDA kernels (csrc/cuda), CUDA tensors, when built (auto prefers triton).
 """
 
 import contextlib
@@ -20,7 +20,7 @@ import os
 _LOADERS = {}  # name -> module path, imported on first use
 _LOADED = {}  # name -> imported module
 # Invariant backends tried by "auto", best first, per device type.
-_AUTO_ORDER = {"cpu": ["cpu", "triton"], "cuda": ["cuda", "triton"]}
+_AUTO_ORDER = {"cpu": ["cpu", "triton"], "cuda": ["triton", "cuda"]}
 _current = "auto"
 
 
@@ -99,4 +99,5 @@ def resolve(device):
 register_backend("reference", "bik.reference")
 register_backend("triton", "bik.triton")
 register_backend("cpu", "bik.cpu")
+register_backend("cuda", "bik.cuda")
 set_backend(os.environ.get("BIK_BACKEND", "auto"))

@@ -95,6 +95,9 @@ def run(device="cpu", ops=None, dtypes=("float32", "bfloat16"), quick=False, min
                 "bik_tflops": flops / 1e12, "bik_gbps": traffic / 1e9,
                 "peak_share": max(flops / peak_flops, traffic / peak_bw),
             })
+            if case.tokens:  # end-to-end: patched vs unpatched model throughput
+                records[-1].update(bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
+                                   baseline_tokens_per_s=case.tokens / (base_ms * 1e-3))
             echo(_row(records[-1]), flush=True) if echo is print else echo(_row(records[-1]))
     result = {"device": device_name(device), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "backend": backend, "peaks": peaks, "records": records}
@@ -111,6 +114,10 @@ HEADER = ("| op | shape | dtype | bik ms | baseline ms | ratio | bik TFLOP/s | b
 
 
 def _row(r):
+    if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
+        return (f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
+                f"| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
+                f"{r['baseline_tokens_per_s']:.0f} tok/s (unpatched) | - |")
     return (f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
             f"| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} | {r['peak_share']:.0%} |")
 

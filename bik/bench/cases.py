@@ -20,6 +20,7 @@ class Case:
     flops: float
     bytes: float
     make: Callable  # (device, dtype) -> (bik_fn, baseline_fn)
+    tokens: int = 0  # end-to-end cases: tokens processed per call (for tokens/s)
 
 
 def _randn(*shape, device, dtype):
@@ -84,18 +85,51 @@ def attention(batch, heads, kv_heads, tq, tk, dim):
                 flops, traffic, make)
 
 
+def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
+    """A random-init Qwen3-style model, patched with bik vs unpatched: one forward over
+    ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after that prompt."""
+
+    def make(device, dtype):
+        import copy
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(
+            "qwen3", vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden,
+            num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+            head_dim=64, max_position_embeddings=length + new_tokens, pad_token_id=0)
+        plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+        patched = copy.deepcopy(plain)
+        bik.patch_model(patched)
+        ids = torch.randint(1, 32000, (batch, length), device=device)
+
+        def call(model):
+            with torch.no_grad():
+                if kind == "forward":
+                    return model(input_ids=ids).logits
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+        return (lambda: call(patched)), (lambda: call(plain))
+
+    tokens = batch * (length if kind == "forward" else new_tokens)
+    return Case(f"e2e_{kind}", f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens)
+
+
 def cpu_cases(quick):
     """A small transformer on a CPU: hidden 256-1024, rows 1-4096, decode over 128-2048 keys."""
     if quick:
         return [linear(1, 256, 256), linear(64, 256, 256), rms_norm(64, 256),
                 log_softmax(16, 4096), token_logprobs(16, 4096),
-                attention(1, 4, 4, 1, 256, 64), attention(1, 4, 4, 64, 64, 64)]
+                attention(1, 4, 4, 1, 256, 64), attention(1, 4, 4, 64, 64, 64),
+                end_to_end("forward", 2, 32, 256, 2)]
     cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
     cases += [rms_norm(r, d) for d in (256, 1024) for r in (1, 64, 4096)]
     cases += [log_softmax(r, 32000) for r in (1, 64, 256)]
     cases += [token_logprobs(r, 32000) for r in (1, 64, 256)]
     cases += [attention(b, 8, 8, 1, t, 64) for b in (1, 8) for t in (128, 512, 2048)]
     cases += [attention(1, 8, 8, 512, 512, 64)]
+    cases += [end_to_end("forward", 4, 256, 512, 4), end_to_end("decode", 4, 64, 512, 4)]
     return cases
 
 
@@ -103,7 +137,8 @@ def cuda_cases(quick):
     """Llama/Qwen 1-8B shapes: N, K in 2048-14336; decode over 1k-32k keys; prefill 512-8k."""
     if quick:
         return [linear(m, 4096, 4096) for m in (1, 64, 2048)] + [
-            rms_norm(2048, 4096), log_softmax(64, 32000), attention(1, 32, 8, 1, 8192, 128)]
+            rms_norm(2048, 4096), log_softmax(64, 32000), attention(1, 32, 8, 1, 8192, 128),
+            end_to_end("decode", 4, 128, 1024, 4)]
     shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
     cases = [linear(m, k, n) for k, n in shapes for m in (1, 8, 64, 256, 2048, 8192)]
     cases += [rms_norm(r, d) for d in (2048, 4096) for r in (1, 256, 8192)]
@@ -111,4 +146,5 @@ def cuda_cases(quick):
     cases += [token_logprobs(r, 152064) for r in (256, 2048)]
     cases += [attention(b, 32, 8, 1, t, 128) for b in (1, 16) for t in (1024, 8192, 32768)]
     cases += [attention(1, 32, 8, t, t, 128) for t in (512, 2048, 8192)]
+    cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
     return cases

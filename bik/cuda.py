@@ -1,0 +1,36 @@
+"""The "cuda" backend: CUDA kernels from csrc/cuda (pybind11, no libtorch), launched on torch's
+current stream, with the fixed orders of csrc/cuda/kernels.cu. Built by setup.py where nvcc
+and a GPU are present, or with BIK_BUILD_CUDA=1."""
+
+import torch
+
+from ._native import NativeBackend
+
+try:
+    from . import _cuda
+except ImportError as error:
+    raise ImportError(
+        "bik cuda backend is not built: reinstall on a machine with nvcc and a GPU, or with "
+        "BIK_BUILD_CUDA=1 (`BIK_BUILD_CUDA=1 pip install -e .`)"
+    ) from error
+
+
+def check_device(device):
+    if device.type != "cuda":
+        raise RuntimeError(f"bik cuda backend: runs CUDA tensors only, got device {device}")
+
+
+def _stream(device):
+    return (torch.cuda.current_stream(device).cuda_stream,)
+
+
+def _attention_scratch(q, tk, split_size):
+    """fp32 workspace for the split partials (acc, max, sum) of every query row and split:
+    (the tensor, the extra launch arguments)."""
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
+    n_splits = max(1, -(-tk // split_size))
+    scratch = torch.empty(rows * n_splits * (q.shape[3] + 2), dtype=torch.float32, device=q.device)
+    return scratch, (scratch.data_ptr(), n_splits)
+
+
+NativeBackend(_cuda, _stream, _attention_scratch).export(globals())

@@ -1,0 +1,39 @@
+"""CUDA: the sources compile with nvcc on any machine; GPU-only checks run where a GPU is."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import bik
+from bik import backends
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_kernels_compile_with_nvcc(tmp_path):
+    done = subprocess.run(
+        ["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-c",
+         str(ROOT / "csrc/cuda/kernels.cu"), "-o", str(tmp_path / "kernels.o")],
+        capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+def test_gpu_backend_is_batch_and_decode_invariant(name):
+    backends.load(name).check_device(torch.device("cuda"))
+    with bik.use_backend(name):
+        x, w = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16), torch.randn(
+            1000, 512, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(bik.linear(x, w)[:1], bik.linear(x[:1], w))
+        q, k, v = (torch.randn(2, 8, 700, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        full = bik.attention(q, k, v, split_size=128)
+        assert torch.equal(bik.attention(q[:, :, -1:], k, v, split_size=128), full[:, :, -1:])
