@@ -17,8 +17,14 @@ def _inner_contiguous(t):
 
 
 class NativeBackend:
-    def __init__(self, lib, launch_args=lambda device: (), attention_scratch=None):
-        self.lib, self.launch_args, self.attention_scratch = lib, launch_args, attention_scratch
+    def __init__(self, name, device_type, lib, launch_args=lambda device: (), attention_scratch=None):
+        self.name, self.device_type, self.lib = name, device_type, lib
+        self.launch_args, self.attention_scratch = launch_args, attention_scratch
+
+    def check_device(self, device):
+        if device.type != self.device_type:
+            raise RuntimeError(f"bik {self.name} backend: runs {self.device_type} tensors only, "
+                               f"got device {device}")
 
     def matmul(self, a, b, bias):
         """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
@@ -74,6 +80,7 @@ class NativeBackend:
         return out
 
     def export(self, namespace):
-        """Put the five kernel functions into a backend module's namespace."""
-        for name in ("matmul", "rms_norm", "log_softmax", "token_logprobs", "attention"):
+        """Put the backend API (check_device + the five kernels) into a module's namespace."""
+        for name in ("check_device", "matmul", "rms_norm", "log_softmax", "token_logprobs",
+                     "attention"):
             namespace[name] = getattr(self, name)

@@ -14,10 +14,4 @@ except ImportError as error:
         "(`pip install -e .` in the bik checkout builds csrc/cpu)"
     ) from error
 
-
-def check_device(device):
-    if device.type != "cpu":
-        raise RuntimeError(f"bik cpu backend: runs CPU tensors only, got device {device}")
-
-
-NativeBackend(_cpu).export(globals())
+NativeBackend("cpu", "cpu", _cpu).export(globals())

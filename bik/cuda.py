@@ -15,11 +15,6 @@ except ImportError as error:
     ) from error
 
 
-def check_device(device):
-    if device.type != "cuda":
-        raise RuntimeError(f"bik cuda backend: runs CUDA tensors only, got device {device}")
-
-
 def _stream(device):
     return (torch.cuda.current_stream(device).cuda_stream,)
 
@@ -33,4 +28,4 @@ def _attention_scratch(q, tk, split_size):
     return scratch, (scratch.data_ptr(), n_splits)
 
 
-NativeBackend(_cuda, _stream, _attention_scratch).export(globals())
+NativeBackend("cuda", "cuda", _cuda, _stream, _attention_scratch).export(globals())
