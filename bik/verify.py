@@ -14,6 +14,7 @@ import random
 import torch
 
 from . import hf
+from .ops.log_softmax import token_logprobs
 
 PRESETS = {
     f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES
@@ -102,8 +103,6 @@ def check_decode(model, rng, vocab, pad_id, new_tokens=8):
                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
     generated = out.sequences[:, ids.shape[1]:]
-    from .ops.log_softmax import token_logprobs
-
     rollout = token_logprobs(torch.stack(out.logits, dim=1), generated)
     full_mask = torch.cat([mask.to(device), torch.ones_like(generated)], dim=1)
     trained = hf.sequence_logprobs(model, out.sequences, full_mask, full_mask)[:, ids.shape[1]:]
@@ -120,8 +119,6 @@ def check_chunked(model, rng, vocab, pad_id):
         logits = model(input_ids=seq[None, start:stop], past_key_values=cache, use_cache=True,
                        position_ids=torch.arange(start, stop, device=seq.device)[None]).logits
         pieces.append(logits[0])
-    from .ops.log_softmax import token_logprobs
-
     chunked = token_logprobs(torch.cat(pieces)[:-1], seq[1:])
     return _compare(chunked, _logprobs(model, [seq.cpu()], pad_id)[0])
 

@@ -18,6 +18,12 @@ def _run(tmp_path, name, sets=(), **kwargs):
     return runner.read_metrics(tmp_path / name)
 
 
+def test_zero_mismatch_holds_with_top_k_top_p_and_temperature(tmp_path):
+    history = _run(tmp_path, "filtered", ["rollout.top_k=8", "rollout.top_p=0.9",
+                                          "rollout.temperature=0.7", "steps=2"])
+    assert all(m["mismatch/tokens_unequal_count"] == 0 for m in history)
+
+
 def test_zero_mismatch_is_exactly_zero_every_step(tmp_path):
     history = _run(tmp_path, "zero")
     assert [m["step"] for m in history] == [0, 1, 2]
