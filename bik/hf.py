@@ -9,6 +9,7 @@ batches) equal those of one full forward of the finished sequences, bit for bit.
 
 import dataclasses
 import types
+import weakref
 
 import torch
 
@@ -160,6 +161,19 @@ def _register_attention():
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean [B, 1, Tq, Tk] or None
 
 
+_last_bounds = {"mask": None, "key": None, "bounds": None}  # every layer gets the same mask
+
+
+def _cached_kv_bounds(mask, batch, tq, tk):
+    """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
+    if mask is None:
+        return _kv_bounds(None, batch, tq, tk)
+    key = (batch, tq, tk, mask.shape, mask.dtype)
+    if _last_bounds["mask"] is None or _last_bounds["mask"]() is not mask or _last_bounds["key"] != key:
+        _last_bounds.update(mask=weakref.ref(mask), key=key, bounds=_kv_bounds(mask, batch, tq, tk))
+    return _last_bounds["bounds"]
+
+
 def _kv_bounds(mask, batch, tq, tk):
     """Each row's first valid key and the number of keys in use, read off the mask, which
     must be exactly causal with left padding (anything else cannot be expressed to bik)."""
@@ -188,7 +202,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     if not getattr(module, "is_causal", True):
         raise RuntimeError(f"bik attention: {type(module).__name__} is not causal")
     batch, _, tq, _ = query.shape
-    kv_start, kv_len = _kv_bounds(attention_mask, batch, tq, key.shape[2])
+    kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2])
     backend, split_size = _ATTENTION_SETTINGS.get(id(module.config), ("auto", None))
     out = _in_backend(backend, attention)(
         query, key[:, :, :kv_len], value[:, :, :kv_len], causal=True, scale=scaling,
