@@ -64,13 +64,17 @@ inline float lane_sum(const float* lanes) {
 }
 
 // Dot product of two length-n rows in the lane order above.
+// ``q`` is zero-padded to a multiple of LANES; the tail of ``k`` is zero-padded on the fly.
 template <typename T>
 inline float dot_lanes(const float* q, const T* k, int64_t n) {
   float acc[LANES] = {0};
-  float kv[LANES];
-  for (int64_t i = 0; i < n; i += LANES) {
-    load_lanes(k + i, n - i, kv);
-    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], kv[l], acc[l]);
+  const int64_t full = n / LANES * LANES;
+  for (int64_t i = 0; i < full; i += LANES)  // branch-free body, so it vectorises
+    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], to_float(k[i + l]), acc[l]);
+  if (full < n) {
+    float kv[LANES];
+    load_lanes(k + full, n - full, kv);
+    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[full + l], kv[l], acc[l]);
   }
   return lane_sum(acc);
 }
