@@ -73,3 +73,13 @@ def test_mode_refuses_what_it_cannot_cover():
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
         with pytest.raises(NotImplementedError, match="torch.float64"):
             torch.mm(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64))
+
+
+def test_mode_bmm_entry_does_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    a, b = torch.randn(33, 1, 256), torch.randn(33, 256, 300)
+    with batch_invariant_mode():
+        alone = torch.bmm(a[:1], b[:1])
+        assert all(torch.equal(torch.bmm(a[:n], b[:n])[:1], alone) for n in (2, 9, 33))
+    # the float64 reference runs outside the mode (it covers float32/16 only)
+    assert torch.allclose(alone, (a[:1].double() @ b[:1].double()).float(), atol=1e-4)

@@ -9,7 +9,6 @@
 #include "kernels.h"
 
 namespace py = pybind11;
-using bik::AttentionArgs;
 using bik::MatmulArgs;
 
 namespace {
@@ -25,13 +24,8 @@ void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_st
                std::array<int64_t, 7> sizes, std::array<int64_t, 3> q_strides,
                std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, float scale,
                bool causal) {
-  AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
-                     sizes[5], sizes[6], {}, {}, {}, scale, causal};
-  for (int i = 0; i < 3; ++i) {
-    args.q_strides[i] = q_strides[i];
-    args.k_strides[i] = k_strides[i];
-    args.v_strides[i] = v_strides[i];
-  }
+  const auto args = bik::attention_args(q, k, v, kv_start, out, sizes, q_strides, k_strides,
+                                        v_strides, scale, causal);
   bik::attention(dtype, args);
 }
 

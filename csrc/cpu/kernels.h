@@ -3,6 +3,7 @@
 // matmul, which takes any strides).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace bik {
@@ -20,6 +21,24 @@ struct AttentionArgs {  // see bik/ops/attention.py for the semantics
   float scale;
   bool causal;
 };
+
+// AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
+// strides = (batch, head, position) of q, k and v.
+inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start,
+                                    uintptr_t out, const std::array<int64_t, 7>& sizes,
+                                    const std::array<int64_t, 3>& q_strides,
+                                    const std::array<int64_t, 3>& k_strides,
+                                    const std::array<int64_t, 3>& v_strides, float scale,
+                                    bool causal) {
+  AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
+                     sizes[5], sizes[6], {}, {}, {}, scale, causal};
+  for (int i = 0; i < 3; ++i) {
+    args.q_strides[i] = q_strides[i];
+    args.k_strides[i] = k_strides[i];
+    args.v_strides[i] = v_strides[i];
+  }
+  return args;
+}
 
 void matmul(int dtype, const MatmulArgs& args);
 void rms_norm(int dtype, int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int64_t rows,
