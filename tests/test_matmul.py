@@ -41,12 +41,18 @@ def test_accuracy_against_float64(backend, dtype):
     assert bik.linear(x, w, b).dtype == dtype
 
 
-def test_strided_and_transposed_weights(backend):
-    w = randn((96, 80), torch.float32, 10)
-    x = randn((5, 40), torch.float32, 11)
-    strided = w[::2, ::2]  # non-contiguous [48, 40]
-    assert_bitwise(bik.linear(x, strided), bik.linear(x, strided.contiguous()), "strided weight")
-    assert_bitwise(bik.matmul(x, strided.t()), bik.linear(x, strided), "transposed b")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_and_transposed_weights(backend, dtype):
+    # Odd K and N past one 64-wide panel: every weight layout gives the same bits, because
+    # packing a weight only moves values (kernels read W^T's rows and a [K, N] b differently).
+    w = randn((150, 162), dtype, 10)
+    x = randn((5, 81), dtype, 11)
+    strided = w[::2, ::2]  # non-contiguous [75, 81]
+    expected = bik.linear(x, strided.contiguous())
+    assert_bitwise(bik.linear(x, strided), expected, "strided weight")
+    assert_bitwise(bik.matmul(x, strided.t()), expected, "transposed b")
+    assert_bitwise(bik.matmul(x, strided.t().contiguous()), expected, "[K, N] b")
+    assert_close_to_reference(expected, F.linear(x.double(), strided.double()), dtype, "strided")
 
 
 def test_fp32_is_ieee_not_tf32(backend):

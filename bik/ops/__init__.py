@@ -2,7 +2,25 @@
 
 import math
 
+import torch
+
 
 def as_rows(x):
     """``x [..., D]`` viewed (or copied) as ``[R, D]``; works when D or R is 0."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+class _NoGraph:
+    """Stands in for autograd's ctx when no graph is recorded: forward's saves go nowhere."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+
+def run(function, *args):
+    """``function.apply(*args)``, or just its forward when autograd would record nothing
+    (grad disabled, or no input requires grad): same result, without autograd's per-call cost,
+    which dominates small decode-time calls."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return function.apply(*args)
+    return function.forward(_NoGraph(), *args)

@@ -15,7 +15,7 @@ import math
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute
+from . import _recompute, run
 
 KEY_BLOCK = 32  # keys per block; split_size must be a multiple of it
 DEFAULT_SPLIT_SIZE = 256  # keys per split unless the caller fixes another
@@ -35,7 +35,7 @@ def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=Non
     scale = 1.0 / math.sqrt(dim) if scale is None else _checks.positive_number("scale", scale)
     kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
     split_size = _validate_split_size(split_size)
-    return _Attention.apply(q, k, v, bool(causal), scale, kv_start, split_size)
+    return run(_Attention, q, k, v, bool(causal), scale, kv_start, split_size)
 
 
 def _validate_qkv(q, k, v):

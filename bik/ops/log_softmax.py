@@ -8,7 +8,7 @@ chunks in ascending order (per-lane partials, then one fixed reduction tree acro
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute, as_rows
+from . import _recompute, as_rows, run
 
 
 def log_softmax(x, dim=-1, dtype=None):
@@ -19,7 +19,7 @@ def log_softmax(x, dim=-1, dtype=None):
         raise ValueError(f"dim: expected the last dim (-1 or {x.dim() - 1}), got {dim!r}")
     if dtype is not None and dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"dtype: expected None, float32, bfloat16 or float16, got {dtype}")
-    return _LogSoftmax.apply(x, dtype or x.dtype)
+    return run(_LogSoftmax, x, dtype or x.dtype)
 
 
 def token_logprobs(logits, tokens, temperature=1.0):
@@ -45,7 +45,7 @@ def token_logprobs(logits, tokens, temperature=1.0):
             f"got min {int(tokens.min())}, max {int(tokens.max())}"
         )
     temperature = _checks.positive_number("temperature", temperature)
-    return _TokenLogprobs.apply(logits, tokens, temperature)
+    return run(_TokenLogprobs, logits, tokens, temperature)
 
 
 class _LogSoftmax(torch.autograd.Function):

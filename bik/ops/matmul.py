@@ -8,7 +8,7 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 import torch
 
 from .. import _checks, backends
-from . import as_rows
+from . import as_rows, run
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -31,7 +31,7 @@ def matmul(a, b, bias=None):
     _checks.dim_size("b", b, 0, a.shape[-1], "K, the last dim of a")
     if bias is not None:
         _checks.dim_size("bias", bias, 0, b.shape[1], "N, the last dim of b")
-    return _Matmul.apply(a, b, bias)
+    return run(_Matmul, a, b, bias)
 
 
 def linear(x, weight, bias=None):
@@ -40,7 +40,7 @@ def linear(x, weight, bias=None):
     _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
     if bias is not None:
         _checks.dim_size("bias", bias, 0, weight.shape[0], "N, the first dim of weight")
-    return _Matmul.apply(x, weight.t(), bias)
+    return run(_Matmul, x, weight.t(), bias)
 
 
 def _forward(a, b, bias):

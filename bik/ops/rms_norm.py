@@ -7,7 +7,7 @@ depends only on the row length D, never on the number of rows.
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute, as_rows
+from . import _recompute, as_rows, run
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -20,7 +20,7 @@ def rms_norm(x, weight, eps=1e-6):
     _checks.dim_size("weight", weight, 0, x.shape[-1], "D, the last dim of x")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
-    return _RMSNorm.apply(x, weight, float(eps))
+    return run(_RMSNorm, x, weight, float(eps))
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -24,7 +24,7 @@ struct Partial {  // unnormalised softmax state: sum_j exp(s_j - max) * v_j, sum
 inline void merge(Partial& run, const Partial& part) {
   const float new_max = part.max > run.max ? part.max : run.max;
   const float safe = new_max == NEG_INF ? 0.0f : new_max;
-  const float old_scale = exp_fixed(run.max - safe), part_scale = exp_fixed(part.max - safe);
+  const float old_scale = exp_nonpositive(run.max - safe), part_scale = exp_nonpositive(part.max - safe);
   run.sum = run.sum * old_scale + part.sum * part_scale;
   for (size_t d = 0; d < run.acc.size(); ++d)
     run.acc[d] = run.acc[d] * old_scale + part.acc[d] * part_scale;
@@ -48,8 +48,8 @@ void split_partial(const float* q, const T* k, const T* v, int64_t k_stride, int
     }
     const float new_max = block_max > part.max ? block_max : part.max;
     const float safe = new_max == NEG_INF ? 0.0f : new_max;
-    const float rescale = exp_fixed(part.max - safe);
-    for (int64_t j = 0; j < KEY_BLOCK; ++j) probs[j] = j < count ? exp_fixed(scores[j] - safe) : 0.0f;
+    const float rescale = exp_nonpositive(part.max - safe);
+    for (int64_t j = 0; j < KEY_BLOCK; ++j) probs[j] = j < count ? exp_nonpositive(scores[j] - safe) : 0.0f;
     part.sum = part.sum * rescale + (lane_sum(probs) + lane_sum(probs + LANES));
     for (int64_t d = 0; d < D; ++d) part.acc[d] *= rescale;
     for (int64_t j = 0; j < count; ++j) {
@@ -70,7 +70,7 @@ void attention_impl(const AttentionArgs& p) {
   T* out = reinterpret_cast<T*>(p.out);
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const int64_t padded = (p.D + LANES - 1) / LANES * LANES;
-#pragma omp parallel
+#pragma omp parallel if (rows > 1)
   {
     std::vector<float> q(padded, 0.0f);
     Partial run, part;

@@ -79,13 +79,17 @@ inline float dot_lanes(const float* q, const T* k, int64_t n) {
   return lane_sum(acc);
 }
 
-// exp(x) from pure arithmetic (range reduction + Cephes' degree-6 polynomial, about 1 ulp).
+// exp(x) for x <= 0 -- every use is exp(value - running max) -- from pure arithmetic: range
+// reduction + Cephes' degree-6 polynomial, about 1 ulp. Results below 2^-126 (x < -87) flush
+// to 0 (they could not move a sum that holds exp(0) = 1); -inf gives 0 and NaN stays NaN.
 // Branch-free, so loops over it vectorise, and a vector lane and a scalar call give the same
 // bits (the same IEEE operations in the same order).
-inline float exp_fixed(float x) {
-  float xc = x < -104.0f ? -104.0f : x;  // comparisons with NaN are false: NaN flows through
-  xc = xc > 88.72283905f ? 88.72283905f : xc;
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
+inline float exp_nonpositive(float x) {
+  constexpr float LOWEST = -87.0f;
+  constexpr float ROUNDER = 12582912.0f;  // 1.5 * 2^23: t = y + ROUNDER holds round(y) in its low bits
+  const float xc = x < LOWEST ? LOWEST : x;  // a comparison with NaN is false: NaN flows through
+  const float t = std::fma(xc, 1.44269504088896341f, ROUNDER);
+  const float n = t - ROUNDER;  // round(x / ln2), exact
   float r = std::fma(n, -0.693145751953125f, xc);  // ln2 split in two for an exact product
   r = std::fma(n, -1.428606765330187045e-06f, r);
   float p = 1.9875691500e-4f;
@@ -95,15 +99,12 @@ inline float exp_fixed(float x) {
   p = std::fma(p, r, 1.6666665459e-1f);
   p = std::fma(p, r, 5.0000001201e-1f);
   p = std::fma(p, r * r, r) + 1.0f;
-  // Scale by 2^n in two exact power-of-two steps so n in [-150, 128] never overflows a step.
-  const int32_t n_int = static_cast<int32_t>(n == n ? n : 0.0f), half = n_int >> 1;
-  const uint32_t bits1 = static_cast<uint32_t>(half + 127) << 23;
-  const uint32_t bits2 = static_cast<uint32_t>(n_int - half + 127) << 23;
-  float scale1, scale2;
-  std::memcpy(&scale1, &bits1, sizeof scale1);
-  std::memcpy(&scale2, &bits2, sizeof scale2);
-  const float value = p * scale1 * scale2;
-  return x < -104.0f ? 0.0f : (x > 88.72283905f ? std::numeric_limits<float>::infinity() : value);
+  int32_t t_bits;  // the integer n sits in t's low mantissa bits: build 2^n from it
+  std::memcpy(&t_bits, &t, sizeof t_bits);
+  const uint32_t scale_bits = static_cast<uint32_t>(t_bits - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return x < LOWEST ? 0.0f : p * scale;
 }
 
 }  // namespace bik

@@ -4,6 +4,8 @@
 // exp(x/T - max) in the lane order of common.h. log_softmax and token_logprobs share
 // row_stats() and log_prob(), so a token's log-prob equals the gathered log_softmax bit for bit.
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "kernels.h"
@@ -15,47 +17,75 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct RowStats { float max, log_total; };
 
-// x / T; at T == 1 the division is skipped, which is exact (x / 1 == x in IEEE arithmetic).
-// The test is loop-invariant, so the compiler unswitches the loops around it.
-inline float scaled(float x, float temperature) { return temperature == 1.0f ? x : x / temperature; }
+// x / T as a type, so the loops compile without a branch inside. At T == 1 the division is
+// skipped, which is exact (x / 1 == x in IEEE arithmetic).
+struct Unscaled { float operator()(float x) const { return x; } };
+struct Scaled { float temperature; float operator()(float x) const { return x / temperature; } };
 
-template <typename T>
-RowStats row_stats(const T* x, int64_t V, float temperature) {
+template <typename Body>
+void with_temperature(float temperature, Body&& body) {
+  if (temperature == 1.0f) body(Unscaled{});
+  else body(Scaled{temperature});
+}
+
+template <typename T, typename Scale>
+RowStats row_stats(const T* x, int64_t V, Scale scale) {
   // The max is exact in any order. A NaN anywhere makes the exp sum NaN, hence the whole row.
   float lane_max[LANES];
   std::fill(lane_max, lane_max + LANES, NEG_INF);
-  for (int64_t i = 0; i < V; i += LANES) {
-    const int64_t n = std::min<int64_t>(LANES, V - i);
-    for (int l = 0; l < n; ++l) {
-      const float v = scaled(to_float(x[i + l]), temperature);
-      lane_max[l] = v > lane_max[l] ? v : lane_max[l];
-    }
-  }
+  const int64_t full = V / LANES * LANES;
+  auto take_max = [&](int l, float v) { lane_max[l] = v > lane_max[l] ? v : lane_max[l]; };
+  for (int64_t i = 0; i < full; i += LANES)  // branch-free body, so it vectorises
+    for (int l = 0; l < LANES; ++l) take_max(l, scale(to_float(x[i + l])));
+  for (int64_t i = full; i < V; ++i) take_max(static_cast<int>(i - full), scale(to_float(x[i])));
   float row_max = NEG_INF;
   for (int l = 0; l < LANES; ++l) row_max = lane_max[l] > row_max ? lane_max[l] : row_max;
   const float shift = row_max == NEG_INF ? 0.0f : row_max;  // an all -inf row sums to 0
   // Sum of exp(x/T - max) in the lane order; tail lanes add nothing (exact).
   float acc[LANES] = {0};
-  const int64_t full = V / LANES * LANES;
   for (int64_t i = 0; i < full; i += LANES)
-    for (int l = 0; l < LANES; ++l) acc[l] += exp_fixed(scaled(to_float(x[i + l]), temperature) - shift);
-  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_fixed(scaled(to_float(x[i]), temperature) - shift);
+    for (int l = 0; l < LANES; ++l) acc[l] += exp_nonpositive(scale(to_float(x[i + l])) - shift);
+  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_nonpositive(scale(to_float(x[i])) - shift);
   return {row_max, std::log(lane_sum(acc))};
 }
 
-inline float log_prob(float x, float temperature, const RowStats& s) {
-  return (scaled(x, temperature) - s.max) - s.log_total;
+template <typename Scale>
+inline float log_prob(float x, Scale scale, const RowStats& s) { return (scale(x) - s.max) - s.log_total; }
+
+// A row as fp32: fp32 rows are read in place, 16-bit rows widened once into `buffer` (exact)
+// so the three passes over the row do not each convert it.
+template <typename T>
+const float* fp32_row(const T* row, int64_t V, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    buffer.resize(V);
+    for (int64_t i = 0; i < V; ++i) buffer[i] = to_float(row[i]);
+    return buffer.data();
+  }
+}
+
+// Calls body(r, row r as fp32, scale) for every row, one row per OpenMP iteration.
+template <typename T, typename Body>
+void for_each_row(const T* x, int64_t rows, int64_t V, int64_t stride, float temperature,
+                  Body&& body) {
+  with_temperature(temperature, [&](auto scale) {
+#pragma omp parallel if (rows > 1)
+    {
+      std::vector<float> buffer;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) body(r, fp32_row(x + r * stride, V, buffer), scale);
+    }
+  });
 }
 
 template <typename T, typename O>
 void log_softmax_impl(const T* x, O* y, int64_t rows, int64_t V, int64_t stride, float temperature) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * stride;
-    const RowStats s = row_stats(xr, V, temperature);
+  for_each_row(x, rows, V, stride, temperature, [&](int64_t r, const float* xr, auto scale) {
+    const RowStats s = row_stats(xr, V, scale);
     O* yr = y + r * V;
-    for (int64_t i = 0; i < V; ++i) yr[i] = from_float<O>(log_prob(to_float(xr[i]), temperature, s));
-  }
+    for (int64_t i = 0; i < V; ++i) yr[i] = from_float<O>(log_prob(xr[i], scale, s));
+  });
 }
 
 template <typename T>
@@ -72,11 +102,9 @@ void log_softmax_out(int out_dtype, uintptr_t x, uintptr_t y, int64_t rows, int6
 template <typename T>
 void token_logprobs_impl(const T* x, const int64_t* tokens, float* out, int64_t rows, int64_t V,
                          int64_t stride, float temperature) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * stride;
-    out[r] = log_prob(to_float(xr[tokens[r]]), temperature, row_stats(xr, V, temperature));
-  }
+  for_each_row(x, rows, V, stride, temperature, [&](int64_t r, const float* xr, auto scale) {
+    out[r] = log_prob(xr[tokens[r]], scale, row_stats(xr, V, scale));
+  });
 }
 
 }  // namespace

@@ -1,10 +1,15 @@
 // Batch-invariant matmul: C[M, N] = A[M, K] . B[K, N] (+ bias), per batch entry.
 //
-// Reduction order of every output element: ascending k, one fp32 fma per k into a single
-// accumulator (c = fma(a[m,k], b[k,n], c) for k = 0, 1, ..., K-1). It depends only on K --
-// not on M, on the tile the element falls in, or on the thread that computes it -- so a row's
-// bits never depend on the batch. Tiles and threads decide WHO computes an element, never HOW.
-// Vector lanes run along N (16 output columns per vector), so no lane reduction is needed.
+// Every output element is accumulated in one fp32 accumulator in an order that depends only
+// on K and the dtype -- not on M, on the tile the element falls in, or on the thread that
+// computes it -- so a row's bits never depend on the batch. Tiles and threads decide WHO
+// computes an element, never HOW. Vector lanes run along N (16 output columns per vector), so
+// no lane reduction is needed. The two orders:
+//   * fp32 / fp16 (and bf16 on CPUs without AVX512-BF16): ascending k, one fp32 fma per k,
+//     c = fma(a[m,k], b[k,n], c) for k = 0, 1, ..., K-1;
+//   * bf16 on CPUs with AVX512-BF16: one vdpbf16ps per pair of k (k = 2j, 2j+1, ascending j;
+//     an odd K gets a zero partner). The instruction adds the exact product of the odd k, then
+//     of the even k, each rounded to fp32 (denormals flushed) -- a fixed order of its own.
 #include <algorithm>
 #include <vector>
 
@@ -42,63 +47,145 @@ inline Vec vzero() { return vbroadcast(0.0f); }
 inline void vstore(float* p, Vec a) { std::copy(a.v, a.v + LANES, p); }
 #endif
 
-// Packing only moves and widens values (exact); it never changes an element's sum.
-// A rows -> fp32 blocks of RB rows, k-major ([K][RB] per block) so a block's RB values for
-// one k sit together; rows past `rows` are zero (computed, never stored).
-template <typename T>
-void pack_a(const T* a, int64_t row_stride, int64_t rows, int64_t K, float* dst) {
-  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-    float* block = dst + r0 * K;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < RB; ++r)
-        block[k * RB + r] = r0 + r < rows ? to_float(a[(r0 + r) * row_stride + k]) : 0.0f;
+// Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
+// per-element arithmetic, R only sets how many rows share one pass over the packed B.
+template <typename Kernel, typename... Args>
+void for_rows(int rows, Args&&... args) {
+  switch (rows) {
+    case 6: return Kernel::template rows<6>(args...);
+    case 5: return Kernel::template rows<5>(args...);
+    case 4: return Kernel::template rows<4>(args...);
+    case 3: return Kernel::template rows<3>(args...);
+    case 2: return Kernel::template rows<2>(args...);
+    default: return Kernel::template rows<1>(args...);
   }
 }
 
-// B columns [col0, col0 + cols) -> fp32 [K][PANEL], zero past `cols`. Read in 16-deep k
-// tiles so a transposed B (nn.Linear's W^T) is read along its contiguous rows.
+// The fma kernel: A and B widened to fp32 (packing only moves and widens values, exactly).
 template <typename T>
-void pack_b(const T* b, int64_t k_stride, int64_t n_stride, int64_t cols, int64_t K, float* dst) {
-  constexpr int64_t TILE = 16;
-  for (int64_t k0 = 0; k0 < K; k0 += TILE) {
-    const int64_t depth = std::min(TILE, K - k0);
-    for (int64_t c = 0; c < PANEL; ++c)
-      for (int64_t i = 0; i < depth; ++i)
-        dst[(k0 + i) * PANEL + c] = c < cols ? to_float(b[(k0 + i) * k_stride + c * n_stride]) : 0.0f;
-  }
-}
+struct FmaKernel {
+  using Packed = float;
+  static constexpr bool reads_a_in_place = false;
+  static int64_t depth(int64_t K) { return K; }  // packed B rows per panel
 
-// R rows x PANEL columns: acc[r][v] = sum over ascending k of a[k][r] * b[k][v-th vector].
-template <int R>
-void block(const float* a, const float* b, int64_t K, float out[][PANEL]) {
-  Vec acc[R][VECS];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    Vec bv[VECS];
-    for (int v = 0; v < VECS; ++v) bv[v] = vload(b + k * PANEL + v * LANES);
-    for (int r = 0; r < R; ++r) {
-      const Vec av = vbroadcast(a[k * RB + r]);
-      for (int v = 0; v < VECS; ++v) acc[r][v] = vfma(av, bv[v], acc[r][v]);
+  // B columns [col0, col0 + cols) -> [K][PANEL], zero past `cols`.
+  static void pack_b(const T* b, int64_t k_stride, int64_t n_stride, int64_t cols, int64_t K,
+                     float* dst) {
+    int64_t done = 0;  // k rows packed by the fast path
+    if (k_stride == 1 && cols == PANEL) {  // W^T: read 16-deep k tiles along W's rows
+      constexpr int64_t TILE = 16;
+      done = K / TILE * TILE;
+      for (int64_t k0 = 0; k0 < done; k0 += TILE)
+        for (int64_t c = 0; c < PANEL; ++c)
+          for (int64_t k = k0; k < k0 + TILE; ++k) dst[k * PANEL + c] = to_float(b[c * n_stride + k]);
+    }
+    for (int64_t k = done; k < K; ++k)
+      for (int64_t c = 0; c < PANEL; ++c)
+        dst[k * PANEL + c] = c < cols ? to_float(b[k * k_stride + c * n_stride]) : 0.0f;
+  }
+
+  // A rows -> blocks of RB rows, k-major ([K][RB] per block) so a block's RB values for one
+  // k sit together; rows past `rows` are zero (computed, never stored).
+  static void pack_a(const T* a, int64_t row_stride, int64_t rows, int64_t K, float* dst) {
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      float* block = dst + r0 * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t r = 0; r < RB; ++r)
+          block[k * RB + r] = r0 + r < rows ? to_float(a[(r0 + r) * row_stride + k]) : 0.0f;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) vstore(out[r] + v * LANES, acc[r][v]);
-}
 
-void block_rows(int rows, const float* a, const float* b, int64_t K, float out[][PANEL]) {
-  switch (rows) {  // every size runs the same per-element arithmetic
-    case 6: return block<6>(a, b, K, out);
-    case 5: return block<5>(a, b, K, out);
-    case 4: return block<4>(a, b, K, out);
-    case 3: return block<3>(a, b, K, out);
-    case 2: return block<2>(a, b, K, out);
-    default: return block<1>(a, b, K, out);
+  // R rows x PANEL columns starting at packed row block `r0`: ascending k, one fma per k.
+  template <int R>
+  static void rows(const float* a_packed, int64_t r0, const float* b, int64_t K, float out[][PANEL]) {
+    const float* a = a_packed + r0 * K;
+    Vec acc[R][VECS];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+      Vec bv[VECS];
+      for (int v = 0; v < VECS; ++v) bv[v] = vload(b + k * PANEL + v * LANES);
+      for (int r = 0; r < R; ++r) {
+        const Vec av = vbroadcast(a[k * RB + r]);
+        for (int v = 0; v < VECS; ++v) acc[r][v] = vfma(av, bv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VECS; ++v) vstore(out[r] + v * LANES, acc[r][v]);
   }
-}
+};
+
+#if defined(__AVX512BF16__)
+// The bf16 pair kernel: B packed as k pairs (one dword = b[2j][c] | b[2j+1][c] << 16), A read
+// in place as k pairs (a row's elements 2j, 2j+1 are one dword) and broadcast.
+struct PairKernel {
+  using Packed = uint32_t;
+  static constexpr bool reads_a_in_place = true;
+  static int64_t depth(int64_t K) { return (K + 1) / 2; }
+
+  static uint32_t pair(uint16_t even, uint16_t odd) {
+    return static_cast<uint32_t>(even) | static_cast<uint32_t>(odd) << 16;
+  }
+
+  static void pack_b(const bf16* b, int64_t k_stride, int64_t n_stride, int64_t cols, int64_t K,
+                     uint32_t* dst) {
+    const int64_t pairs = depth(K), full = K / 2;
+    int64_t done = 0;  // pairs packed by the fast path
+    if (k_stride == 1 && cols == PANEL) {  // W^T: a pair is one dword of a W row
+      constexpr int64_t TILE = 16;         // pairs per tile: one 64-byte line of a W row
+      done = full / TILE * TILE;
+      for (int64_t j0 = 0; j0 < done; j0 += TILE)
+        for (int64_t c = 0; c < PANEL; ++c)
+          for (int64_t j = j0; j < j0 + TILE; ++j)
+            std::memcpy(dst + j * PANEL + c, b + c * n_stride + 2 * j, sizeof(uint32_t));
+    }
+    for (int64_t c = 0; c < PANEL; ++c)
+      for (int64_t j = done; j < pairs; ++j) {
+        const bf16* column = b + c * n_stride;
+        const uint16_t even = c < cols ? column[2 * j * k_stride].bits : 0;
+        const uint16_t odd = c < cols && j < full ? column[(2 * j + 1) * k_stride].bits : 0;
+        dst[j * PANEL + c] = pair(even, odd);
+      }
+  }
+
+  template <int R>
+  static void rows(const bf16* a0, int64_t row_stride, const uint32_t* b, int64_t K,
+                   float out[][PANEL]) {
+    __m512 acc[R][VECS];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_setzero_ps();
+    auto step = [&](int64_t j, auto a_pair) {
+      __m512bh bv[VECS];
+      for (int v = 0; v < VECS; ++v)
+        bv[v] = (__m512bh)_mm512_loadu_si512(b + j * PANEL + v * LANES);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair(a0 + r * row_stride)));
+        for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+      }
+    };
+    const int64_t full = K / 2;
+    for (int64_t j = 0; j < full; ++j)
+      step(j, [j](const bf16* a) {
+        uint32_t both;
+        std::memcpy(&both, a + 2 * j, sizeof both);
+        return both;
+      });
+    if (K % 2)  // the last k with a zero partner, through the same instruction
+      step(full, [K](const bf16* a) { return pair(a[K - 1].bits, 0); });
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VECS; ++v) _mm512_storeu_ps(out[r] + v * LANES, acc[r][v]);
+  }
+};
+template <typename T> struct KernelFor { using type = FmaKernel<T>; };
+template <> struct KernelFor<bf16> { using type = PairKernel; };
+#else
+template <typename T> struct KernelFor { using type = FmaKernel<T>; };
+#endif
 
 template <typename T>
 void matmul_impl(const MatmulArgs& p) {
+  using Kernel = typename KernelFor<T>::type;
+  using Packed = typename Kernel::Packed;
   const T* A = reinterpret_cast<const T*>(p.a);
   const T* B = reinterpret_cast<const T*>(p.b);
   const T* bias = reinterpret_cast<const T*>(p.bias);
@@ -106,9 +193,11 @@ void matmul_impl(const MatmulArgs& p) {
   const int64_t row_chunks = (p.M + ROW_CHUNK - 1) / ROW_CHUNK;
   const int64_t panels = (p.N + PANEL - 1) / PANEL;
   const int64_t tasks = p.batch * panels * row_chunks;
-#pragma omp parallel
+#pragma omp parallel if (tasks > 1)
   {
-    std::vector<float> a_buf(ROW_CHUNK * p.K), b_buf(PANEL * p.K);  // fp32 packed operands
+    std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);
+    std::vector<Packed> b_buf(PANEL * Kernel::depth(p.K));
+    int64_t packed_panel = -1;  // consecutive tasks of a thread share a B panel: pack it once
     float out[RB][PANEL];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -116,13 +205,19 @@ void matmul_impl(const MatmulArgs& p) {
       const int64_t panel = (t / row_chunks) % panels, chunk = t % row_chunks;
       const int64_t row0 = chunk * ROW_CHUNK, rows = std::min(ROW_CHUNK, p.M - row0);
       const int64_t col0 = panel * PANEL, cols = std::min(PANEL, p.N - col0);
-      pack_a(A + batch * p.a_batch_stride + row0 * p.a_row_stride, p.a_row_stride, rows, p.K,
-             a_buf.data());
-      pack_b(B + batch * p.b_batch_stride + col0 * p.b_n_stride, p.b_k_stride, p.b_n_stride, cols,
-             p.K, b_buf.data());
+      const T* a = A + batch * p.a_batch_stride + row0 * p.a_row_stride;
+      if (packed_panel != t / row_chunks) {
+        Kernel::pack_b(B + batch * p.b_batch_stride + col0 * p.b_n_stride, p.b_k_stride,
+                       p.b_n_stride, cols, p.K, b_buf.data());
+        packed_panel = t / row_chunks;
+      }
+      if constexpr (!Kernel::reads_a_in_place) Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
       for (int64_t r = 0; r < rows; r += RB) {
         const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
-        block_rows(n, &a_buf[r * p.K], b_buf.data(), p.K, out);
+        if constexpr (Kernel::reads_a_in_place)
+          for_rows<Kernel>(n, a + r * p.a_row_stride, p.a_row_stride, b_buf.data(), p.K, out);
+        else
+          for_rows<Kernel>(n, a_buf.data(), r, b_buf.data(), p.K, out);
         for (int i = 0; i < n; ++i) {
           T* c_row = C + (batch * p.M + row0 + r + i) * p.N + col0;
           for (int64_t c = 0; c < cols; ++c) {

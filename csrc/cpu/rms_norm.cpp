@@ -9,7 +9,7 @@ namespace {
 template <typename T, typename W>
 void rms_norm_impl(const T* x, const W* w, T* y, int64_t rows, int64_t D, int64_t stride,
                    float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * stride;
     float acc[LANES] = {0}, v[LANES];
