@@ -20,6 +20,8 @@ from setuptools.command.build_ext import build_ext
 
 
 CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
+CPU_FLAGS = [line.strip() for line in open("csrc/cpu/flags.txt")
+             if line.strip() and not line.startswith("#")]
 
 
 class OptionalBuildExt(build_ext):
@@ -75,9 +77,7 @@ def extensions():
         "bik._cpu",
         sorted(glob.glob("csrc/cpu/*.cpp")),
         cxx_std=17,
-        # -ffp-contract=off: no compiler-chosen FMA, so vector bodies and tails round alike;
-        # -fno-math-errno only lets libm calls vectorise (no value changes).
-        extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-march=native"],
+        extra_compile_args=CPU_FLAGS + ["-march=native"],
         extra_link_args=["-fopenmp"],
     )]
     cuda_home = _cuda_home()

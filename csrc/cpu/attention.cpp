@@ -51,10 +51,13 @@ void split_partial(const float* q, const T* k, const T* v, int64_t k_stride, int
     const float rescale = exp_nonpositive(part.max - safe);
     for (int64_t j = 0; j < KEY_BLOCK; ++j) probs[j] = j < count ? exp_nonpositive(scores[j] - safe) : 0.0f;
     part.sum = part.sum * rescale + (lane_sum(probs) + lane_sum(probs + LANES));
-    for (int64_t d = 0; d < D; ++d) part.acc[d] *= rescale;
-    for (int64_t j = 0; j < count; ++j) {
-      const T* vj = v + (n0 + j) * v_stride;
-      for (int64_t d = 0; d < D; ++d) part.acc[d] = std::fma(probs[j], to_float(vj[d]), part.acc[d]);
+    // acc[d] = acc[d] * rescale, then one fma per key in ascending order; LANES dims at a
+    // time so the accumulator stays in a register across the block's keys.
+    for (int64_t d = 0; d < D; d += LANES) {
+      Vec acc = vmul(vload(&part.acc[d]), vbroadcast(rescale));
+      for (int64_t j = 0; j < count; ++j)
+        acc = vfma(vbroadcast(probs[j]), vload_n(v + (n0 + j) * v_stride + d, D - d), acc);
+      vstore(&part.acc[d], acc);
     }
     part.max = new_max;
   }
@@ -74,8 +77,8 @@ void attention_impl(const AttentionArgs& p) {
   {
     std::vector<float> q(padded, 0.0f);
     Partial run, part;
-    run.acc.resize(p.D);
-    part.acc.resize(p.D);
+    run.acc.resize(padded);  // dims past D stay 0
+    part.acc.resize(padded);
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t b = row / (p.Hq * p.Tq), h = (row / p.Tq) % p.Hq, i = row % p.Tq;

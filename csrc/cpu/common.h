@@ -11,10 +11,15 @@
 // OpenMP splits work by output rows only: each output element is computed by one thread.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace bik {
 
@@ -45,16 +50,6 @@ template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even, l
   return bf16{static_cast<uint16_t>(x != x ? quiet_nan : rounded)};  // branch-free select
 }
 
-// Loads up to LANES elements starting at p (n of them valid) as floats, zero-padding the rest.
-template <typename T>
-inline void load_lanes(const T* p, int64_t n, float* out) {
-  if (n >= LANES) {
-    for (int l = 0; l < LANES; ++l) out[l] = to_float(p[l]);
-  } else {
-    for (int l = 0; l < LANES; ++l) out[l] = l < n ? to_float(p[l]) : 0.0f;
-  }
-}
-
 // The fixed pairwise tree over the LANES partial sums.
 inline float lane_sum(const float* lanes) {
   float s8[8], s4[4];
@@ -63,20 +58,65 @@ inline float lane_sum(const float* lanes) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Dot product of two length-n rows in the lane order above.
-// ``q`` is zero-padded to a multiple of LANES; the tail of ``k`` is zero-padded on the fly.
+// Vec: LANES fp32 lanes. With AVX-512 one zmm register, elsewhere a plain array; both do the
+// same IEEE operation per lane (vfma is one fused rounding in both), so the bits agree.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+struct Vec { __m512 v; };
+inline Vec vzero() { return {_mm512_setzero_ps()}; }
+inline Vec vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+
+// The first n (<= LANES) elements at p, widened to fp32 (exact), zeros in the other lanes.
+inline __mmask16 first_lanes(int64_t n) { return n >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline Vec vload_n(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first_lanes(n), p)}; }
+inline Vec vload_n(const bf16* p, int64_t n) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+}
+inline Vec vload_n(const f16* p, int64_t n) {
+  return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(n), p))};
+}
+
+// lane_sum's tree with shuffles: lanes l + (l+8), then l + (l+4), then (0+2) + (1+3).
+inline float vsum(Vec a) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#else
+struct Vec { float v[LANES]; };
+inline Vec vbroadcast(float x) { Vec r; std::fill(r.v, r.v + LANES, x); return r; }
+inline Vec vzero() { return vbroadcast(0.0f); }
+inline Vec vload(const float* p) { Vec r; std::copy(p, p + LANES, r.v); return r; }
+inline void vstore(float* p, Vec a) { std::copy(a.v, a.v + LANES, p); }
+inline Vec vmul(Vec a, Vec b) {
+  for (int l = 0; l < LANES; ++l) a.v[l] *= b.v[l];
+  return a;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int l = 0; l < LANES; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+  return c;
+}
+template <typename T>
+inline Vec vload_n(const T* p, int64_t n) {
+  Vec r;
+  for (int l = 0; l < LANES; ++l) r.v[l] = l < n ? to_float(p[l]) : 0.0f;
+  return r;
+}
+inline float vsum(Vec a) { return lane_sum(a.v); }
+#endif
+
+// Dot product of two length-n rows: lane l sums elements l, l + LANES, ... with one fma each,
+// then lane_sum. ``q`` is fp32 zero-padded to a multiple of LANES; ``k``'s tail is zero-filled.
 template <typename T>
 inline float dot_lanes(const float* q, const T* k, int64_t n) {
-  float acc[LANES] = {0};
-  const int64_t full = n / LANES * LANES;
-  for (int64_t i = 0; i < full; i += LANES)  // branch-free body, so it vectorises
-    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[i + l], to_float(k[i + l]), acc[l]);
-  if (full < n) {
-    float kv[LANES];
-    load_lanes(k + full, n - full, kv);
-    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(q[full + l], kv[l], acc[l]);
-  }
-  return lane_sum(acc);
+  Vec acc = vzero();
+  for (int64_t i = 0; i < n; i += LANES) acc = vfma(vload(q + i), vload_n(k + i, n - i), acc);
+  return vsum(acc);
 }
 
 // exp(x) for x <= 0 -- every use is exp(value - running max) -- from pure arithmetic: range

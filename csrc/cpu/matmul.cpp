@@ -16,10 +16,6 @@
 #include "common.h"
 #include "kernels.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace bik {
 namespace {
 
@@ -27,25 +23,6 @@ constexpr int64_t ROW_CHUNK = 96;  // rows of A per task (a multiple of RB)
 constexpr int64_t PANEL = 64;      // output columns per task = VECS vectors of LANES
 constexpr int VECS = PANEL / LANES;
 constexpr int RB = 6;              // rows per register block: RB x VECS accumulators
-
-#if defined(__AVX512F__)
-struct Vec { __m512 v; };
-inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline Vec vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
-inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline Vec vzero() { return {_mm512_setzero_ps()}; }
-inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
-#else  // portable lanes: the same fma per element, whatever the compiler vectorises
-struct Vec { float v[LANES]; };
-inline Vec vload(const float* p) { Vec r; std::copy(p, p + LANES, r.v); return r; }
-inline Vec vbroadcast(float x) { Vec r; std::fill(r.v, r.v + LANES, x); return r; }
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int l = 0; l < LANES; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
-  return c;
-}
-inline Vec vzero() { return vbroadcast(0.0f); }
-inline void vstore(float* p, Vec a) { std::copy(a.v, a.v + LANES, p); }
-#endif
 
 // Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
 // per-element arithmetic, R only sets how many rows share one pass over the packed B.

@@ -12,12 +12,12 @@ void rms_norm_impl(const T* x, const W* w, T* y, int64_t rows, int64_t D, int64_
 #pragma omp parallel for schedule(static) if (rows > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * stride;
-    float acc[LANES] = {0}, v[LANES];
+    Vec acc = vzero();
     for (int64_t i = 0; i < D; i += LANES) {
-      load_lanes(xr + i, D - i, v);
-      for (int l = 0; l < LANES; ++l) acc[l] = std::fma(v[l], v[l], acc[l]);
+      const Vec v = vload_n(xr + i, D - i);  // a tail's missing lanes are 0 and add nothing
+      acc = vfma(v, v, acc);
     }
-    const float inv_rms = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(D) + eps);
+    const float inv_rms = 1.0f / std::sqrt(vsum(acc) / static_cast<float>(D) + eps);
     T* yr = y + r * D;
     for (int64_t i = 0; i < D; ++i) yr[i] = from_float<T>(to_float(xr[i]) * inv_rms * to_float(w[i]));
   }
