@@ -41,7 +41,7 @@ class NativeBackend:
 
     def rms_norm(self, x, weight, eps):
         x, weight = _inner_contiguous(x), weight.contiguous()
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.lib.rms_norm(DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], x.data_ptr(),
                           weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
                           eps, *self.launch_args(x.device))
@@ -49,7 +49,7 @@ class NativeBackend:
 
     def log_softmax(self, x, temperature, out_dtype):
         x = _inner_contiguous(x)
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
         self.lib.log_softmax(DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], x.data_ptr(),
                              out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), temperature,
                              *self.launch_args(x.device))
@@ -67,7 +67,7 @@ class NativeBackend:
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         kv_start = kv_start.to(torch.int32).contiguous()
         batch, hq, tq, d = q.shape
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         # The workspace tensor stays referenced here until the (stream-ordered) launch is queued.
         workspace, extra = (None, ()) if self.attention_scratch is None else \
             self.attention_scratch(q, k.shape[2], split_size)

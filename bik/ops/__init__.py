@@ -7,7 +7,13 @@ import torch
 
 def as_rows(x):
     """``x [..., D]`` viewed (or copied) as ``[R, D]``; works when D or R is 0."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def shaped(out, shape):
+    """``out`` reshaped to ``shape`` (skipping the reshape call, which costs more than the
+    kernel of a one-row op, when it already has that shape)."""
+    return out if out.shape == shape else out.reshape(shape)
 
 
 class _NoGraph:
@@ -21,6 +27,8 @@ def run(function, *args):
     """``function.apply(*args)``, or just its forward when autograd would record nothing
     (grad disabled, or no input requires grad): same result, without autograd's per-call cost,
     which dominates small decode-time calls."""
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return function.apply(*args)
+    if torch.is_grad_enabled():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                return function.apply(*args)
     return function.forward(_NoGraph(), *args)

@@ -8,7 +8,7 @@ chunks in ascending order (per-lane partials, then one fixed reduction tree acro
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute, as_rows, run
+from . import _recompute, as_rows, run, shaped
 
 
 def log_softmax(x, dim=-1, dtype=None):
@@ -56,7 +56,7 @@ class _LogSoftmax(torch.autograd.Function):
         if rows.numel() == 0:
             return torch.empty(x.shape, dtype=out_dtype, device=x.device)
         out = backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype)
-        return out.reshape(x.shape)
+        return shaped(out, x.shape)
 
     @staticmethod
     def backward(ctx, grad):
@@ -75,7 +75,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if tokens.numel() == 0:
             return torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
         backend = backends.resolve(logits.device)
-        return backend.token_logprobs(rows, tokens.reshape(-1), temperature).reshape(tokens.shape)
+        return shaped(backend.token_logprobs(rows, tokens.reshape(-1), temperature), tokens.shape)
 
     @staticmethod
     def backward(ctx, grad):

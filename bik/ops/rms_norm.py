@@ -7,7 +7,7 @@ depends only on the row length D, never on the number of rows.
 import torch
 
 from .. import _checks, backends, reference
-from . import _recompute, as_rows, run
+from . import _recompute, as_rows, run, shaped
 
 
 def rms_norm(x, weight, eps=1e-6):
@@ -31,7 +31,7 @@ class _RMSNorm(torch.autograd.Function):
         rows = as_rows(x)
         if rows.numel() == 0:
             return torch.empty_like(x)
-        return backends.resolve(x.device).rms_norm(rows, weight, eps).reshape(x.shape)
+        return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
 
     @staticmethod
     def backward(ctx, grad):

@@ -59,7 +59,7 @@ const float* fp32_row(const T* row, int64_t V, std::vector<float>& buffer) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else {
-    buffer.resize(V);
+    if (static_cast<int64_t>(buffer.size()) < V) buffer.resize(V);
     for (int64_t i = 0; i < V; ++i) buffer[i] = to_float(row[i]);
     return buffer.data();
   }
@@ -70,11 +70,10 @@ template <typename T, typename Body>
 void for_each_row(const T* x, int64_t rows, int64_t V, int64_t stride, float temperature,
                   Body&& body) {
   with_temperature(temperature, [&](auto scale) {
-#pragma omp parallel if (rows > 1)
-    {
-      std::vector<float> buffer;
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) body(r, fp32_row(x + r * stride, V, buffer), scale);
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+      thread_local std::vector<float> buffer;  // kept across calls: no allocation per row
+      body(r, fp32_row(x + r * stride, V, buffer), scale);
     }
   });
 }
