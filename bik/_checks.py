@@ -52,3 +52,23 @@ def positive_number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}: expected a positive number, got {value!r}")
     return float(value)
+
+
+def values_in_range(name, values, low, high, what):
+    """Every value of the integer tensor ``values`` lies in ``[low, high]``.
+
+    CPU tensors: a ValueError naming the argument, the range and the offending extremes.
+    Device tensors: the same test runs on the device, queued without a host sync (a decode
+    step calls this once per layer); a bad value stops the program with this message when the
+    device reaches it (a device-side assert via torch._assert_async, carrying this message
+    where torch can report it), instead of reading out of bounds.
+    """
+    if values.numel() == 0:
+        return
+    expected = f"{name}: expected values in [{low}, {high}] ({what})"
+    if values.device.type != "cpu":
+        torch._assert_async(((values >= low) & (values <= high)).all(), expected)
+        return
+    smallest, largest = int(values.min()), int(values.max())
+    if smallest < low or largest > high:
+        raise ValueError(f"{expected}, got min {smallest}, max {largest}")

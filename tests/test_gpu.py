@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,18 @@ def test_gpu_backend_is_batch_and_decode_invariant(name):
         q, k, v = (torch.randn(2, 8, 700, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         full = bik.attention(q, k, v, split_size=128)
         assert torch.equal(bik.attention(q[:, :, -1:], k, v, split_size=128), full[:, :, -1:])
+
+
+@pytest.mark.gpu
+@gpu
+def test_bad_device_values_stop_the_program_without_host_syncs():
+    # Range checks of device tensors are queued on the device (no sync per call); a bad value
+    # raises a device-side assert, which poisons the CUDA context: run it in its own process.
+    script = ("import torch, bik\n"
+              "logits = torch.zeros(2, 5, device='cuda')\n"
+              "bik.token_logprobs(logits, torch.tensor([1, 7], device='cuda'))\n"
+              "torch.cuda.synchronize()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode != 0
+    assert "tokens: expected values in [0, 4]" in done.stderr or "device-side assert" in done.stderr

@@ -93,7 +93,7 @@ def _tokens(*shape, value=0):
         (lambda: bik.log_softmax(torch.ones(2, dtype=torch.int64)), TypeError, "x: expected dtype"),
         (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(3)), ValueError, "tokens: expected shape"),
         (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2, value=3)), ValueError,
-         r"tokens: expected ids in \[0, 3\)"),
+         r"tokens: expected values in \[0, 2\] \(ids of the vocabulary"),
         (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2, value=-1)), ValueError, "tokens"),
         (lambda: bik.token_logprobs(torch.ones(2, 3), torch.zeros(2)), TypeError, "tokens: expected dtype"),
         (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2), temperature=0.0), ValueError,

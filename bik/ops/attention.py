@@ -70,11 +70,7 @@ def _validate_kv_start(kv_start, batch, tk, device):
         raise ValueError(f"kv_start: expected shape ({batch},), got {tuple(kv_start.shape)}")
     if kv_start.device != device:
         raise ValueError(f"kv_start: expected device {device} (same as q), got {kv_start.device}")
-    if batch and (int(kv_start.min()) < 0 or int(kv_start.max()) >= max(tk, 1)):
-        raise ValueError(
-            f"kv_start: expected values in [0, {max(tk - 1, 0)}] (Tk={tk}), "
-            f"got min {int(kv_start.min())}, max {int(kv_start.max())}"
-        )
+    _checks.values_in_range("kv_start", kv_start, 0, max(tk - 1, 0), f"Tk={tk}")
     return kv_start.to(torch.int32)
 
 

@@ -39,11 +39,7 @@ def token_logprobs(logits, tokens, temperature=1.0):
         )
     _checks.same_device("tokens", tokens, "logits", logits)
     vocab = logits.shape[-1]
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise ValueError(
-            f"tokens: expected ids in [0, {vocab}) (the vocabulary size of logits), "
-            f"got min {int(tokens.min())}, max {int(tokens.max())}"
-        )
+    _checks.values_in_range("tokens", tokens, 0, vocab - 1, "ids of the vocabulary of logits")
     temperature = _checks.positive_number("temperature", temperature)
     return run(_TokenLogprobs, logits, tokens, temperature)
 
