@@ -32,6 +32,7 @@ def main(backend):
     q, k, v = randn(2, 4, 50, 32), randn(2, 2, 50, 32), randn(2, 2, 50, 32)
     results = {
         "linear": bik.linear(x, w),
+        "linear_bf16": bik.linear(x.bfloat16(), w.bfloat16()),  # the cpu backend's pair order
         "rms_norm": bik.rms_norm(x, w[0]),
         "log_softmax": bik.log_softmax(logits),
         "token_logprobs": bik.token_logprobs(logits, tokens, 0.9),

@@ -27,7 +27,7 @@ def _fingerprints(backend, threads, extra_env=None):
 @pytest.mark.parametrize("backend_name", invariant_backends())
 def test_thread_count_and_reruns_do_not_change_bits(backend_name):
     one = _fingerprints(backend_name, 1)
-    assert len(one.splitlines()) == 5
+    assert len(one.splitlines()) == 6
     assert _fingerprints(backend_name, 2) == one
     assert _fingerprints(backend_name, 2) == one  # a second process, same bits
 

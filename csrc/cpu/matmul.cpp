@@ -38,6 +38,46 @@ void for_rows(int rows, Args&&... args) {
   }
 }
 
+// dst[k * PANEL + c] = src[c * stride + k] for a 16 x 16 tile, widened to fp32 (exact).
+template <typename T>
+void transpose_tile(const T* src, int64_t stride, float* dst) {
+  for (int64_t c = 0; c < 16; ++c)
+    for (int64_t k = 0; k < 16; ++k) dst[k * PANEL + c] = to_float(src[c * stride + k]);
+}
+
+#if defined(__AVX512F__)
+// The fp32 tile in registers: pairs of rows interleaved (32-bit, then 64-bit steps), then
+// 128-bit lanes gathered across rows in two shuffle rounds.
+template <>
+void transpose_tile<float>(const float* src, int64_t stride, float* dst) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * PANEL, r[i]);
+}
+#endif
+
 // The fma kernel: A and B widened to fp32 (packing only moves and widens values, exactly).
 template <typename T>
 struct FmaKernel {
@@ -53,8 +93,8 @@ struct FmaKernel {
       constexpr int64_t TILE = 16;
       done = K / TILE * TILE;
       for (int64_t k0 = 0; k0 < done; k0 += TILE)
-        for (int64_t c = 0; c < PANEL; ++c)
-          for (int64_t k = k0; k < k0 + TILE; ++k) dst[k * PANEL + c] = to_float(b[c * n_stride + k]);
+        for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)
+          transpose_tile(b + c0 * n_stride + k0, n_stride, dst + k0 * PANEL + c0);
     }
     for (int64_t k = done; k < K; ++k)
       for (int64_t c = 0; c < PANEL; ++c)
