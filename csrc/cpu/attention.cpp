@@ -4,6 +4,7 @@
 // of a split in ascending order, split partials merged in ascending order. Each query reads
 // only its own visible keys, so prefill, chunks and decode give the same bits.
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "common.h"

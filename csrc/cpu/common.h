@@ -6,8 +6,10 @@
 //     l, l + LANES, ...), then one fixed pairwise tree across the lanes (lane_sum);
 //   * a tail shorter than LANES is zero-padded and goes through the same lane code, so a
 //     vector body and a tail never use different arithmetic;
-//   * products are accumulated with std::fma (one rounding) everywhere, and the build uses
-//     -ffp-contract=off so the compiler never fuses some a*b+c and not others.
+//   * products are accumulated with a fused multiply-add (std::fma or its vector form: one
+//     rounding) everywhere -- bf16 matmul on AVX512-BF16 CPUs documents its own pair order
+//     in matmul.cpp -- and the build uses -ffp-contract=off so the compiler never fuses some
+//     a*b+c and not others.
 // OpenMP splits work by output rows only: each output element is computed by one thread.
 #pragma once
 
@@ -15,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -4,6 +4,7 @@
 // exp(x/T - max) in the lane order of common.h. log_softmax and token_logprobs share
 // row_stats() and log_prob(), so a token's log-prob equals the gathered log_softmax bit for bit.
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
