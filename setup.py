@@ -18,10 +18,9 @@ import sys
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-
 CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
-CPU_FLAGS = [line.strip() for line in open("csrc/cpu/flags.txt")
-             if line.strip() and not line.startswith("#")]
+with open("csrc/cpu/flags.txt") as flags_file:
+    CPU_FLAGS = [line.strip() for line in flags_file if line.strip() and not line.startswith("#")]
 
 
 class OptionalBuildExt(build_ext):
@@ -33,14 +32,14 @@ class OptionalBuildExt(build_ext):
     def run(self):
         try:
             super().run()
-        except Exception as error:  # noqa: BLE001 -- any compiler failure
+        except Exception as error:
             self._skip("extensions", error)
 
     def build_extension(self, ext):
         try:
             self._compile_cuda(ext)
             super().build_extension(ext)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             self._skip(ext.name, error)
 
     def _compile_cuda(self, ext):
@@ -48,15 +47,29 @@ class OptionalBuildExt(build_ext):
             obj = os.path.join(self.build_temp, source.replace("/", "_") + ".o")
             os.makedirs(self.build_temp, exist_ok=True)
             gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
-            subprocess.check_call(["nvcc", "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *gencode,
-                                   "-c", source, "-o", obj])
+            subprocess.check_call(
+                [
+                    "nvcc",
+                    "-std=c++17",
+                    "-O3",
+                    "-Xcompiler",
+                    "-fPIC",
+                    *gencode,
+                    "-c",
+                    source,
+                    "-o",
+                    obj,
+                ]
+            )
             ext.sources.remove(source)
             ext.extra_objects.append(obj)
 
     @staticmethod
     def _skip(what, error):
-        print(f"WARNING: bik's {what} was not built ({error}); the other backends still work",
-              file=sys.stderr)
+        print(
+            f"WARNING: bik's {what} was not built ({error}); the other backends still work",
+            file=sys.stderr,
+        )
 
 
 def _cuda_wanted():
@@ -73,32 +86,49 @@ def extensions():
         from pybind11.setup_helpers import Pybind11Extension
     except ImportError:
         return []
-    found = [Pybind11Extension(
-        "bik._cpu",
-        sorted(glob.glob("csrc/cpu/*.cpp")),
-        cxx_std=17,
-        extra_compile_args=CPU_FLAGS + ["-march=native"],
-        extra_link_args=["-fopenmp"],
-    )]
+    found = [
+        Pybind11Extension(
+            "bik._cpu",
+            sorted(glob.glob("csrc/cpu/*.cpp")),
+            cxx_std=17,
+            extra_compile_args=CPU_FLAGS + ["-march=native"],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
     cuda_home = _cuda_home()
     if cuda_home and _cuda_wanted():
         # The CUDA runtime is linked statically: no run-time search path to get right.
-        found.append(Pybind11Extension(
-            "bik._cuda", ["csrc/cuda/bindings.cpp", "csrc/cuda/kernels.cu"], cxx_std=17,
-            include_dirs=[os.path.join(cuda_home, "include")],
-            library_dirs=[os.path.join(cuda_home, d) for d in ("lib64", "lib")],
-            libraries=["cudart_static", "rt", "dl", "pthread"], extra_compile_args=["-O3"]))
+        found.append(
+            Pybind11Extension(
+                "bik._cuda",
+                ["csrc/cuda/bindings.cpp", "csrc/cuda/kernels.cu"],
+                cxx_std=17,
+                include_dirs=[os.path.join(cuda_home, "include")],
+                library_dirs=[os.path.join(cuda_home, d) for d in ("lib64", "lib")],
+                libraries=["cudart_static", "rt", "dl", "pthread"],
+                extra_compile_args=["-O3"],
+            )
+        )
     return found
 
 
 def _cuda_home():
     nvcc = shutil.which("nvcc")
-    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda",
-                  *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    candidates = [
+        os.environ.get("CUDA_HOME"),
+        "/usr/local/cuda",
+        *sorted(glob.glob("/usr/local/cuda-*"), reverse=True),
+    ]
     if nvcc:
         candidates.insert(1, os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
-    return next((c for c in candidates if c and os.path.exists(os.path.join(c, "include", "cuda_runtime.h"))),
-                None)
+    return next(
+        (
+            c
+            for c in candidates
+            if c and os.path.exists(os.path.join(c, "include", "cuda_runtime.h"))
+        ),
+        None,
+    )
 
 
 setup(

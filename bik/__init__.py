@@ -2,11 +2,11 @@
 chunked or padded, so rollout and training compute the same bits."""
 
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
+from .mode import batch_invariant_mode
 from .ops.attention import DEFAULT_SPLIT_SIZE, KEY_BLOCK, attention
 from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
-from .mode import batch_invariant_mode
 
 
 def __getattr__(name):
@@ -17,12 +17,26 @@ def __getattr__(name):
         return getattr(hf, name)
     raise AttributeError(f"module 'bik' has no attribute {name!r}")
 
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_SPLIT_SIZE", "KEY_BLOCK", "PatchReport", "attention", "available_backends",
+    "DEFAULT_SPLIT_SIZE",
+    "KEY_BLOCK",
+    "PatchReport",
+    "attention",
+    "available_backends",
     "batch_invariant_mode",
-    "get_backend", "linear", "log_softmax", "matmul", "patch_model", "register_backend",
-    "rms_norm", "sequence_logprobs", "set_backend", "token_logprobs", "unpatch_model",
+    "get_backend",
+    "linear",
+    "log_softmax",
+    "matmul",
+    "patch_model",
+    "register_backend",
+    "rms_norm",
+    "sequence_logprobs",
+    "set_backend",
+    "token_logprobs",
+    "unpatch_model",
     "use_backend",
 ]

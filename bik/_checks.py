@@ -15,17 +15,18 @@ def floating(name, value):
     """``value`` must be a float32, bfloat16 or float16 tensor."""
     tensor(name, value)
     if value.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name}: expected dtype float32, bfloat16 or float16, got {value.dtype}"
-        )
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {value.dtype}")
     return value
 
 
 def rank(name, value, expected):
-    """``value.dim()`` must equal ``expected`` (an int) or be at least ``expected[0]`` (a 1-tuple)."""
+    """``value.dim()`` must equal ``expected`` (an int), or be at least ``expected[0]``
+    (a 1-tuple)."""
     if isinstance(expected, tuple):
         if value.dim() < expected[0]:
-            raise ValueError(f"{name}: expected at least {expected[0]} dims, got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: expected at least {expected[0]} dims, got shape {tuple(value.shape)}"
+            )
     elif value.dim() != expected:
         raise ValueError(f"{name}: expected {expected} dims, got shape {tuple(value.shape)}")
     return value
@@ -33,18 +34,23 @@ def rank(name, value, expected):
 
 def same_dtype(name, value, ref_name, ref):
     if value.dtype != ref.dtype:
-        raise TypeError(f"{name}: expected dtype {ref.dtype} (same as {ref_name}), got {value.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype {ref.dtype} (same as {ref_name}), got {value.dtype}"
+        )
 
 
 def same_device(name, value, ref_name, ref):
     if value.device != ref.device:
-        raise ValueError(f"{name}: expected device {ref.device} (same as {ref_name}), got {value.device}")
+        raise ValueError(
+            f"{name}: expected device {ref.device} (same as {ref_name}), got {value.device}"
+        )
 
 
 def dim_size(name, value, dim, expected, what):
     if value.shape[dim] != expected:
         raise ValueError(
-            f"{name}: expected size {expected} in dim {dim} ({what}), got shape {tuple(value.shape)}"
+            f"{name}: expected size {expected} in dim {dim} ({what}), "
+            f"got shape {tuple(value.shape)}"
         )
 
 

@@ -17,14 +17,18 @@ def _inner_contiguous(t):
 
 
 class NativeBackend:
-    def __init__(self, name, device_type, lib, launch_args=lambda device: (), attention_scratch=None):
+    def __init__(
+        self, name, device_type, lib, launch_args=lambda device: (), attention_scratch=None
+    ):
         self.name, self.device_type, self.lib = name, device_type, lib
         self.launch_args, self.attention_scratch = launch_args, attention_scratch
 
     def check_device(self, device):
         if device.type != self.device_type:
-            raise RuntimeError(f"bik {self.name} backend: runs {self.device_type} tensors only, "
-                               f"got device {device}")
+            raise RuntimeError(
+                f"bik {self.name} backend: runs {self.device_type} tensors only, "
+                f"got device {device}"
+            )
 
     def matmul(self, a, b, bias):
         """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
@@ -33,34 +37,71 @@ class NativeBackend:
         a = _inner_contiguous(a)
         out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
         self.lib.matmul(
-            DTYPE_CODES[a.dtype], a.data_ptr(), b.data_ptr(),
-            0 if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
-            batch, m, n, k, a.stride(0), a.stride(1), b.stride(0) if b.shape[0] > 1 else 0,
-            b.stride(1), b.stride(2), *self.launch_args(a.device))
+            DTYPE_CODES[a.dtype],
+            a.data_ptr(),
+            b.data_ptr(),
+            0 if bias is None else bias.contiguous().data_ptr(),
+            out.data_ptr(),
+            batch,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0) if b.shape[0] > 1 else 0,
+            b.stride(1),
+            b.stride(2),
+            *self.launch_args(a.device),
+        )
         return out
 
     def rms_norm(self, x, weight, eps):
         x, weight = _inner_contiguous(x), weight.contiguous()
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self.lib.rms_norm(DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], x.data_ptr(),
-                          weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
-                          eps, *self.launch_args(x.device))
+        self.lib.rms_norm(
+            DTYPE_CODES[x.dtype],
+            DTYPE_CODES[weight.dtype],
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.stride(0),
+            eps,
+            *self.launch_args(x.device),
+        )
         return out
 
     def log_softmax(self, x, temperature, out_dtype):
         x = _inner_contiguous(x)
         out = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)
-        self.lib.log_softmax(DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], x.data_ptr(),
-                             out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), temperature,
-                             *self.launch_args(x.device))
+        self.lib.log_softmax(
+            DTYPE_CODES[x.dtype],
+            DTYPE_CODES[out_dtype],
+            x.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.stride(0),
+            temperature,
+            *self.launch_args(x.device),
+        )
         return out
 
     def token_logprobs(self, logits, tokens, temperature):
         logits, tokens = _inner_contiguous(logits), tokens.to(torch.int64).contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        self.lib.token_logprobs(DTYPE_CODES[logits.dtype], logits.data_ptr(), tokens.data_ptr(),
-                                out.data_ptr(), logits.shape[0], logits.shape[1],
-                                logits.stride(0), temperature, *self.launch_args(logits.device))
+        self.lib.token_logprobs(
+            DTYPE_CODES[logits.dtype],
+            logits.data_ptr(),
+            tokens.data_ptr(),
+            out.data_ptr(),
+            logits.shape[0],
+            logits.shape[1],
+            logits.stride(0),
+            temperature,
+            *self.launch_args(logits.device),
+        )
         return out
 
     def attention(self, q, k, v, causal, scale, kv_start, split_size):
@@ -69,18 +110,38 @@ class NativeBackend:
         batch, hq, tq, d = q.shape
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         # The workspace tensor stays referenced here until the (stream-ordered) launch is queued.
-        workspace, extra = (None, ()) if self.attention_scratch is None else \
-            self.attention_scratch(q, k.shape[2], split_size)
+        workspace, extra = (
+            (None, ())
+            if self.attention_scratch is None
+            else self.attention_scratch(q, k.shape[2], split_size)
+        )
         self.lib.attention(
-            DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_start.data_ptr(),
-            out.data_ptr(), (batch, hq, k.shape[1], tq, k.shape[2], d, split_size),
-            q.stride()[:3], k.stride()[:3], v.stride()[:3], scale, causal, *extra,
-            *self.launch_args(q.device))
+            DTYPE_CODES[q.dtype],
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            kv_start.data_ptr(),
+            out.data_ptr(),
+            (batch, hq, k.shape[1], tq, k.shape[2], d, split_size),
+            q.stride()[:3],
+            k.stride()[:3],
+            v.stride()[:3],
+            scale,
+            causal,
+            *extra,
+            *self.launch_args(q.device),
+        )
         del workspace
         return out
 
     def export(self, namespace):
         """Put the backend API (check_device + the five kernels) into a module's namespace."""
-        for name in ("check_device", "matmul", "rms_norm", "log_softmax", "token_logprobs",
-                     "attention"):
+        for name in (
+            "check_device",
+            "matmul",
+            "rms_norm",
+            "log_softmax",
+            "token_logprobs",
+            "attention",
+        ):
             namespace[name] = getattr(self, name)

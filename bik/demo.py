@@ -12,7 +12,8 @@ import torch
 
 
 def _prefer_interpreter():
-    """Run the Triton kernels in the interpreter when no GPU is present (must precede their import)."""
+    """Run the Triton kernels in the interpreter when no GPU is present (must precede their
+    import)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -50,8 +51,10 @@ def _logprob_table(device, generator):
     sizes = [1, 2, 7, 33, rows]
     plain_d = _row_in_batches(plain, (h, tokens), sizes, generator)
     bik_d = _row_in_batches(invariant, (h, tokens), sizes, generator)
-    print("\n1) log-prob of row 0's token, alone vs inside a batch (fp32 LM head, "
-          f"hidden {hidden}, vocab {vocab})")
+    print(
+        "\n1) log-prob of row 0's token, alone vs inside a batch (fp32 LM head, "
+        f"hidden {hidden}, vocab {vocab})"
+    )
     print("| batch size | plain torch max abs diff | bik max abs diff |")
     print("|---:|---:|---:|")
     for size, p, b in zip(sizes, plain_d, bik_d):
@@ -70,7 +73,9 @@ def _attention_table(device, generator):
     bik_decode = bik.attention(q[:, :, -1:], k, v)
     plain_d = (plain_full[:, :, -1:] - plain_decode).abs().max().item()
     bik_d = (bik_full[:, :, -1:] - bik_decode).abs().max().item()
-    print(f"\n2) attention output of the last token: prefill vs decode over a {length}-token KV cache")
+    print(
+        f"\n2) attention output of the last token: prefill vs decode over a {length}-token KV cache"
+    )
     print("| path | max abs diff |\n|---|---:|")
     print(f"| plain torch (SDPA) | {plain_d:.3e} |\n| bik | {bik_d:.3e} |")
     return bik_d, plain_d
@@ -84,8 +89,11 @@ def run(seed=0):
     backend = backends.resolve(device).__name__.rsplit(".", 1)[-1]
     print(f"bik demo on {device} (backend: {backend})")
     generator = torch.Generator().manual_seed(seed)
-    bik_worst, plain_worst = map(max, zip(_logprob_table(device, generator),
-                                          _attention_table(device, generator)))
-    print(f"\nbik: every difference is {bik_worst:.1e} (bit-identical: {bik_worst == 0}); "
-          f"plain torch's largest is {plain_worst:.1e}.")
+    bik_worst, plain_worst = map(
+        max, zip(_logprob_table(device, generator), _attention_table(device, generator))
+    )
+    print(
+        f"\nbik: every difference is {bik_worst:.1e} (bit-identical: {bik_worst == 0}); "
+        f"plain torch's largest is {plain_worst:.1e}."
+    )
     return 0 if bik_worst == 0 else 1

@@ -23,8 +23,19 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "bik"
 # Modules that run no reduction of their own: containers whose children do the work, lookups,
 # elementwise activations, and rotary embeddings (an outer product: no sum over anything).
-_SAFE_SUFFIXES = ("ForCausalLM", "Model", "DecoderLayer", "MLP", "RotaryEmbedding", "Activation",
-                  "ModuleList", "Embedding", "Identity", "SiLU", "GELU")
+_SAFE_SUFFIXES = (
+    "ForCausalLM",
+    "Model",
+    "DecoderLayer",
+    "MLP",
+    "RotaryEmbedding",
+    "Activation",
+    "ModuleList",
+    "Embedding",
+    "Identity",
+    "SiLU",
+    "GELU",
+)
 
 
 @dataclasses.dataclass
@@ -89,10 +100,15 @@ def _kind(name, module):
 def _check_model(model):
     from transformers import GenerationMixin, PreTrainedModel
 
-    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin) \
-            or not hasattr(model, "lm_head"):
-        raise TypeError(f"model: expected a Hugging Face causal LM (PreTrainedModel with a "
-                        f"generate() and an lm_head), got {type(model).__name__}")
+    if (
+        not isinstance(model, PreTrainedModel)
+        or not isinstance(model, GenerationMixin)
+        or not hasattr(model, "lm_head")
+    ):
+        raise TypeError(
+            f"model: expected a Hugging Face causal LM (PreTrainedModel with a "
+            f"generate() and an lm_head), got {type(model).__name__}"
+        )
     if hasattr(model, "_bik_patch"):
         raise RuntimeError("model: already patched by bik; call bik.unpatch_model(model) first")
 
@@ -109,11 +125,16 @@ def patch_model(model, *, backend="auto", strict=True, split_size=None):
     _validate_split_size(split_size)
     family = model.config.model_type
     if strict and family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"model: family {family!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to patch what can be")
+        raise ValueError(
+            f"model: family {family!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to patch what can be"
+        )
     kinds = {name: _kind(name, module) for name, module in model.named_modules() if name}
-    unpatched = [f"{name} ({type(model.get_submodule(name)).__name__})"
-                 for name, kind in kinds.items() if kind is None]
+    unpatched = [
+        f"{name} ({type(model.get_submodule(name)).__name__})"
+        for name, kind in kinds.items()
+        if kind is None
+    ]
     if strict and unpatched:
         raise ValueError(f"model: cannot make these modules invariant: {', '.join(unpatched)}")
 
@@ -169,7 +190,11 @@ def _cached_kv_bounds(mask, batch, tq, tk):
     if mask is None:
         return _kv_bounds(None, batch, tq, tk)
     key = (batch, tq, tk, mask.shape, mask.dtype)
-    if _last_bounds["mask"] is None or _last_bounds["mask"]() is not mask or _last_bounds["key"] != key:
+    if (
+        _last_bounds["mask"] is None
+        or _last_bounds["mask"]() is not mask
+        or _last_bounds["key"] != key
+    ):
         _last_bounds.update(mask=weakref.ref(mask), key=key, bounds=_kv_bounds(mask, batch, tq, tk))
     return _last_bounds["bounds"]
 
@@ -188,13 +213,16 @@ def _kv_bounds(mask, batch, tq, tk):
     kv_len = tk - int(last_query.flip(-1).int().argmax(-1).min())
     expected = reference.attention_mask(tq, kv_len, kv_start, causal=True)[:, 0]
     if not torch.equal(allowed[..., :kv_len], expected) or bool(allowed[..., kv_len:].any()):
-        raise RuntimeError("bik attention: the attention mask is not causal with left padding "
-                           "(right padding, packing or a sliding window cannot be made invariant)")
+        raise RuntimeError(
+            "bik attention: the attention mask is not causal with left padding "
+            "(right padding, packing or a sliding window cannot be made invariant)"
+        )
     return kv_start.to(torch.int32), kv_len
 
 
-def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       **kwargs):
+def _attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """transformers attention function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (cache included)
     -> ([B, Tq, Hq, D], None)."""
     if dropout and module.training:
@@ -205,12 +233,19 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2])
     backend, split_size = _ATTENTION_SETTINGS.get(id(module.config), ("auto", None))
     out = _in_backend(backend, attention)(
-        query, key[:, :, :kv_len], value[:, :, :kv_len], causal=True, scale=scaling,
-        kv_start=kv_start.to(query.device), split_size=split_size)
+        query,
+        key[:, :, :kv_len],
+        value[:, :, :kv_len],
+        causal=True,
+        scale=scaling,
+        kv_start=kv_start.to(query.device),
+        split_size=split_size,
+    )
     return out.transpose(1, 2), None
 
 
 # -- trainer side --------------------------------------------------------------------------
+
 
 def generation_position_ids(attention_mask):
     """Position ids exactly as transformers' generate derives them from the attention mask."""
@@ -225,14 +260,23 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
     ``response_mask[:, t]`` is set, else 0 (position 0 has no prediction). Positions come from
     the attention mask as in generation, and the one-token shift is done here.
     """
-    for name, t in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                    ("response_mask", response_mask)):
+    for name, t in (
+        ("input_ids", input_ids),
+        ("attention_mask", attention_mask),
+        ("response_mask", response_mask),
+    ):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D tensor [B, T]")
         if t.shape != input_ids.shape:
-            raise ValueError(f"{name}: expected shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=generation_position_ids(attention_mask), use_cache=False).logits
+            raise ValueError(
+                f"{name}: expected shape {tuple(input_ids.shape)}, got {tuple(t.shape)}"
+            )
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=generation_position_ids(attention_mask),
+        use_cache=False,
+    ).logits
     logp = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logp.device)
     out[:, 1:] = torch.where(response_mask[:, 1:].bool(), logp, 0.0)

@@ -34,7 +34,9 @@ def _backend(device):
 def _supported(op, *tensors):
     for t in tensors:
         if t is not None and t.dtype not in _checks.FLOAT_DTYPES:
-            raise NotImplementedError(f"bik batch_invariant_mode: aten.{op} on {t.dtype} is not covered")
+            raise NotImplementedError(
+                f"bik batch_invariant_mode: aten.{op} on {t.dtype} is not covered"
+            )
 
 
 def _bmm(a, b, bias=None):
@@ -99,14 +101,17 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
     if attn_mask is not None or dropout_p or (is_causal and q.shape[2] != k.shape[2]):
         raise NotImplementedError(
             "bik batch_invariant_mode: SDPA with attn_mask, dropout, or is_causal with Tq != Tk "
-            "is not covered; call bik.attention with kv_start instead")
+            "is not covered; call bik.attention with kv_start instead"
+        )
     _backend(q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = attention(q, k, v, causal=is_causal, scale=scale)
     # logsumexp is only read by the backward formula; plain fp32 math (deterministic).
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if is_causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(
+            torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")
+        )
     return out, torch.logsumexp(scores, dim=-1)
 
 

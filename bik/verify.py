@@ -16,12 +16,20 @@ import torch
 from . import hf
 from .ops.log_softmax import token_logprobs
 
-PRESETS = {
-    f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES
-}
-_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-             max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+PRESETS = {f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES}
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,12 +46,15 @@ def load_model(name, device="cpu", dtype=torch.float32, seed=0):
     elif Path(name).is_dir():
         model = AutoModelForCausalLM.from_pretrained(name)
     else:
-        raise ValueError(f"model: expected a preset ({', '.join(PRESETS)}) or a local model "
-                         f"directory, got {name!r}")
+        raise ValueError(
+            f"model: expected a preset ({', '.join(PRESETS)}) or a local model "
+            f"directory, got {name!r}"
+        )
     return model.to(device=device, dtype=dtype).eval()
 
 
 # -- batches -------------------------------------------------------------------------------
+
 
 def left_pad(sequences, pad_id, extra=0):
     """Stack 1-D token tensors into ``ids, attention_mask`` with left padding (+ ``extra``)."""
@@ -51,8 +62,8 @@ def left_pad(sequences, pad_id, extra=0):
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = seq
-        mask[row, width - len(seq):] = 1
+        ids[row, width - len(seq) :] = seq
+        mask[row, width - len(seq) :] = 1
     return ids, mask
 
 
@@ -61,7 +72,7 @@ def _logprobs(model, sequences, pad_id, extra=0):
     device = model.device
     ids, mask = left_pad(sequences, pad_id, extra)
     out = hf.sequence_logprobs(model, ids.to(device), mask.to(device), mask.to(device))
-    return [out[row, out.shape[1] - len(seq) + 1:] for row, seq in enumerate(sequences)]
+    return [out[row, out.shape[1] - len(seq) + 1 :] for row, seq in enumerate(sequences)]
 
 
 def _random_tokens(rng, vocab, length):
@@ -74,6 +85,7 @@ def _compare(a, b):
 
 
 # -- checks --------------------------------------------------------------------------------
+
 
 def check_batch(model, rng, vocab, pad_id):
     seq = _random_tokens(rng, vocab, 24)
@@ -99,13 +111,20 @@ def check_decode(model, rng, vocab, pad_id, new_tokens=8):
     prompts = [_random_tokens(rng, vocab, rng.randrange(3, 20)) for _ in range(3)]
     ids, mask = left_pad(prompts, pad_id)
     device = model.device
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=pad_id)
-    generated = out.sequences[:, ids.shape[1]:]
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=pad_id,
+    )
+    generated = out.sequences[:, ids.shape[1] :]
     rollout = token_logprobs(torch.stack(out.logits, dim=1), generated)
     full_mask = torch.cat([mask.to(device), torch.ones_like(generated)], dim=1)
-    trained = hf.sequence_logprobs(model, out.sequences, full_mask, full_mask)[:, ids.shape[1]:]
+    trained = hf.sequence_logprobs(model, out.sequences, full_mask, full_mask)[:, ids.shape[1] :]
     return _compare(rollout, trained)
 
 
@@ -116,8 +135,12 @@ def check_chunked(model, rng, vocab, pad_id):
     cuts = sorted(rng.sample(range(1, len(seq)), 3))
     cache, pieces = DynamicCache(), []
     for start, stop in zip([0, *cuts], [*cuts, len(seq)]):
-        logits = model(input_ids=seq[None, start:stop], past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(start, stop, device=seq.device)[None]).logits
+        logits = model(
+            input_ids=seq[None, start:stop],
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.arange(start, stop, device=seq.device)[None],
+        ).logits
         pieces.append(logits[0])
     chunked = token_logprobs(torch.cat(pieces)[:-1], seq[1:])
     return _compare(chunked, _logprobs(model, [seq.cpu()], pad_id)[0])
@@ -125,8 +148,10 @@ def check_chunked(model, rng, vocab, pad_id):
 
 def check_left_padding(model, rng, vocab, pad_id):
     seq = _random_tokens(rng, vocab, 20)
-    return _compare(_logprobs(model, [seq], pad_id)[0],
-                    _logprobs(model, [seq], pad_id, extra=rng.randrange(1, 40))[0])
+    return _compare(
+        _logprobs(model, [seq], pad_id)[0],
+        _logprobs(model, [seq], pad_id, extra=rng.randrange(1, 40))[0],
+    )
 
 
 CHECKS = {
@@ -159,12 +184,18 @@ def first_divergent_module(model, seed=0):
     runs = []
     for sequences, row in (([seq], 0), (batch, 1)):
         outputs = []
-        hooks = [m.register_forward_hook(_recorder(name, m, outputs, row, len(seq)))
-                 for name, m in model.named_modules() if name]
+        hooks = [
+            m.register_forward_hook(_recorder(name, m, outputs, row, len(seq)))
+            for name, m in model.named_modules()
+            if name
+        ]
         ids, mask = left_pad(sequences, pad_id)
         with torch.no_grad():
-            model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                  position_ids=hf.generation_position_ids(mask).to(model.device))
+            model(
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                position_ids=hf.generation_position_ids(mask).to(model.device),
+            )
         for hook in hooks:
             hook.remove()
         runs.append(outputs)
@@ -173,8 +204,10 @@ def first_divergent_module(model, seed=0):
             if _same(in_a, in_b):
                 return f"{name} ({kind})"
             parent = name.rsplit(".", 1)[0]
-            return (f"an op that is not a module, inside {parent} (the input of {name} ({kind}) "
-                    "already differs: e.g. the attention function)")
+            return (
+                f"an op that is not a module, inside {parent} (the input of {name} ({kind}) "
+                "already differs: e.g. the attention function)"
+            )
     return None
 
 
@@ -186,12 +219,18 @@ def _same(a, b):
 def _recorder(name, module, outputs, row, length):
     def keep(t):
         t = t[0] if isinstance(t, tuple) and t else t
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] > row and t.shape[1] >= length:
+        if (
+            isinstance(t, torch.Tensor)
+            and t.dim() >= 2
+            and t.shape[0] > row
+            and t.shape[1] >= length
+        ):
             return t[row, -length:].detach().clone()
         return None
 
     def hook(_module, inputs, output):
         outputs.append((name, type(module).__name__, keep(inputs), keep(output)))
+
     return hook
 
 
@@ -201,11 +240,16 @@ def verify(model, seed=0, unpatched=True, echo=print):
     report = hf.patch_model(model)
     try:
         after = run_checks(model, seed)
-        culprit = None if all(ok for ok, _ in after.values()) else first_divergent_module(model, seed)
+        culprit = (
+            None if all(ok for ok, _ in after.values()) else first_divergent_module(model, seed)
+        )
     finally:
         hf.unpatch_model(model)
-    culprit_before = first_divergent_module(model, seed) if before and not all(
-        ok for ok, _ in before.values()) else None
+    culprit_before = (
+        first_divergent_module(model, seed)
+        if before and not all(ok for ok, _ in before.values())
+        else None
+    )
     echo(str(report))
     echo("| check | plain torch | bik |\n|---|---|---|")
     for name in CHECKS:
@@ -215,7 +259,10 @@ def verify(model, seed=0, unpatched=True, echo=print):
         echo(f"plain torch: first module whose output depends on the batch: {culprit_before}")
     passed = all(ok for ok, _ in after.values())
     if not passed:
-        echo(f"bik: MISMATCH; first module whose output depends on the batch: {culprit or 'none found'}")
+        echo(
+            "bik: MISMATCH; first module whose output depends on the batch: "
+            f"{culprit or 'none found'}"
+        )
     return passed
 
 
@@ -233,5 +280,6 @@ def main(args):
         model = load_model(name, args.device, DTYPES[args.dtype], args.seed)
         if not verify(model, args.seed, unpatched=not args.skip_unpatched):
             failed.append(name)
-    print(f"\nverify: {'FAILED: ' + ', '.join(failed) if failed else 'all checks bit-identical under bik'}")
+    verdict = "FAILED: " + ", ".join(failed) if failed else "all checks bit-identical under bik"
+    print(f"\nverify: {verdict}")
     return 1 if failed else 0

@@ -11,8 +11,9 @@ from . import plots, recipes, runner
 
 def _run(args):
     if args.resume:
-        summary = runner.run(None, args.resume, resume=True, cache_dir=args.cache_dir,
-                             name=Path(args.resume).name)
+        summary = runner.run(
+            None, args.resume, resume=True, cache_dir=args.cache_dir, name=Path(args.resume).name
+        )
     else:
         sets = list(args.set or []) + ([f"steps={args.steps}"] if args.steps else [])
         try:
@@ -30,18 +31,32 @@ def _compare(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plots.plot_runs(runs, out / "compare.png")
-    rows = ["| run | steps | reward first 5 | reward last 5 | k3 max | unequal tokens (mean) | "
-            "first collapse step |", "|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| run | steps | reward first 5 | reward last 5 | k3 max | unequal tokens (mean) | "
+        "first collapse step |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for d in args.dirs:
         history = runner.read_metrics(d)
-        collapse = next((m["step"] for m in history if any(
-            m.get(f"collapse/{f}") for f in ("reward_drop", "grad_norm_blowup", "grad_norm_drop"))), None)
+        collapse = next(
+            (
+                m["step"]
+                for m in history
+                if any(
+                    m.get(f"collapse/{f}")
+                    for f in ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
+                )
+            ),
+            None,
+        )
         first5 = sum(m["reward/mean"] for m in history[:5]) / max(len(history[:5]), 1)
         last5 = sum(m["reward/mean"] for m in history[-5:]) / max(len(history[-5:]), 1)
-        rows.append(f"| {Path(d).name} | {len(history)} | {first5:.3f} | {last5:.3f} | "
-                    f"{max(m['mismatch/k3_kl'] for m in history):.2e} | "
-                    f"{sum(m['mismatch/tokens_unequal_frac'] for m in history) / len(history):.3f} | "
-                    f"{collapse if collapse is not None else 'none'} |")
+        rows.append(
+            f"| {Path(d).name} | {len(history)} | {first5:.3f} | {last5:.3f} | "
+            f"{max(m['mismatch/k3_kl'] for m in history):.2e} | "
+            f"{sum(m['mismatch/tokens_unequal_frac'] for m in history) / len(history):.3f} | "
+            f"{collapse if collapse is not None else 'none'} |"
+        )
     table = "\n".join(rows) + "\n\n![compare](compare.png)\n"
     (out / "compare.md").write_text(table)
     print(table)
@@ -65,7 +80,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "recipes":
         for name, (description, overrides) in recipes.RECIPES.items():
-            print(f"{name:22s} {description}\n{'':22s} {json.dumps(overrides) if overrides else '{}'}")
+            print(
+                f"{name:22s} {description}\n{'':22s} {json.dumps(overrides) if overrides else '{}'}"
+            )
         return 0
     return _run(args) if args.command == "run" else _compare(args)
 

@@ -2,8 +2,14 @@
 
 import statistics
 
-FLAGS = ("reward_drop", "grad_norm_blowup", "grad_norm_drop", "k3_growth", "ess_collapse",
-         "length_surge")
+FLAGS = (
+    "reward_drop",
+    "grad_norm_blowup",
+    "grad_norm_drop",
+    "k3_growth",
+    "ess_collapse",
+    "length_surge",
+)
 COLLAPSE_FLAGS = ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
 
 
@@ -31,13 +37,18 @@ class Detector:
         if len(h["reward"]) >= w:
             mean_reward = sum(h["reward"][-w:]) / w
             self.best_reward = max(self.best_reward or mean_reward, mean_reward)
-            flags["reward_drop"] = self.best_reward > 0.1 and \
-                mean_reward < (1 - cfg["reward_drop"]) * self.best_reward
+            flags["reward_drop"] = (
+                self.best_reward > 0.1 and mean_reward < (1 - cfg["reward_drop"]) * self.best_reward
+            )
         if len(h["grad_norm"]) > w:
-            median = statistics.median(h["grad_norm"][-w - 1:-1])
-            flags["grad_norm_blowup"] = metrics["grad_norm"] > cfg["grad_norm_factor"] * max(median, 1e-8)
-            flags["grad_norm_drop"] = median > cfg["grad_norm_floor"] and \
-                metrics["grad_norm"] < median / cfg["grad_norm_factor"]
+            median = statistics.median(h["grad_norm"][-w - 1 : -1])
+            flags["grad_norm_blowup"] = metrics["grad_norm"] > cfg["grad_norm_factor"] * max(
+                median, 1e-8
+            )
+            flags["grad_norm_drop"] = (
+                median > cfg["grad_norm_floor"]
+                and metrics["grad_norm"] < median / cfg["grad_norm_factor"]
+            )
         flags["k3_growth"] = metrics.get("mismatch/k3_kl", 0.0) > cfg["k3_max"]
         flags["ess_collapse"] = metrics.get("mismatch/is_ess", 1.0) < cfg["ess_min"]
         if len(h["length"]) >= 2 * w:

@@ -13,33 +13,72 @@ DEFAULTS = {
     "steps": 200,
     "checkpoint_every": 20,
     "model": {  # a tiny random-init Qwen3-style policy, or a local model directory
-        "path": None, "family": "qwen3", "hidden_size": 64, "layers": 2, "heads": 4,
-        "kv_heads": 2, "head_dim": 16,
+        "path": None,
+        "family": "qwen3",
+        "hidden_size": 64,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
     },
     "task": {"name": "addition", "min_digits": 1, "max_digits": 2},
     "warmup": {"steps": 600, "lr": 3e-3, "batch_size": 64},  # supervised, cached, before RL
     "rollout": {
-        "prompts": 32, "samples_per_prompt": 4, "max_new_tokens": 10, "temperature": 1.0,
-        "top_k": 0, "top_p": 1.0,
+        "prompts": 32,
+        "samples_per_prompt": 4,
+        "max_new_tokens": 10,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
         # mismatch sources, all on the rollout side; defaults give zero mismatch
-        "kernels": "bik", "dtype": "float32", "split_size": 0, "logit_noise_std": 0.0,
-        "logit_noise_bias": 0.0, "logit_round_bits": 0,
+        "kernels": "bik",
+        "dtype": "float32",
+        "split_size": 0,
+        "logit_noise_std": 0.0,
+        "logit_noise_bias": 0.0,
+        "logit_round_bits": 0,
     },
     "train": {
-        "advantage": "grpo", "loss": "ppo", "lr": 2e-4, "weight_decay": 0.0, "grad_clip": 1.0,
-        "clip_low": 0.2, "clip_high": 0.28, "dtype": "float32", "kernels": "bik",
+        "advantage": "grpo",
+        "loss": "ppo",
+        "lr": 2e-4,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dtype": "float32",
+        "kernels": "bik",
         "micro_batch_size": 0,  # 0: the whole batch in one forward
     },
     "remedy": {
-        "name": "none", "clip": 2.0, "low": 0.5, "high": 2.0, "geo_low": 0.999, "geo_high": 1.001,
-        "k_threshold": 0.01, "veto": 1e-4, "self_normalize": False, "bypass": False,
+        "name": "none",
+        "clip": 2.0,
+        "low": 0.5,
+        "high": 2.0,
+        "geo_low": 0.999,
+        "geo_high": 1.001,
+        "k_threshold": 0.01,
+        "veto": 1e-4,
+        "self_normalize": False,
+        "bypass": False,
     },
     "lr_schedule": {
-        "name": "constant", "min_ratio": 0.1, "period_factor": 1.8, "surge_ratio": 1.5,
-        "surge_window": 5, "decay_period": 0,
+        "name": "constant",
+        "min_ratio": 0.1,
+        "period_factor": 1.8,
+        "surge_ratio": 1.5,
+        "surge_window": 5,
+        "decay_period": 0,
     },
-    "collapse": {"window": 5, "reward_drop": 0.5, "grad_norm_factor": 10.0, "grad_norm_floor": 0.01,
-                 "k3_max": 0.05, "ess_min": 0.5, "length_surge": 2.0},
+    "collapse": {
+        "window": 5,
+        "reward_drop": 0.5,
+        "grad_norm_factor": 10.0,
+        "grad_norm_floor": 0.01,
+        "k3_max": 0.05,
+        "ess_min": 0.5,
+        "length_surge": 2.0,
+    },
     "assert_zero_mismatch": True,  # a run whose config injects nothing must measure exactly 0
 }
 
@@ -52,8 +91,18 @@ CHOICES = {
     "train.dtype": ("float32", "bfloat16", "float16"),
     "train.advantage": ("grpo", "rloo"),
     "train.loss": ("ppo", "reinforce"),
-    "remedy.name": ("none", "token_tis", "seq_tis", "geo_is", "geo_rs", "token_mis", "k1_rs",
-                    "k3_rs", "token_veto", "fp16"),
+    "remedy.name": (
+        "none",
+        "token_tis",
+        "seq_tis",
+        "geo_is",
+        "geo_rs",
+        "token_mis",
+        "k1_rs",
+        "k3_rs",
+        "token_veto",
+        "fp16",
+    ),
     "lr_schedule.name": ("constant", "length_surge"),
 }
 
@@ -89,7 +138,9 @@ def apply(config, key, value):
             raise ConfigError(f"unknown config key {key!r}")
         node = node[part]
     if name not in node or isinstance(node[name], dict):
-        raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(flatten(config)))}")
+        raise ConfigError(
+            f"unknown config key {key!r}; known: {', '.join(sorted(flatten(config)))}"
+        )
     default = DEFAULTS_FLAT.get(key, node[name])
     node[name] = _coerce(key, value, default) if isinstance(value, str) else value
 
@@ -126,14 +177,23 @@ def validate(config):
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key}: expected one of {allowed}, got {flat[key]!r}")
-    positive = ["steps", "rollout.prompts", "rollout.samples_per_prompt", "rollout.max_new_tokens",
-                "rollout.temperature", "train.lr", "remedy.clip", "warmup.batch_size"]
+    positive = [
+        "steps",
+        "rollout.prompts",
+        "rollout.samples_per_prompt",
+        "rollout.max_new_tokens",
+        "rollout.temperature",
+        "train.lr",
+        "remedy.clip",
+        "warmup.batch_size",
+    ]
     for key in positive:
         if not flat[key] > 0:
             raise ConfigError(f"{key}: expected a positive value, got {flat[key]!r}")
     if flat["train.advantage"] in ("grpo", "rloo") and flat["rollout.samples_per_prompt"] < 2:
-        raise ConfigError("rollout.samples_per_prompt: grpo/rloo advantages need at least 2 "
-                          "samples per prompt")
+        raise ConfigError(
+            "rollout.samples_per_prompt: grpo/rloo advantages need at least 2 samples per prompt"
+        )
     if not 0 < flat["rollout.top_p"] <= 1:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {flat['rollout.top_p']}")
     if flat["rollout.split_size"] % 32:
@@ -143,9 +203,13 @@ def validate(config):
     if not 0 <= flat["rollout.logit_round_bits"] <= 23:
         raise ConfigError("rollout.logit_round_bits: expected 0 (off) to 23 mantissa bits")
     if flat["remedy.name"] == "fp16" and (flat["train.dtype"], flat["rollout.dtype"]) != (
-            "float32", "float32"):
-        raise ConfigError("remedy.name=fp16 sets both dtypes itself; leave train.dtype and "
-                          "rollout.dtype at float32")
+        "float32",
+        "float32",
+    ):
+        raise ConfigError(
+            "remedy.name=fp16 sets both dtypes itself; leave train.dtype and "
+            "rollout.dtype at float32"
+        )
     path = flat["model.path"]
     if path is not None and not Path(path).is_dir():
         raise ConfigError(f"model.path: no model directory at {path!r}")
@@ -154,9 +218,15 @@ def validate(config):
 def is_zero_mismatch(config):
     """True when nothing in the config makes the rollout differ from the trainer."""
     r, t = config["rollout"], config["train"]
-    return (r["kernels"] == "bik" and t["kernels"] == "bik" and r["dtype"] == t["dtype"]
-            and r["split_size"] == 0 and r["logit_noise_std"] == 0 and r["logit_noise_bias"] == 0
-            and r["logit_round_bits"] == 0)
+    return (
+        r["kernels"] == "bik"
+        and t["kernels"] == "bik"
+        and r["dtype"] == t["dtype"]
+        and r["split_size"] == 0
+        and r["logit_noise_std"] == 0
+        and r["logit_noise_bias"] == 0
+        and r["logit_round_bits"] == 0
+    )
 
 
 def save(config, path):

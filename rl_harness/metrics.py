@@ -21,8 +21,10 @@ def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
     (1 = response token). ``clip`` is C of the IS-weight fraction and ESS statistics.
     """
     if train_logp.shape != rollout_logp.shape or mask.shape != train_logp.shape:
-        raise ValueError(f"mismatch_metrics: expected equal shapes, got {tuple(train_logp.shape)}, "
-                         f"{tuple(rollout_logp.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"mismatch_metrics: expected equal shapes, got {tuple(train_logp.shape)}, "
+            f"{tuple(rollout_logp.shape)}, {tuple(mask.shape)}"
+        )
     m = mask.to(torch.float64)
     valid = m.bool()
     r = torch.where(valid, train_logp.double() - rollout_logp.double(), 0.0)
@@ -30,11 +32,11 @@ def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
     tokens_per_seq = m.sum(-1)
     has_tokens = tokens_per_seq > 0
     seq_log_ratio = r.sum(-1)  # log of the sequence IS weight prod_t rho_t
-    seq_mean = lambda x: x[has_tokens].mean() if bool(has_tokens.any()) else x.new_zeros(())  # noqa: E731
+    seq_mean = lambda x: x[has_tokens].mean() if bool(has_tokens.any()) else x.new_zeros(())
     weights = rho[valid]
     clamped = weights.clamp(1.0 / clip, clip)
     normalised = clamped / clamped.mean() if weights.numel() else clamped
-    per_seq_mean = lambda x: (x * m).sum(-1) / tokens_per_seq.clamp(min=1)  # noqa: E731
+    per_seq_mean = lambda x: (x * m).sum(-1) / tokens_per_seq.clamp(min=1)
     stats = {
         "logprob_abs_diff_mean": _masked_mean(r.abs(), m),
         "logprob_abs_diff_max": r.abs().max() if r.numel() else r.new_zeros(()),
@@ -43,19 +45,22 @@ def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
         "k1_kl": _masked_mean(-r, m),
         "k2_kl": _masked_mean(0.5 * r * r, m),
         "k3_kl": _masked_mean(rho - r - 1.0, m),
-        "log_ppl_abs_diff": seq_mean((per_seq_mean(train_logp.double()) - per_seq_mean(
-            rollout_logp.double())).abs()),
+        "log_ppl_abs_diff": seq_mean(
+            (per_seq_mean(train_logp.double()) - per_seq_mean(rollout_logp.double())).abs()
+        ),
         "chi2_token": _masked_mean(rho * rho, m) - 1.0,
         "chi2_seq": seq_mean(torch.exp(2.0 * seq_log_ratio)) - 1.0,
         "is_weight_mean": weights.mean() if weights.numel() else r.new_ones(()),
         "is_weight_min": weights.min() if weights.numel() else r.new_ones(()),
         "is_weight_max": weights.max() if weights.numel() else r.new_ones(()),
         "seq_is_weight_mean": seq_mean(torch.exp(seq_log_ratio)),
-        "seq_is_weight_max": torch.exp(seq_log_ratio[has_tokens]).max() if bool(has_tokens.any())
+        "seq_is_weight_max": torch.exp(seq_log_ratio[has_tokens]).max()
+        if bool(has_tokens.any())
         else r.new_ones(()),
         "is_ess": 1.0 / (normalised * normalised).mean() if weights.numel() else r.new_ones(()),
         "is_frac_above_c": (weights > clip).double().mean() if weights.numel() else r.new_zeros(()),
-        "is_frac_below_inv_c": (weights < 1.0 / clip).double().mean() if weights.numel()
+        "is_frac_below_inv_c": (weights < 1.0 / clip).double().mean()
+        if weights.numel()
         else r.new_zeros(()),
     }
     return {PREFIX + name: float(value) for name, value in stats.items()}

@@ -28,16 +28,27 @@ def build_master(model_cfg, seed):
     if model_cfg["path"]:
         model = AutoModelForCausalLM.from_pretrained(model_cfg["path"], torch_dtype=torch.float32)
         if model.config.vocab_size < tasks.VOCAB_SIZE:
-            raise ValueError(f"model.path: vocabulary of {model.config.vocab_size} is smaller than "
-                             f"the task alphabet ({tasks.VOCAB_SIZE})")
+            raise ValueError(
+                f"model.path: vocabulary of {model.config.vocab_size} is smaller than "
+                f"the task alphabet ({tasks.VOCAB_SIZE})"
+            )
         return model.train()
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
-        model_cfg["family"], vocab_size=tasks.VOCAB_SIZE, hidden_size=model_cfg["hidden_size"],
-        intermediate_size=4 * model_cfg["hidden_size"], num_hidden_layers=model_cfg["layers"],
-        num_attention_heads=model_cfg["heads"], num_key_value_heads=model_cfg["kv_heads"],
-        head_dim=model_cfg["head_dim"], max_position_embeddings=256, pad_token_id=tasks.PAD,
-        bos_token_id=tasks.BOS, eos_token_id=tasks.EOS, tie_word_embeddings=False)
+        model_cfg["family"],
+        vocab_size=tasks.VOCAB_SIZE,
+        hidden_size=model_cfg["hidden_size"],
+        intermediate_size=4 * model_cfg["hidden_size"],
+        num_hidden_layers=model_cfg["layers"],
+        num_attention_heads=model_cfg["heads"],
+        num_key_value_heads=model_cfg["kv_heads"],
+        head_dim=model_cfg["head_dim"],
+        max_position_embeddings=256,
+        pad_token_id=tasks.PAD,
+        bos_token_id=tasks.BOS,
+        eos_token_id=tasks.EOS,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(config).train()
 
 
@@ -59,8 +70,9 @@ def sft_batch(task_cfg, rng, size):
     """Left-padded BOS+prompt+answer+EOS sequences and a mask of the answer+EOS tokens."""
     rows = []
     for _ in range(size):
-        prompt, answer = tasks.sample(task_cfg["name"], rng, task_cfg["min_digits"],
-                                      task_cfg["max_digits"])
+        prompt, answer = tasks.sample(
+            task_cfg["name"], rng, task_cfg["min_digits"], task_cfg["max_digits"]
+        )
         rows.append(([tasks.BOS] + tasks.encode(prompt), tasks.encode(answer) + [tasks.EOS]))
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((size, width), tasks.PAD, dtype=torch.long)
@@ -69,7 +81,7 @@ def sft_batch(task_cfg, rng, size):
         start = width - len(p) - len(a)
         ids[i, start:] = torch.tensor(p + a)
         attention[i, start:] = 1
-        target[i, width - len(a):] = 1
+        target[i, width - len(a) :] = 1
     return ids, attention, target
 
 
@@ -84,10 +96,12 @@ def warmup(master, config, cache_dir):
     opt = torch.optim.AdamW(master.parameters(), lr=config["warmup"]["lr"])
     for _ in range(config["warmup"]["steps"]):
         ids, attention, target = sft_batch(config["task"], rng, config["warmup"]["batch_size"])
-        logits = master(input_ids=ids, attention_mask=attention,
-                        position_ids=generation_position_ids(attention)).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
-                                                 reduction="none")
+        logits = master(
+            input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
+        ).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), ids[:, 1:], reduction="none"
+        )
         loss = (loss * target[:, 1:]).sum() / target[:, 1:].sum()
         opt.zero_grad()
         loss.backward()

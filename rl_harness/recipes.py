@@ -5,34 +5,55 @@ _DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
 
 RECIPES = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
-    "kernel_swap": ("rollout on native torch kernels, trainer on bik",
-                    {"rollout.kernels": "native"}),
+    "kernel_swap": (
+        "rollout on native torch kernels, trainer on bik",
+        {"rollout.kernels": "native"},
+    ),
     "dtype_swap": ("rollout in bfloat16, trainer in float32", {"rollout.dtype": "bfloat16"}),
-    "split_swap": ("rollout attention with another fixed split size (needs sequences > 32 tokens)",
-                   {"task.name": "sorting", "task.max_digits": 4, "rollout.max_new_tokens": 28,
-                    "rollout.split_size": 32}),
-    "microbatch_native": ("native kernels on both sides, trainer micro-batches of 8 rows",
-                          {"rollout.kernels": "native", "train.kernels": "native",
-                           "train.micro_batch_size": 8}),
+    "split_swap": (
+        "rollout attention with another fixed split size (needs sequences > 32 tokens)",
+        {
+            "task.name": "sorting",
+            "task.max_digits": 4,
+            "rollout.max_new_tokens": 28,
+            "rollout.split_size": 32,
+        },
+    ),
+    "microbatch_native": (
+        "native kernels on both sides, trainer micro-batches of 8 rows",
+        {"rollout.kernels": "native", "train.kernels": "native", "train.micro_batch_size": 8},
+    ),
     "noise_random": ("unbiased rollout logit noise (std 0.1)", {"rollout.logit_noise_std": 0.1}),
-    "noise_biased": ("biased rollout logit drift (0.5 x a fixed random direction)",
-                     {"rollout.logit_noise_bias": 0.5}),
-    "logit_rounding": ("rollout logits rounded to 7 mantissa bits (bf16-like)",
-                       {"rollout.logit_round_bits": 7}),
+    "noise_biased": (
+        "biased rollout logit drift (0.5 x a fixed random direction)",
+        {"rollout.logit_noise_bias": 0.5},
+    ),
+    "logit_rounding": (
+        "rollout logits rounded to 7 mantissa bits (bf16-like)",
+        {"rollout.logit_round_bits": 7},
+    ),
     "high_lr": ("zero mismatch at the drifting runs' LR (their baseline)", {"train.lr": 1e-3}),
     "drifting": ("a drifting run for the remedies: biased drift 2.0, LR 1e-3", _DRIFTING),
     "drifting_token_tis": ("drifting + token TIS (C=2)", {**_DRIFTING, "remedy.name": "token_tis"}),
-    "drifting_token_mis": ("drifting + token MIS / IcePop [0.5, 2]",
-                           {**_DRIFTING, "remedy.name": "token_mis"}),
-    "drifting_geo_rs": ("drifting + geometric-mean rejection [0.999, 1.001]",
-                        {**_DRIFTING, "remedy.name": "geo_rs"}),
-    "drifting_lr_decay": ("drifting + LR decay on response-length surge",
-                          {**_DRIFTING, "lr_schedule.name": "length_surge"}),
+    "drifting_token_mis": (
+        "drifting + token MIS / IcePop [0.5, 2]",
+        {**_DRIFTING, "remedy.name": "token_mis"},
+    ),
+    "drifting_geo_rs": (
+        "drifting + geometric-mean rejection [0.999, 1.001]",
+        {**_DRIFTING, "remedy.name": "geo_rs"},
+    ),
+    "drifting_lr_decay": (
+        "drifting + LR decay on response-length surge",
+        {**_DRIFTING, "lr_schedule.name": "length_surge"},
+    ),
     "drifting_fp16": ("drifting + float16 on both sides", {**_DRIFTING, "remedy.name": "fp16"}),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift
-    RECIPES[f"dose_bias_{_scale}"] = (f"dose-response: biased drift {_scale}, LR 1e-3",
-                                      {"rollout.logit_noise_bias": _scale, "train.lr": 1e-3})
+    RECIPES[f"dose_bias_{_scale}"] = (
+        f"dose-response: biased drift {_scale}, LR 1e-3",
+        {"rollout.logit_noise_bias": _scale, "train.lr": 1e-3},
+    )
 DEFAULT = "zero_mismatch"
 
 

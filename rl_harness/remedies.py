@@ -46,7 +46,8 @@ def weights(cfg, old, rollout, mask):
     stats = {
         "remedy/masked_frac": float(((1 - keep) * m).sum() / valid),
         "remedy/clipped_frac": float(((rho > clip) & mask.bool()).float().sum() / valid)
-        if name in ("token_tis", "seq_tis", "geo_is") else 0.0,
+        if name in ("token_tis", "seq_tis", "geo_is")
+        else 0.0,
     }
     return w, keep, stats
 
@@ -67,8 +68,12 @@ class LengthSurgeLR:
         self.period = cfg["decay_period"] or None
 
     def state_dict(self):
-        return {"lr": self.lr, "lengths": self.lengths, "surge_step": self.surge_step,
-                "period": self.period}
+        return {
+            "lr": self.lr,
+            "lengths": self.lengths,
+            "surge_step": self.surge_step,
+            "period": self.period,
+        }
 
     def load_state_dict(self, state):
         self.lr, self.lengths = state["lr"], list(state["lengths"])
@@ -86,7 +91,11 @@ class LengthSurgeLR:
             if recent >= self.cfg["surge_ratio"] * baseline:
                 self.surge_step = step
                 self.period = self.period or max(1, round(self.cfg["period_factor"] * step))
-        if self.period and (self.surge_step is not None or self.cfg["decay_period"]) \
-                and step > 0 and step % self.period == 0:
+        if (
+            self.period
+            and (self.surge_step is not None or self.cfg["decay_period"])
+            and step > 0
+            and step % self.period == 0
+        ):
             self.lr = max(self.lr / 2, self.cfg["min_ratio"] * self.lr0)
         return self.lr

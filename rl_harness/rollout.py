@@ -61,17 +61,24 @@ def sample(model, prompts, cfg, drift, generator):
     ids = torch.full((len(prompts), width), tasks.PAD, dtype=torch.long)
     attention = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
     cache = DynamicCache()
     step_ids, positions = ids, generation_position_ids(attention)
     tokens, logps, in_response = [], [], []
     alive = torch.ones(len(prompts), dtype=torch.bool)
     for _ in range(cfg["max_new_tokens"]):
-        logits = model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                       past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        logits = process_logits(perturb_logits(logits, cfg, drift, generator), cfg["top_k"],
-                                cfg["top_p"])
+        logits = model(
+            input_ids=step_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        logits = process_logits(
+            perturb_logits(logits, cfg, drift, generator), cfg["top_k"], cfg["top_p"]
+        )
         probs = bik.log_softmax(logits / cfg["temperature"], dtype=torch.float32).exp()
         token = torch.multinomial(probs, 1, generator=generator)[:, 0]
         token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD

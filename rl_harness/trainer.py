@@ -31,8 +31,11 @@ def token_logprobs_and_entropy(model, batch, rollout_cfg, micro_batch_size):
     logps, entropies = [], []
     for start in range(0, ids.shape[0], size):
         part = slice(start, start + size)
-        logits = model(input_ids=ids[part], attention_mask=attention[part],
-                       position_ids=generation_position_ids(attention[part])).logits[:, :-1]
+        logits = model(
+            input_ids=ids[part],
+            attention_mask=attention[part],
+            position_ids=generation_position_ids(attention[part]),
+        ).logits[:, :-1]
         logits = process_logits(logits, rollout_cfg["top_k"], rollout_cfg["top_p"])
         temperature = rollout_cfg["temperature"]
         logps.append(bik.token_logprobs(logits, ids[part, 1:], temperature))
@@ -50,7 +53,7 @@ def policy_loss(train_logp, batch, adv, cfg):
     mask = batch["response_mask"].float()
     rollout_logp = batch["rollout_logp"]
     old = rollout_logp if cfg["remedy"]["bypass"] else train_logp.detach()
-    w, keep, stats = remedies.weights(cfg["remedy"], train_logp.detach(), rollout_logp, mask)
+    w, _, stats = remedies.weights(cfg["remedy"], train_logp.detach(), rollout_logp, mask)
     a = adv[:, None].expand_as(train_logp)
     t = cfg["train"]
     if t["loss"] == "ppo":
@@ -58,7 +61,9 @@ def policy_loss(train_logp, batch, adv, cfg):
         clipped = ratio.clamp(1 - t["clip_low"], 1 + t["clip_high"])
         per_token = -torch.minimum(ratio * a, clipped * a)
         with torch.no_grad():
-            stats["ppo/clip_frac"] = float(((ratio != clipped).float() * mask).sum() / mask.sum().clamp(min=1))
+            stats["ppo/clip_frac"] = float(
+                ((ratio != clipped).float() * mask).sum() / mask.sum().clamp(min=1)
+            )
     else:
         per_token = -a * train_logp
         stats["ppo/clip_frac"] = 0.0

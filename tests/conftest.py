@@ -7,11 +7,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton kernel import
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+import pytest
+from hypothesis import HealthCheck, Phase, settings
 
-import bik  # noqa: E402
-from bik import backends  # noqa: E402
+import bik
+from bik import backends
 
 settings.register_profile(
     "bik",

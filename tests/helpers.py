@@ -1,7 +1,6 @@
 """Shared test helpers: random inputs, bitwise and tolerance checks."""
 
 import torch
-
 from conftest import DEVICE
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bik
 from bik import reference
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 
 SPLITS = st.sampled_from([32, 64, bik.DEFAULT_SPLIT_SIZE])
 
@@ -29,29 +29,48 @@ def chunk_bounds(length, draw):
 
 
 @settings(max_examples=10)  # every decode step is a kernel launch in the interpreter
-@given(dtype=st.sampled_from(DTYPES), batch=st.integers(1, 2), hkv=st.integers(1, 2),
-       groups=st.integers(1, 3), length=st.integers(1, 70), dim=st.sampled_from([8, 16, 40]),
-       split=SPLITS, data=st.data())
-def test_prefill_equals_chunked_prefill_equals_decode(backend, dtype, batch, hkv, groups, length,
-                                                     dim, split, data):
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    length=st.integers(1, 70),
+    dim=st.sampled_from([8, 16, 40]),
+    split=SPLITS,
+    data=st.data(),
+)
+def test_prefill_equals_chunked_prefill_equals_decode(
+    backend, dtype, batch, hkv, groups, length, dim, split, data
+):
     q, k, v = qkv(batch, hkv, groups, length, dim, dtype, seed=1)
     full = bik.attention(q, k, v, split_size=split)
 
     def upto(t, stop):
         return t[:, :, :stop]
 
-    chunks = [bik.attention(q[:, :, a:b], upto(k, b), upto(v, b), split_size=split)
-              for a, b in chunk_bounds(length, data.draw)]
+    chunks = [
+        bik.attention(q[:, :, a:b], upto(k, b), upto(v, b), split_size=split)
+        for a, b in chunk_bounds(length, data.draw)
+    ]
     assert_bitwise(torch.cat(chunks, dim=2), full, "chunked prefill")
-    steps = [bik.attention(q[:, :, t : t + 1], upto(k, t + 1), upto(v, t + 1), split_size=split)
-             for t in range(length)]
+    steps = [
+        bik.attention(q[:, :, t : t + 1], upto(k, t + 1), upto(v, t + 1), split_size=split)
+        for t in range(length)
+    ]
     assert_bitwise(torch.cat(steps, dim=2), full, "token-by-token decode")
 
 
-@given(dtype=st.sampled_from(DTYPES), lengths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
-       groups=st.integers(1, 2), causal=st.booleans(), split=SPLITS, data=st.data())
-def test_left_padded_batch_rows_equal_unpadded_rows_alone(backend, dtype, lengths, groups, causal,
-                                                          split, data):
+@given(
+    dtype=st.sampled_from(DTYPES),
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    groups=st.integers(1, 2),
+    causal=st.booleans(),
+    split=SPLITS,
+    data=st.data(),
+)
+def test_left_padded_batch_rows_equal_unpadded_rows_alone(
+    backend, dtype, lengths, groups, causal, split, data
+):
     # A batch of different sequences, left-padded with garbage to the longest one: each row's
     # valid outputs equal that sequence computed alone without padding (batch + padding axes).
     width = max(lengths) + data.draw(st.integers(0, 40))
@@ -59,8 +78,9 @@ def test_left_padded_batch_rows_equal_unpadded_rows_alone(backend, dtype, length
     kv_start = torch.tensor([width - n for n in lengths], dtype=torch.int32, device=q.device)
     batched = bik.attention(q, k, v, causal=causal, kv_start=kv_start, split_size=split)
     for row, start in enumerate(kv_start.tolist()):
-        alone = bik.attention(*(t[row : row + 1, :, start:] for t in (q, k, v)), causal=causal,
-                              split_size=split)
+        alone = bik.attention(
+            *(t[row : row + 1, :, start:] for t in (q, k, v)), causal=causal, split_size=split
+        )
         assert_bitwise(batched[row : row + 1, :, start:], alone, f"row {row}")
         if causal:  # a padding query sees no key
             assert torch.equal(batched[row, :, :start], torch.zeros_like(batched[row, :, :start]))
@@ -90,7 +110,8 @@ def test_accuracy_against_float64(backend, dtype, causal, tq):
     assert_close_to_reference(out, expected, dtype, "attention")
     if not causal:  # cross-check the oracle itself against torch's SDPA
         sdpa = F.scaled_dot_product_attention(
-            q[:1].double(), k[:1].double(), v[:1].double(), scale=0.3, enable_gqa=True)
+            q[:1].double(), k[:1].double(), v[:1].double(), scale=0.3, enable_gqa=True
+        )
         assert torch.allclose(expected[:1], sdpa)
 
 
@@ -102,7 +123,9 @@ def test_default_scale_and_split(backend):
 
 def test_reruns_are_identical(backend):
     q, k, v = qkv(2, 2, 2, 50, 16, torch.bfloat16, seed=14)
-    assert_bitwise(bik.attention(q, k, v, split_size=32), bik.attention(q, k, v, split_size=32), "rerun")
+    assert_bitwise(
+        bik.attention(q, k, v, split_size=32), bik.attention(q, k, v, split_size=32), "rerun"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,33 +162,90 @@ def _t(*shape, dtype=torch.float32):
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: bik.attention(_t(1, 2, 3), _t(1, 2, 3, 4), _t(1, 2, 3, 4)), ValueError, "q: expected 4 dims"),
-        (lambda: bik.attention(_t(1, 3, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)), ValueError,
-         "k: expected a head count"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 4, 4)), ValueError,
-         "v: expected the shape of k"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 8), _t(1, 2, 3, 8)), ValueError,
-         "k: expected size 4 in dim 3"),
-        (lambda: bik.attention(_t(2, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)), ValueError,
-         "k: expected size 2 in dim 0"),
-        (lambda: bik.attention(_t(1, 2, 5, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)), ValueError,
-         "q: expected at most Tk=3"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4, dtype=torch.float16),
-                               _t(1, 2, 3, 4, dtype=torch.float16)), TypeError, "k: expected dtype"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4),
-                               kv_start=torch.tensor([3])), ValueError, r"kv_start: expected values in \[0, 2\]"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4),
-                               kv_start=torch.tensor([-1])), ValueError, "kv_start: expected values"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4),
-                               kv_start=torch.tensor([0, 0])), ValueError, r"kv_start: expected shape \(1,\)"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4),
-                               kv_start=torch.tensor([0.0])), TypeError, "kv_start: expected dtype"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), split_size=48),
-         ValueError, "split_size: expected a positive multiple of 32"),
-        (lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), scale=-1.0),
-         ValueError, "scale"),
-        (lambda: bik.attention(_t(1, 2, 3, 4, dtype=torch.int32), _t(1, 2, 3, 4), _t(1, 2, 3, 4)),
-         TypeError, "q: expected dtype"),
+        (
+            lambda: bik.attention(_t(1, 2, 3), _t(1, 2, 3, 4), _t(1, 2, 3, 4)),
+            ValueError,
+            "q: expected 4 dims",
+        ),
+        (
+            lambda: bik.attention(_t(1, 3, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)),
+            ValueError,
+            "k: expected a head count",
+        ),
+        (
+            lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 4, 4)),
+            ValueError,
+            "v: expected the shape of k",
+        ),
+        (
+            lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 8), _t(1, 2, 3, 8)),
+            ValueError,
+            "k: expected size 4 in dim 3",
+        ),
+        (
+            lambda: bik.attention(_t(2, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)),
+            ValueError,
+            "k: expected size 2 in dim 0",
+        ),
+        (
+            lambda: bik.attention(_t(1, 2, 5, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)),
+            ValueError,
+            "q: expected at most Tk=3",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4),
+                _t(1, 2, 3, 4, dtype=torch.float16),
+                _t(1, 2, 3, 4, dtype=torch.float16),
+            ),
+            TypeError,
+            "k: expected dtype",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), kv_start=torch.tensor([3])
+            ),
+            ValueError,
+            r"kv_start: expected values in \[0, 2\]",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), kv_start=torch.tensor([-1])
+            ),
+            ValueError,
+            "kv_start: expected values",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), kv_start=torch.tensor([0, 0])
+            ),
+            ValueError,
+            r"kv_start: expected shape \(1,\)",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), kv_start=torch.tensor([0.0])
+            ),
+            TypeError,
+            "kv_start: expected dtype",
+        ),
+        (
+            lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), split_size=48),
+            ValueError,
+            "split_size: expected a positive multiple of 32",
+        ),
+        (
+            lambda: bik.attention(_t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4), scale=-1.0),
+            ValueError,
+            "scale",
+        ),
+        (
+            lambda: bik.attention(
+                _t(1, 2, 3, 4, dtype=torch.int32), _t(1, 2, 3, 4), _t(1, 2, 3, 4)
+            ),
+            TypeError,
+            "q: expected dtype",
+        ),
     ],
 )
 def test_bad_inputs_raise(call, error, match):

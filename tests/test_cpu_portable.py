@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 
 from bik._native import NativeBackend
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
@@ -35,10 +35,22 @@ def backends(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("portable") / ("_cpu" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run(
-        ["g++", "-shared", "-fPIC", "-std=c++17", *_cpu_flags(), "-march=x86-64-v3",
-         f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-         *map(str, sorted((ROOT / "csrc/cpu").glob("*.cpp"))), "-o", str(out)],
-        check=True, capture_output=True)
+        [
+            "g++",
+            "-shared",
+            "-fPIC",
+            "-std=c++17",
+            *_cpu_flags(),
+            "-march=x86-64-v3",
+            f"-I{pybind11.get_include()}",
+            f"-I{sysconfig.get_paths()['include']}",
+            *map(str, sorted((ROOT / "csrc/cpu").glob("*.cpp"))),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     spec = importlib.util.spec_from_file_location("_cpu", out)
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
@@ -70,16 +82,26 @@ def test_row_ops_match_the_portable_build(backends, dtype):
     logits, tokens = randn((5, 1001), dtype, 6, scale=4.0), torch.tensor([0, 5, 999, 1000, 17])
     assert_bitwise(native.rms_norm(x, w, 1e-6), portable.rms_norm(x, w, 1e-6), "rms_norm")
     for temperature in (1.0, 0.7):
-        assert_bitwise(native.log_softmax(logits, temperature, torch.float32),
-                       portable.log_softmax(logits, temperature, torch.float32), "log_softmax")
-        assert_bitwise(native.token_logprobs(logits, tokens, temperature),
-                       portable.token_logprobs(logits, tokens, temperature), "token_logprobs")
+        assert_bitwise(
+            native.log_softmax(logits, temperature, torch.float32),
+            portable.log_softmax(logits, temperature, torch.float32),
+            "log_softmax",
+        )
+        assert_bitwise(
+            native.token_logprobs(logits, tokens, temperature),
+            portable.token_logprobs(logits, tokens, temperature),
+            "token_logprobs",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_matches_the_portable_build(backends, dtype):
     native, portable = backends
-    q, k, v = randn((2, 4, 9, 40), dtype, 7), randn((2, 2, 75, 40), dtype, 8), randn((2, 2, 75, 40), dtype, 9)
+    q, k, v = (
+        randn((2, 4, 9, 40), dtype, 7),
+        randn((2, 2, 75, 40), dtype, 8),
+        randn((2, 2, 75, 40), dtype, 9),
+    )
     kv_start = torch.tensor([0, 11], dtype=torch.int32)
-    args = (q, k, v, True, 40 ** -0.5, kv_start, 32)
+    args = (q, k, v, True, 40**-0.5, kv_start, 32)
     assert_bitwise(native.attention(*args), portable.attention(*args), "attention")

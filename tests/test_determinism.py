@@ -7,20 +7,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import invariant_backends
 
 import bik
 from bik import backends
-from conftest import invariant_backends
 
 HERE = Path(__file__).parent
 
 
 def _fingerprints(backend, threads, extra_env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "OPENBLAS_NUM_THREADS": str(threads), "PYTHONPATH": str(HERE.parent),
-           **(extra_env or {})}
-    done = subprocess.run([sys.executable, str(HERE / "ops_fingerprint.py"), backend], env=env,
-                          capture_output=True, text=True, check=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "OPENBLAS_NUM_THREADS": str(threads),
+        "PYTHONPATH": str(HERE.parent),
+        **(extra_env or {}),
+    }
+    done = subprocess.run(
+        [sys.executable, str(HERE / "ops_fingerprint.py"), backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout
 
 
@@ -50,21 +60,29 @@ def test_reference_backend_runs_plain_torch():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_cpu_tensors_without_interpreter_get_a_clear_error():
-    script = ("import os, torch, bik; os.environ.pop('TRITON_INTERPRET', None)\n"
-              "bik.set_backend('triton')\n"
-              "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
-              "except RuntimeError as e:\n    print(e)\n")
+    script = (
+        "import os, torch, bik; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "bik.set_backend('triton')\n"
+        "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(HERE.parent)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "TRITON_INTERPRET=1" in out
 
 
 def test_bik_backend_environment_variable_selects_the_backend():
     env = {**os.environ, "BIK_BACKEND": "reference", "PYTHONPATH": str(HERE.parent)}
-    out = subprocess.run([sys.executable, "-c", "import bik; print(bik.get_backend())"], env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import bik; print(bik.get_backend())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "reference"
 
 
@@ -74,11 +92,14 @@ def test_auto_resolves_to_an_invariant_backend():
 
 
 def test_unbuilt_cpu_backend_says_how_to_build_it():
-    script = ("import sys; sys.modules['bik._cpu'] = None\n"
-              "import torch, bik; bik.set_backend('cpu')\n"
-              "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
-              "except ImportError as e:\n    print(e)\n")
+    script = (
+        "import sys; sys.modules['bik._cpu'] = None\n"
+        "import torch, bik; bik.set_backend('cpu')\n"
+        "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "cpu backend is not built" in out and "pip install -e ." in out

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bik
-from bik import hf, verify
+from bik import verify
 from bik.__main__ import main
 
 pytest.importorskip("transformers")
@@ -33,22 +33,31 @@ def test_sampled_rollout_logprobs_equal_training_logprobs(dtype):
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
     ids, mask = verify.left_pad(prompts, pad_id=0)
     torch.manual_seed(1)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7,
-                         top_k=0, max_new_tokens=10, min_new_tokens=10, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    generated = out.sequences[:, ids.shape[1]:]
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        max_new_tokens=10,
+        min_new_tokens=10,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    generated = out.sequences[:, ids.shape[1] :]
     rollout = bik.token_logprobs(torch.stack(out.logits, 1), generated, temperature=0.7)
     full_mask = torch.cat([mask, torch.ones_like(generated)], 1)
     response = torch.cat([torch.zeros_like(mask), torch.ones_like(generated)], 1)
     trained = bik.sequence_logprobs(model, out.sequences, full_mask, response, temperature=0.7)
-    assert torch.equal(trained[:, ids.shape[1]:], rollout)
+    assert torch.equal(trained[:, ids.shape[1] :], rollout)
     assert torch.equal(trained[:, : ids.shape[1]], torch.zeros_like(trained[:, : ids.shape[1]]))
     for row, prompt in enumerate(prompts):  # each sequence alone, without padding
         seq = torch.cat([prompt, generated[row]])[None]
         resp = torch.zeros_like(seq)
-        resp[:, len(prompt):] = 1
+        resp[:, len(prompt) :] = 1
         alone = bik.sequence_logprobs(model, seq, torch.ones_like(seq), resp, temperature=0.7)
-        assert torch.equal(alone[0, len(prompt):], rollout[row])
+        assert torch.equal(alone[0, len(prompt) :], rollout[row])
 
 
 def test_patch_report_and_unpatch_round_trip():
@@ -58,7 +67,11 @@ def test_patch_report_and_unpatch_round_trip():
     report = bik.patch_model(model)
     kinds = list(report.patched.values())
     assert kinds.count("bik.linear") == 15 and kinds.count("bik.attention") == 2
-    assert kinds.count("bik.rms_norm") == 5 and report.unpatched == [] and report.attention_was == "sdpa"
+    assert (
+        kinds.count("bik.rms_norm") == 5
+        and report.unpatched == []
+        and report.attention_was == "sdpa"
+    )
     assert "bik.linear" in str(report)
     assert model.config._attn_implementation == "bik"
     bik.unpatch_model(model)

@@ -2,26 +2,38 @@
 
 import pytest
 import torch
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
-from bik import reference
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 
 
-@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 30), vocab=st.integers(1, 9000),
-       temperature=st.sampled_from([1.0, 0.7, 1.3]), data=st.data())
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.integers(1, 30),
+    vocab=st.integers(1, 9000),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    data=st.data(),
+)
 def test_row_is_batch_invariant(backend, dtype, rows, vocab, temperature, data):
     position = data.draw(st.integers(0, rows - 1))
-    row, others = randn((1, vocab), dtype, 1, scale=4.0), randn((rows - 1, vocab), dtype, 2, scale=9.0)
+    row, others = (
+        randn((1, vocab), dtype, 1, scale=4.0),
+        randn((rows - 1, vocab), dtype, 2, scale=9.0),
+    )
     token = torch.randint(vocab, (1,), generator=torch.Generator().manual_seed(3)).to(row.device)
     batch = embed_row(row, others, position)
     tokens = embed_row(token, torch.zeros(rows - 1, dtype=torch.int64, device=row.device), position)
-    assert_bitwise(bik.log_softmax(batch)[position : position + 1], bik.log_softmax(row), "log_softmax")
+    assert_bitwise(
+        bik.log_softmax(batch)[position : position + 1], bik.log_softmax(row), "log_softmax"
+    )
     alone = bik.token_logprobs(row, token, temperature)
-    assert_bitwise(bik.token_logprobs(batch, tokens, temperature)[position : position + 1], alone,
-                   "token_logprobs")
+    assert_bitwise(
+        bik.token_logprobs(batch, tokens, temperature)[position : position + 1],
+        alone,
+        "token_logprobs",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,7 +79,9 @@ def test_backward_matches_float64(backend, dtype):
 
 
 def test_empty_and_nonfinite(backend):
-    assert bik.log_softmax(torch.empty(0, 5, device=randn((1,), torch.float32, 0).device)).shape == (0, 5)
+    assert bik.log_softmax(
+        torch.empty(0, 5, device=randn((1,), torch.float32, 0).device)
+    ).shape == (0, 5)
     x = randn((5, 40), torch.float32, 11)
     x[1, 3] = float("nan")
     x[2, 5] = float("inf")
@@ -91,15 +105,32 @@ def _tokens(*shape, value=0):
         (lambda: bik.log_softmax(torch.ones(2, 3), dim=0), ValueError, "dim: expected the last"),
         (lambda: bik.log_softmax(torch.ones(2, 3), dtype=torch.int32), TypeError, "dtype"),
         (lambda: bik.log_softmax(torch.ones(2, dtype=torch.int64)), TypeError, "x: expected dtype"),
-        (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(3)), ValueError, "tokens: expected shape"),
-        (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2, value=3)), ValueError,
-         r"tokens: expected values in \[0, 2\] \(ids of the vocabulary"),
+        (
+            lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(3)),
+            ValueError,
+            "tokens: expected shape",
+        ),
+        (
+            lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2, value=3)),
+            ValueError,
+            r"tokens: expected values in \[0, 2\] \(ids of the vocabulary",
+        ),
         (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2, value=-1)), ValueError, "tokens"),
-        (lambda: bik.token_logprobs(torch.ones(2, 3), torch.zeros(2)), TypeError, "tokens: expected dtype"),
-        (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2), temperature=0.0), ValueError,
-         "temperature"),
-        (lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2).to("meta")), ValueError,
-         "tokens: expected device"),
+        (
+            lambda: bik.token_logprobs(torch.ones(2, 3), torch.zeros(2)),
+            TypeError,
+            "tokens: expected dtype",
+        ),
+        (
+            lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2), temperature=0.0),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: bik.token_logprobs(torch.ones(2, 3), _tokens(2).to("meta")),
+            ValueError,
+            "tokens: expected device",
+        ),
     ],
 )
 def test_bad_inputs_raise(call, error, match):

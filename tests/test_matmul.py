@@ -3,18 +3,17 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 
 # Sizes straddle the 64-wide M/N tiles and the 32-deep K tiles so tails are exercised.
 sizes = st.integers(1, 150)
 
 
-@given(dtype=st.sampled_from(DTYPES), m=sizes, n=sizes, k=sizes, bias=st.booleans(),
-       data=st.data())
+@given(dtype=st.sampled_from(DTYPES), m=sizes, n=sizes, k=sizes, bias=st.booleans(), data=st.data())
 def test_row_is_batch_invariant(backend, dtype, m, n, k, bias, data):
     position = data.draw(st.integers(0, m - 1))
     weight = randn((n, k), dtype, seed=1)
@@ -112,16 +111,36 @@ def test_nan_stays_in_its_row(backend):
         (lambda: bik.matmul([1.0], torch.ones(1, 1)), TypeError, "a: expected a torch.Tensor"),
         (lambda: bik.matmul(torch.ones(2, 3), torch.ones(4, 5)), ValueError, "b: expected size 3"),
         (lambda: bik.matmul(torch.ones(2, 3), torch.ones(3)), ValueError, "b: expected 2 dims"),
-        (lambda: bik.matmul(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.float16)), TypeError,
-         "b: expected dtype torch.float32"),
-        (lambda: bik.matmul(torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 2)), TypeError,
-         "a: expected dtype float32"),
-        (lambda: bik.linear(torch.ones(2, 3), torch.ones(4, 3), torch.ones(5)), ValueError,
-         "bias: expected size 4"),
-        (lambda: bik.linear(torch.ones(2, 3), torch.ones(4, 2)), ValueError, "weight: expected size 3"),
-        (lambda: bik.matmul(torch.ones(()), torch.ones(1, 1)), ValueError, "a: expected at least 1"),
-        (lambda: bik.matmul(torch.ones(2, 3), torch.ones(3, 2, device="meta")), ValueError,
-         "b: expected device"),
+        (
+            lambda: bik.matmul(torch.ones(2, 3), torch.ones(3, 2, dtype=torch.float16)),
+            TypeError,
+            "b: expected dtype torch.float32",
+        ),
+        (
+            lambda: bik.matmul(torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 2)),
+            TypeError,
+            "a: expected dtype float32",
+        ),
+        (
+            lambda: bik.linear(torch.ones(2, 3), torch.ones(4, 3), torch.ones(5)),
+            ValueError,
+            "bias: expected size 4",
+        ),
+        (
+            lambda: bik.linear(torch.ones(2, 3), torch.ones(4, 2)),
+            ValueError,
+            "weight: expected size 3",
+        ),
+        (
+            lambda: bik.matmul(torch.ones(()), torch.ones(1, 1)),
+            ValueError,
+            "a: expected at least 1",
+        ),
+        (
+            lambda: bik.matmul(torch.ones(2, 3), torch.ones(3, 2, device="meta")),
+            ValueError,
+            "b: expected device",
+        ),
     ],
 )
 def test_bad_inputs_raise(call, error, match):

@@ -12,8 +12,17 @@ from rl_harness.metrics import mismatch_metrics
 def test_zero_mismatch_gives_exact_zeros():
     logp = -torch.rand(3, 7)
     m = mismatch_metrics(logp, logp.clone(), torch.ones(3, 7))
-    for key in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "tokens_unequal_frac", "k1_kl",
-                "k3_kl", "log_ppl_abs_diff", "chi2_token", "chi2_seq", "is_frac_above_c"):
+    for key in (
+        "logprob_abs_diff_mean",
+        "logprob_abs_diff_max",
+        "tokens_unequal_frac",
+        "k1_kl",
+        "k3_kl",
+        "log_ppl_abs_diff",
+        "chi2_token",
+        "chi2_seq",
+        "is_frac_above_c",
+    ):
         assert m[f"mismatch/{key}"] == 0.0, key
     assert m["mismatch/is_ess"] == 1.0 and m["mismatch/is_weight_mean"] == 1.0
 
@@ -31,7 +40,9 @@ def test_metrics_match_hand_computed_values():
     assert m["mismatch/k1_kl"] == pytest.approx(-sum(r) / 5)
     assert m["mismatch/k3_kl"] == pytest.approx(sum(math.exp(x) - x - 1 for x in r) / 5)
     assert m["mismatch/chi2_token"] == pytest.approx(sum(math.exp(2 * x) for x in r) / 5 - 1)
-    assert m["mismatch/chi2_seq"] == pytest.approx((math.exp(2 * -0.5) + math.exp(2 * -0.5)) / 2 - 1)
+    assert m["mismatch/chi2_seq"] == pytest.approx(
+        (math.exp(2 * -0.5) + math.exp(2 * -0.5)) / 2 - 1
+    )
     # log-ppl: per-sequence mean log-prob difference, then mean of the absolute values
     assert m["mismatch/log_ppl_abs_diff"] == pytest.approx((abs(-0.5 / 3) + abs(-0.5 / 2)) / 2)
     assert m["mismatch/is_weight_min"] == pytest.approx(math.exp(-1.0))
@@ -89,8 +100,9 @@ def test_geometric_rejection_is_length_invariant():
 
 def test_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    assert torch.allclose(trainer.advantages(rewards, 3, "rloo"),
-                          torch.tensor([1.0, -0.5, -0.5, -1.0, 0.5, 0.5]))
+    assert torch.allclose(
+        trainer.advantages(rewards, 3, "rloo"), torch.tensor([1.0, -0.5, -0.5, -1.0, 0.5, 0.5])
+    )
     grpo = trainer.advantages(rewards, 3, "grpo")
     assert grpo[0] > 0 > grpo[1] and grpo[:3].sum().abs() < 1e-6
 
@@ -106,17 +118,20 @@ def test_length_surge_lr_schedule():
     assert remedies.LengthSurgeLR(dict(cfg, name="constant"), 1.0).step(40, 100.0) == 1.0
 
 
-@pytest.mark.parametrize("sets, match", [
-    (["rollout.nope=1"], "unknown config key 'rollout.nope'"),
-    (["rollout.kernels=fast"], "rollout.kernels: expected one of"),
-    (["train.lr=abc"], "train.lr: expected a number"),
-    (["rollout.split_size=32", "rollout.kernels=native"], "split_size only applies"),
-    (["rollout.split_size=40"], "multiple of 32"),
-    (["model.path=/no/such/model"], "model.path: no model directory"),
-    (["remedy.name=fp16", "rollout.dtype=bfloat16"], "remedy.name=fp16 sets both dtypes"),
-    (["rollout.samples_per_prompt=1"], "at least 2"),
-    (["steps"], "--set: expected key=value"),
-])
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["rollout.nope=1"], "unknown config key 'rollout.nope'"),
+        (["rollout.kernels=fast"], "rollout.kernels: expected one of"),
+        (["train.lr=abc"], "train.lr: expected a number"),
+        (["rollout.split_size=32", "rollout.kernels=native"], "split_size only applies"),
+        (["rollout.split_size=40"], "multiple of 32"),
+        (["model.path=/no/such/model"], "model.path: no model directory"),
+        (["remedy.name=fp16", "rollout.dtype=bfloat16"], "remedy.name=fp16 sets both dtypes"),
+        (["rollout.samples_per_prompt=1"], "at least 2"),
+        (["steps"], "--set: expected key=value"),
+    ],
+)
 def test_bad_configs_raise_before_any_work(sets, match):
     with pytest.raises(config.ConfigError, match=match):
         config.build({}, sets)

@@ -2,16 +2,17 @@
 
 import pytest
 import torch
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
 from bik import reference
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 
 
-@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), d=st.integers(1, 5000),
-       data=st.data())
+@given(
+    dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), d=st.integers(1, 5000), data=st.data()
+)
 def test_row_is_batch_invariant(backend, dtype, rows, d, data):
     # d up to 5000 crosses the 4096-wide chunk, so multi-chunk rows and chunk tails are covered.
     position = data.draw(st.integers(0, rows - 1))
@@ -69,13 +70,27 @@ def test_empty_and_nonfinite(backend):
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(4)), ValueError, "weight: expected size 3"),
-        (lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(1, 3)), ValueError, "weight: expected 1 dims"),
-        (lambda: bik.rms_norm(torch.ones(2, 3, dtype=torch.int32), torch.ones(3)), TypeError,
-         "x: expected dtype"),
+        (
+            lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(4)),
+            ValueError,
+            "weight: expected size 3",
+        ),
+        (
+            lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(1, 3)),
+            ValueError,
+            "weight: expected 1 dims",
+        ),
+        (
+            lambda: bik.rms_norm(torch.ones(2, 3, dtype=torch.int32), torch.ones(3)),
+            TypeError,
+            "x: expected dtype",
+        ),
         (lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(3), eps=-1.0), ValueError, "eps"),
-        (lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(3, device="meta")), ValueError,
-         "weight: expected device"),
+        (
+            lambda: bik.rms_norm(torch.ones(2, 3), torch.ones(3, device="meta")),
+            ValueError,
+            "weight: expected device",
+        ),
     ],
 )
 def test_bad_inputs_raise(call, error, match):

@@ -27,7 +27,9 @@ def device_name(device):
     model = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as info:
-            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            model = next(
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         pass
     return f"{model} ({torch.get_num_threads()} threads)"
@@ -71,15 +73,24 @@ def measure_peaks(device, dtype, quick):
     return 2 * n**3 / (flops_ms * 1e-3), 2 * x.numel() * x.element_size() / (copy_ms * 1e-3)
 
 
-def run(device="cpu", ops=None, dtypes=("float32", "bfloat16"), quick=False, min_time=0.2,
-        json_path=None, plot_path=None, echo=print):
+def run(
+    device="cpu",
+    ops=None,
+    dtypes=("float32", "bfloat16"),
+    quick=False,
+    min_time=0.2,
+    json_path=None,
+    plot_path=None,
+    echo=print,
+):
     device = torch.device(device)
     backend = backends.resolve(device).__name__.rsplit(".", 1)[-1]
     all_cases = case_lib.cuda_cases(quick) if device.type == "cuda" else case_lib.cpu_cases(quick)
     unknown = set(ops or ()) - {c.op for c in all_cases}
     if unknown:
-        raise ValueError(f"ops: unknown {sorted(unknown)}; expected some of "
-                         f"{sorted({c.op for c in all_cases})}")
+        raise ValueError(
+            f"ops: unknown {sorted(unknown)}; expected some of {sorted({c.op for c in all_cases})}"
+        )
     selected = [c for c in all_cases if not ops or c.op in ops]
     records, peaks = [], {}
     for dtype_name in dtypes:
@@ -89,18 +100,34 @@ def run(device="cpu", ops=None, dtypes=("float32", "bfloat16"), quick=False, min
         for case in selected:
             bik_ms, base_ms = time_pair(*case.make(device, dtype), device, min_time)
             flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
-            records.append({
-                "op": case.op, "shape": case.shape, "dtype": dtype_name, "backend": backend,
-                "bik_ms": bik_ms, "baseline_ms": base_ms, "ratio": base_ms / bik_ms,
-                "bik_tflops": flops / 1e12, "bik_gbps": traffic / 1e9,
-                "peak_share": max(flops / peak_flops, traffic / peak_bw),
-            })
+            records.append(
+                {
+                    "op": case.op,
+                    "shape": case.shape,
+                    "dtype": dtype_name,
+                    "backend": backend,
+                    "bik_ms": bik_ms,
+                    "baseline_ms": base_ms,
+                    "ratio": base_ms / bik_ms,
+                    "bik_tflops": flops / 1e12,
+                    "bik_gbps": traffic / 1e9,
+                    "peak_share": max(flops / peak_flops, traffic / peak_bw),
+                }
+            )
             if case.tokens:  # end-to-end: patched vs unpatched model throughput
-                records[-1].update(bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
-                                   baseline_tokens_per_s=case.tokens / (base_ms * 1e-3))
+                records[-1].update(
+                    bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
+                    baseline_tokens_per_s=case.tokens / (base_ms * 1e-3),
+                )
             echo(_row(records[-1]), flush=True) if echo is print else echo(_row(records[-1]))
-    result = {"device": device_name(device), "date": time.strftime("%Y-%m-%d"),
-              "torch": torch.__version__, "backend": backend, "peaks": peaks, "records": records}
+    result = {
+        "device": device_name(device),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "backend": backend,
+        "peaks": peaks,
+        "records": records,
+    }
     if json_path:
         with open(json_path, "w") as out:
             json.dump(result, out, indent=1)
@@ -109,22 +136,34 @@ def run(device="cpu", ops=None, dtypes=("float32", "bfloat16"), quick=False, min
     return result
 
 
-HEADER = ("| op | shape | dtype | bik ms | baseline ms | ratio | bik TFLOP/s | bik GB/s | peak share |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| op | shape | dtype | bik ms | baseline ms | ratio | bik TFLOP/s | bik GB/s | peak share |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def _row(r):
+    head = (
+        f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
+    )
     if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
-        return (f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
-                f"| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
-                f"{r['baseline_tokens_per_s']:.0f} tok/s (unpatched) | - |")
-    return (f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
-            f"| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} | {r['peak_share']:.0%} |")
+        return (
+            f"{head}| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
+            f"{r['baseline_tokens_per_s']:.0f} tok/s (unpatched) | - |"
+        )
+    return (
+        f"{head}| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} "
+        f"| {r['peak_share']:.0%} |"
+    )
 
 
 def markdown(result):
-    lines = [f"Device: {result['device']}; torch {result['torch']}; bik backend "
-             f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.", "", HEADER]
+    lines = [
+        f"Device: {result['device']}; torch {result['torch']}; bik backend "
+        f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.",
+        "",
+        HEADER,
+    ]
     return "\n".join(lines + [_row(r) for r in result["records"]])
 
 

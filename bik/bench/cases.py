@@ -4,8 +4,8 @@ A case is (op, shape label, dtype, work, make) where ``make(device, dtype)`` ret
 ``(bik_fn, baseline_fn)`` and ``work`` = (flops, bytes) for one call.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,9 @@ def log_softmax(rows, vocab):
         x = _randn(rows, vocab, device=device, dtype=dtype)
         return (lambda: bik.log_softmax(x)), (lambda: torch.log_softmax(x, -1))
 
-    return Case("log_softmax", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * 2 * rows * vocab, make)
+    return Case(
+        "log_softmax", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * 2 * rows * vocab, make
+    )
 
 
 def token_logprobs(rows, vocab):
@@ -61,7 +63,9 @@ def token_logprobs(rows, vocab):
 
         return (lambda: bik.token_logprobs(x, tokens)), baseline
 
-    return Case("token_logprobs", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * rows * vocab, make)
+    return Case(
+        "token_logprobs", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * rows * vocab, make
+    )
 
 
 def attention(batch, heads, kv_heads, tq, tk, dim):
@@ -81,8 +85,13 @@ def attention(batch, heads, kv_heads, tq, tk, dim):
     flops = 4 * batch * heads * pairs * dim
     traffic = 2 * (2 * batch * heads * tq * dim + 2 * batch * kv_heads * tk * dim)
     kind = "decode" if tq == 1 else "prefill"
-    return Case(f"attention_{kind}", f"B={batch} H={heads}/{kv_heads} Tq={tq} Tk={tk} D={dim}",
-                flops, traffic, make)
+    return Case(
+        f"attention_{kind}",
+        f"B={batch} H={heads}/{kv_heads} Tq={tq} Tk={tk} D={dim}",
+        flops,
+        traffic,
+        make,
+    )
 
 
 def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
@@ -95,9 +104,17 @@ def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.for_model(
-            "qwen3", vocab_size=32000, hidden_size=hidden, intermediate_size=3 * hidden,
-            num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-            head_dim=64, max_position_embeddings=length + new_tokens, pad_token_id=0)
+            "qwen3",
+            vocab_size=32000,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=max(1, hidden // 256),
+            head_dim=64,
+            max_position_embeddings=length + new_tokens,
+            pad_token_id=0,
+        )
         plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
         patched = copy.deepcopy(plain)
         bik.patch_model(patched)
@@ -107,22 +124,36 @@ def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
             with torch.no_grad():
                 if kind == "forward":
                     return model(input_ids=ids).logits
-                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+                return model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    pad_token_id=0,
+                )
 
         return (lambda: call(patched)), (lambda: call(plain))
 
     tokens = batch * (length if kind == "forward" else new_tokens)
-    return Case(f"e2e_{kind}", f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens)
+    return Case(
+        f"e2e_{kind}", f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens
+    )
 
 
 def cpu_cases(quick):
     """A small transformer on a CPU: hidden 256-1024, rows 1-4096, decode over 128-2048 keys."""
     if quick:
-        return [linear(1, 256, 256), linear(64, 256, 256), rms_norm(64, 256),
-                log_softmax(16, 4096), token_logprobs(16, 4096),
-                attention(1, 4, 4, 1, 256, 64), attention(1, 4, 4, 64, 64, 64),
-                end_to_end("forward", 2, 32, 256, 2)]
+        return [
+            linear(1, 256, 256),
+            linear(64, 256, 256),
+            rms_norm(64, 256),
+            log_softmax(16, 4096),
+            token_logprobs(16, 4096),
+            attention(1, 4, 4, 1, 256, 64),
+            attention(1, 4, 4, 64, 64, 64),
+            end_to_end("forward", 2, 32, 256, 2),
+        ]
     cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
     cases += [rms_norm(r, d) for d in (256, 1024) for r in (1, 64, 4096)]
     cases += [log_softmax(r, 32000) for r in (1, 64, 256)]
@@ -137,8 +168,11 @@ def cuda_cases(quick):
     """Llama/Qwen 1-8B shapes: N, K in 2048-14336; decode over 1k-32k keys; prefill 512-8k."""
     if quick:
         return [linear(m, 4096, 4096) for m in (1, 64, 2048)] + [
-            rms_norm(2048, 4096), log_softmax(64, 32000), attention(1, 32, 8, 1, 8192, 128),
-            end_to_end("decode", 4, 128, 1024, 4)]
+            rms_norm(2048, 4096),
+            log_softmax(64, 32000),
+            attention(1, 32, 8, 1, 8192, 128),
+            end_to_end("decode", 4, 128, 1024, 4),
+        ]
     shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
     cases = [linear(m, k, n) for k, n in shapes for m in (1, 8, 64, 256, 2048, 8192)]
     cases += [rms_norm(r, d) for d in (2048, 4096) for r in (1, 256, 8192)]

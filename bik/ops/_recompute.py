@@ -20,6 +20,4 @@ def grads(formula, inputs, needs, grad_out):
         out = formula(*leaves)
         wanted = [leaf for leaf, need in zip(leaves, needs) if need]
         found = iter(torch.autograd.grad(out, wanted, grad_out.float()))
-    return tuple(
-        next(found).to(t.dtype) if need else None for t, need in zip(inputs, needs)
-    )
+    return tuple(next(found).to(t.dtype) if need else None for t, need in zip(inputs, needs))

@@ -30,7 +30,7 @@ def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=Non
     a query before it attends nothing and returns zeros. ``scale`` defaults to 1/sqrt(D).
     """
     _validate_qkv(q, k, v)
-    batch, _, tq, dim = q.shape
+    batch, _, _, dim = q.shape
     tk = k.shape[2]
     scale = 1.0 / math.sqrt(dim) if scale is None else _checks.positive_number("scale", scale)
     kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
@@ -77,8 +77,12 @@ def _validate_kv_start(kv_start, batch, tk, device):
 def _validate_split_size(split_size):
     if split_size is None:
         return DEFAULT_SPLIT_SIZE
-    if isinstance(split_size, bool) or not isinstance(split_size, int) or split_size <= 0 \
-            or split_size % KEY_BLOCK:
+    if (
+        isinstance(split_size, bool)
+        or not isinstance(split_size, int)
+        or split_size <= 0
+        or split_size % KEY_BLOCK
+    ):
         raise ValueError(
             f"split_size: expected a positive multiple of {KEY_BLOCK} (the key block), "
             f"got {split_size!r}"

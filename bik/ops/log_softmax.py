@@ -57,7 +57,7 @@ class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        formula = lambda x_: reference.log_softmax(x_, 1.0, torch.float32)  # noqa: E731
+        formula = lambda x_: reference.log_softmax(x_, 1.0, torch.float32)
         (grad_x,) = _recompute.grads(formula, (x,), (True,), grad)
         return grad_x, None
 
@@ -77,6 +77,6 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad):
         logits, tokens = ctx.saved_tensors
         rows, flat_tokens = as_rows(logits), tokens.reshape(-1)
-        formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)  # noqa: E731
+        formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)
         (grad_rows,) = _recompute.grads(formula, (rows,), (True,), grad.reshape(-1))
         return grad_rows.reshape(logits.shape), None, None

@@ -45,7 +45,7 @@ def linear(x, weight, bias=None):
 
 def _forward(a, b, bias):
     """Validated ``a [..., K] @ b [K, N]`` through the backend's batched kernel."""
-    k, n = b.shape
+    n = b.shape[1]
     rows = as_rows(a)
     if rows.shape[0] == 0 or n == 0:
         return a.new_zeros(*a.shape[:-1], n)

@@ -36,6 +36,6 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        formula = lambda x_, w_: reference.rms_norm(x_, w_, ctx.eps)  # noqa: E731
+        formula = lambda x_, w_: reference.rms_norm(x_, w_, ctx.eps)
         grad_x, grad_w = _recompute.grads(formula, (x, weight), ctx.needs_input_grad[:2], grad)
         return grad_x, grad_w, None

@@ -23,13 +23,38 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _split_partials_kernel(
-    q_ptr, k_ptr, v_ptr, kv_start_ptr, acc_ptr, max_ptr, sum_ptr,
-    Hq, GROUPS, Tq, Tk, D, n_splits, split_size, scale,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_kt, stride_kd,
-    stride_vb, stride_vh, stride_vt, stride_vd,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    kv_start_ptr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    Hq,
+    GROUPS,
+    Tq,
+    Tk,
+    D,
+    n_splits,
+    split_size,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     q_block, bh, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     b, h = bh // Hq, bh % Hq
@@ -39,8 +64,13 @@ def _split_partials_kernel(
     positions = Tk - Tq + rows  # absolute key position of each query
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
-        q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
-        mask=(rows[:, None] < Tq) & (dims[None, :] < D), other=0.0,
+        q_ptr
+        + b * stride_qb
+        + h * stride_qh
+        + rows[:, None] * stride_qt
+        + dims[None, :] * stride_qd,
+        mask=(rows[:, None] < Tq) & (dims[None, :] < D),
+        other=0.0,
     )
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
@@ -56,8 +86,12 @@ def _split_partials_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         kv_mask = (keys[:, None] < Tk) & (dims[None, :] < D)
-        k = tl.load(k_base + keys[:, None] * stride_kt + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST) * scale
+        k = tl.load(
+            k_base + keys[:, None] * stride_kt + dims[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )
+        scores = (
+            dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST) * scale
+        )
         visible = keys[None, :] < Tk
         if CAUSAL:
             visible = visible & (keys[None, :] <= positions[:, None])
@@ -67,23 +101,41 @@ def _split_partials_kernel(
         rescale = tl.exp(run_max - safe_max)
         probs = tl.exp(scores - safe_max[:, None])
         run_sum = run_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(v_base + keys[:, None] * stride_vt + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_base + keys[:, None] * stride_vt + dims[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )
         acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
         run_max = new_max
 
     part = (bh * n_splits + split) * Tq + rows
     ok = rows < Tq
-    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc, mask=ok[:, None] & (dims[None, :] < D))
+    tl.store(
+        acc_ptr + part[:, None] * D + dims[None, :], acc, mask=ok[:, None] & (dims[None, :] < D)
+    )
     tl.store(max_ptr + part, run_max, mask=ok)
     tl.store(sum_ptr + part, run_sum, mask=ok)
 
 
 @triton.jit
 def _combine_kernel(
-    acc_ptr, max_ptr, sum_ptr, kv_start_ptr, out_ptr,
-    Hq, Tq, Tk, D, n_splits, split_size,
-    stride_ob, stride_oh, stride_ot, stride_od,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    kv_start_ptr,
+    out_ptr,
+    Hq,
+    Tq,
+    Tk,
+    D,
+    n_splits,
+    split_size,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     q_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // Hq, bh % Hq
@@ -95,7 +147,9 @@ def _combine_kernel(
     else:
         last_key = tl.full((BLOCK_M,), Tk - 1, dtype=tl.int32)
     # Splits holding this query's visible keys (0 for a query before its row's first key).
-    n_own = tl.where((last_key >= first_key) & (rows < Tq), (last_key - first_key) // split_size + 1, 0)
+    n_own = tl.where(
+        (last_key >= first_key) & (rows < Tq), (last_key - first_key) // split_size + 1, 0
+    )
     run_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -105,8 +159,11 @@ def _combine_kernel(
         part = (bh * n_splits + split) * Tq + rows
         part_max = tl.load(max_ptr + part, mask=take, other=NEG_INF)
         part_sum = tl.load(sum_ptr + part, mask=take, other=0.0)
-        part_acc = tl.load(acc_ptr + part[:, None] * D + dims[None, :],
-                           mask=take[:, None] & (dims[None, :] < D), other=0.0)
+        part_acc = tl.load(
+            acc_ptr + part[:, None] * D + dims[None, :],
+            mask=take[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )
         new_max = tl.maximum(run_max, part_max)
         safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)
         old_scale, part_scale = tl.exp(run_max - safe_max), tl.exp(part_max - safe_max)
@@ -117,13 +174,19 @@ def _combine_kernel(
     empty = run_sum[:, None] == 0.0
     out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, run_sum[:, None]))
     tl.store(
-        out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + dims[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < Tq) & (dims[None, :] < D),
+        out_ptr
+        + b * stride_ob
+        + h * stride_oh
+        + rows[:, None] * stride_ot
+        + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(rows[:, None] < Tq) & (dims[None, :] < D),
     )
 
 
 def attention(q, k, v, causal, scale, kv_start, split_size):
-    """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]`` -> ``[B, Hq, Tq, D]``."""
+    """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
+    -> ``[B, Hq, Tq, D]``."""
     batch, hq, tq, d = q.shape
     tk = k.shape[2]
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
@@ -134,16 +197,46 @@ def attention(q, k, v, causal, scale, kv_start, split_size):
     part_sum = torch.empty(batch * hq, n_splits, tq, **f32)
     q_blocks = triton.cdiv(tq, QUERY_BLOCK)
     _split_partials_kernel[(q_blocks, batch * hq, n_splits)](
-        q, k, v, kv_start, part_acc, part_max, part_sum,
-        hq, hq // k.shape[1], tq, tk, d, n_splits, split_size, scale,
-        *q.stride(), *k.stride(), *v.stride(),
-        CAUSAL=causal, UPCAST=upcast_dot_operands(q.dtype),
-        BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK, BLOCK_D=block_d,
+        q,
+        k,
+        v,
+        kv_start,
+        part_acc,
+        part_max,
+        part_sum,
+        hq,
+        hq // k.shape[1],
+        tq,
+        tk,
+        d,
+        n_splits,
+        split_size,
+        scale,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        CAUSAL=causal,
+        UPCAST=upcast_dot_operands(q.dtype),
+        BLOCK_M=QUERY_BLOCK,
+        BLOCK_N=KEY_BLOCK,
+        BLOCK_D=block_d,
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _combine_kernel[(q_blocks, batch * hq)](
-        part_acc, part_max, part_sum, kv_start, out,
-        hq, tq, tk, d, n_splits, split_size, *out.stride(),
-        CAUSAL=causal, BLOCK_M=QUERY_BLOCK, BLOCK_D=block_d,
+        part_acc,
+        part_max,
+        part_sum,
+        kv_start,
+        out,
+        hq,
+        tq,
+        tk,
+        d,
+        n_splits,
+        split_size,
+        *out.stride(),
+        CAUSAL=causal,
+        BLOCK_M=QUERY_BLOCK,
+        BLOCK_D=block_d,
     )
     return out

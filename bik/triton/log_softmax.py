@@ -78,7 +78,12 @@ def token_logprobs(logits, tokens, temperature):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     _token_logprobs_kernel[(rows,)](
-        logits, tokens.contiguous(), out, vocab, logits.stride(0), temperature,
+        logits,
+        tokens.contiguous(),
+        out,
+        vocab,
+        logits.stride(0),
+        temperature,
         BLOCK=row_block(vocab),
     )
     return out

@@ -12,12 +12,27 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_ab, stride_am, stride_ak,
-    stride_bb, stride_bk, stride_bn,
-    stride_cb, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_ab,
+    stride_am,
+    stride_ak,
+    stride_bb,
+    stride_bk,
+    stride_bn,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,11 +64,26 @@ def matmul(a, b, bias):
     stride_bb = b.stride(0) if b.shape[0] > 1 else 0
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch)
     _matmul_kernel[grid](
-        a, b, bias if bias is not None else a, out, m, n, k,
-        a.stride(0), a.stride(1), a.stride(2),
-        stride_bb, b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_BIAS=bias is not None, UPCAST=upcast_dot_operands(a.dtype),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a,
+        b,
+        bias if bias is not None else a,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        stride_bb,
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HAS_BIAS=bias is not None,
+        UPCAST=upcast_dot_operands(a.dtype),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
     )
     return out
