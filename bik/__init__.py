@@ -2,8 +2,9 @@
 chunked or padded, so rollout and training compute the same bits."""
 
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
+from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
-from .ops.attention import DEFAULT_SPLIT_SIZE, KEY_BLOCK, attention
+from .ops.attention import attention
 from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm

@@ -2,7 +2,7 @@
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .contract import FLOAT_DTYPES
 
 
 def tensor(name, value):

@@ -9,7 +9,7 @@ CUDA stream), ``attention_scratch`` the fp32 workspace of split-KV attention (CU
 
 import torch
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from .contract import DTYPE_CODES
 
 
 def _inner_contiguous(t):

@@ -14,7 +14,8 @@ import weakref
 import torch
 
 from . import backends, reference
-from .ops.attention import _validate_split_size, attention
+from .contract import check_split_size
+from .ops.attention import attention
 from .ops.log_softmax import token_logprobs
 from .ops.matmul import linear
 from .ops.rms_norm import rms_norm
@@ -122,7 +123,7 @@ def patch_model(model, *, backend="auto", strict=True, split_size=None):
     """
     _check_model(model)
     backends._check_name(backend)
-    _validate_split_size(split_size)
+    check_split_size(split_size)
     family = model.config.model_type
     if strict and family not in SUPPORTED_FAMILIES:
         raise ValueError(

@@ -1,7 +1,7 @@
 """Scaled-dot-product attention with one algorithm for prefill, chunked prefill and decode.
 
 The reduction order of every backend (DESIGN.md, attention rules):
-  * keys are visited in blocks of KEY_BLOCK, counted from the row's first valid key
+  * keys are visited in blocks of contract.KEY_BLOCK, counted from the row's first valid key
     ``kv_start[b]`` (so left padding never moves a block boundary);
   * blocks are grouped into splits of a FIXED number of keys ``split_size`` (never a fixed
     number of splits); inside a split an online softmax runs over its blocks in ascending order;
@@ -14,11 +14,8 @@ import math
 
 import torch
 
-from .. import _checks, backends, reference
+from .. import _checks, backends, contract, reference
 from . import _recompute, run
-
-KEY_BLOCK = 32  # keys per block; split_size must be a multiple of it
-DEFAULT_SPLIT_SIZE = 256  # keys per split unless the caller fixes another
 
 
 def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=None):
@@ -34,7 +31,7 @@ def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=Non
     tk = k.shape[2]
     scale = 1.0 / math.sqrt(dim) if scale is None else _checks.positive_number("scale", scale)
     kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
-    split_size = _validate_split_size(split_size)
+    split_size = contract.check_split_size(split_size)
     return run(_Attention, q, k, v, bool(causal), scale, kv_start, split_size)
 
 
@@ -72,22 +69,6 @@ def _validate_kv_start(kv_start, batch, tk, device):
         raise ValueError(f"kv_start: expected device {device} (same as q), got {kv_start.device}")
     _checks.values_in_range("kv_start", kv_start, 0, max(tk - 1, 0), f"Tk={tk}")
     return kv_start.to(torch.int32)
-
-
-def _validate_split_size(split_size):
-    if split_size is None:
-        return DEFAULT_SPLIT_SIZE
-    if (
-        isinstance(split_size, bool)
-        or not isinstance(split_size, int)
-        or split_size <= 0
-        or split_size % KEY_BLOCK
-    ):
-        raise ValueError(
-            f"split_size: expected a positive multiple of {KEY_BLOCK} (the key block), "
-            f"got {split_size!r}"
-        )
-    return split_size
 
 
 class _Attention(torch.autograd.Function):

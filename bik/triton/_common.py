@@ -23,9 +23,3 @@ def dot_acc(a, b, acc, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision="ieee")
-
-
-def row_block(length, cap=4096):
-    """Chunk width for one-row-per-program kernels: a function of the row length only,
-    never of the number of rows, so every row is reduced in the same chunks."""
-    return min(triton.next_power_of_2(max(length, 1)), cap)

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import row_block
+from ..contract import row_chunk
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -67,7 +67,7 @@ def log_softmax(x, temperature, out_dtype):
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows, vocab = x.shape
     _log_softmax_kernel[(rows,)](
-        x, out, vocab, x.stride(0), out.stride(0), temperature, BLOCK=row_block(vocab)
+        x, out, vocab, x.stride(0), out.stride(0), temperature, BLOCK=row_chunk(vocab)
     )
     return out
 
@@ -84,6 +84,6 @@ def token_logprobs(logits, tokens, temperature):
         vocab,
         logits.stride(0),
         temperature,
-        BLOCK=row_block(vocab),
+        BLOCK=row_chunk(vocab),
     )
     return out

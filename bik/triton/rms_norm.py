@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import row_block
+from ..contract import row_chunk
 
 
 @triton.jit
@@ -31,6 +31,6 @@ def rms_norm(x, weight, eps):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, d = x.shape
     _rms_norm_kernel[(rows,)](
-        x, weight.contiguous(), out, d, x.stride(0), out.stride(0), eps, BLOCK=row_block(d)
+        x, weight.contiguous(), out, d, x.stride(0), out.stride(0), eps, BLOCK=row_chunk(d)
     )
     return out

@@ -1,0 +1,75 @@
+"""The invariance contract: the constants every backend shares, and each op's reduction order.
+
+A row's output bits depend only on that row's inputs and the weights: not on the batch size
+or the row's position in it, not on chunked prefill vs decode, not on padding or KV-cache
+capacity, not on the thread or SM count, not on reruns (docs/design.md). What makes that true
+is one fixed reduction order per output element, per backend:
+
+matmul / linear
+    Each output element is one fp32 accumulator over K in ascending order (Triton: fixed
+    BLOCK_K tiles; cpu: one fma per k, or one AVX512-BF16 pair dot product per two k; cuda:
+    one thread's fma chain). No split-K, no stream-K, no atomics. Bias is added in fp32
+    before the single rounding to the output dtype.
+rms_norm, log_softmax, token_logprobs
+    One row per program / thread. The row is read in chunks whose width is a function of the
+    row length only (:func:`row_chunk`, never of the number of rows); per-lane partials over
+    ascending chunks, then one fixed tree across lanes. fp32 math. ``token_logprobs`` is
+    fp32 ``log_softmax(logits / temperature)`` gathered at the token: the one log-prob formula
+    of sampler and trainer.
+attention
+    Online softmax over blocks of :data:`KEY_BLOCK` keys counted from each row's first valid
+    key (so left padding never moves a boundary). Blocks are grouped into splits of a FIXED
+    number of keys (``split_size``, a multiple of :data:`KEY_BLOCK`, default
+    :data:`DEFAULT_SPLIT_SIZE`), never a fixed number of splits; inside a split blocks run in
+    ascending order, and split partials are merged in ascending split order. Prefill, chunked
+    prefill and decode run this same algorithm.
+
+The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; a test
+asserts that the two agree.
+"""
+
+import torch
+
+KEY_BLOCK: int = 32
+"""Keys per attention block; every split size is a multiple of it."""
+
+DEFAULT_SPLIT_SIZE: int = 256
+"""Keys per attention split unless the caller fixes another."""
+
+ROW_CHUNK_CAP: int = 4096
+"""Widest chunk a one-row-per-program kernel reads at once (see :func:`row_chunk`)."""
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The integer each floating dtype is passed as to the compiled kernels (enum bik::DType)."""
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = tuple(DTYPE_CODES)
+"""The input dtypes every op accepts."""
+
+
+def row_chunk(length: int, cap: int = ROW_CHUNK_CAP) -> int:
+    """Chunk width for a row of ``length`` elements: the next power of two, at most ``cap``.
+
+    A function of the row length only, never of the number of rows, so every row of a batch
+    is reduced in the same chunks as it would be alone.
+    """
+    width = 1
+    while width < length:
+        width *= 2
+    return min(width, cap)
+
+
+def check_split_size(split_size: int | None) -> int:
+    """``split_size`` validated (a positive multiple of :data:`KEY_BLOCK`), or the default."""
+    if split_size is None:
+        return DEFAULT_SPLIT_SIZE
+    if (
+        isinstance(split_size, bool)
+        or not isinstance(split_size, int)
+        or split_size <= 0
+        or split_size % KEY_BLOCK
+    ):
+        raise ValueError(
+            f"split_size: expected a positive multiple of {KEY_BLOCK} (the key block), "
+            f"got {split_size!r}"
+        )
+    return split_size
