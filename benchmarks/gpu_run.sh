@@ -9,10 +9,10 @@ PY=${1:-python3}
 shift || true
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 BIK_BUILD_CUDA=1 "$PY" -m pip install --quiet -e ".[dev]"
-"$PY" -c "import bik.cuda" # fails loudly if the CUDA backend did not build
+"$PY" -c "import bik.backends.cuda" # fails loudly if the CUDA backend did not build
 "$PY" -m pytest -q tests
 gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
 out="benchmarks/results/${gpu}-$(date +%F)"
-"$PY" -m bik.bench --device cuda --dtypes bfloat16 float32 --json "$out.json" --markdown "$out.md" \
+"$PY" -m bik bench --device cuda --dtypes bfloat16 float32 --json "$out.json" --markdown "$out.md" \
   --plot "$out.png" "$@"
 echo "wrote $out.json $out.md $out.png"

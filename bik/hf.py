@@ -13,7 +13,8 @@ import weakref
 
 import torch
 
-from . import backends, reference
+from . import backends
+from .backends import reference
 from .contract import check_split_size
 from .ops.attention import attention
 from .ops.log_softmax import token_logprobs
@@ -122,7 +123,7 @@ def patch_model(model, *, backend="auto", strict=True, split_size=None):
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
     """
     _check_model(model)
-    backends._check_name(backend)
+    backends.check_name(backend)
     check_split_size(split_size)
     family = model.config.model_type
     if strict and family not in SUPPORTED_FAMILIES:

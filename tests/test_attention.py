@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bik
-from bik import reference
+from bik.backends import reference
 
 SPLITS = st.sampled_from([32, 64, bik.DEFAULT_SPLIT_SIZE])
 

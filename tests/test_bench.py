@@ -1,12 +1,12 @@
-"""Smoke test of python -m bik.bench on CPU: records carry the promised fields."""
+"""Smoke test of python -m bik bench on CPU: records carry the promised fields."""
 
 import json
 
 import pytest
 import torch
 
-from bik import bench
-from bik.bench.__main__ import main
+from bik.__main__ import main
+from bik.tools import bench
 
 
 @pytest.mark.skipif(
@@ -17,6 +17,7 @@ def test_quick_cpu_bench_writes_json_markdown_and_plot(tmp_path):
     paths = {ext: tmp_path / f"out.{ext}" for ext in ("json", "md", "png")}
     main(
         [
+            "bench",
             "--device",
             "cpu",
             "--quick",

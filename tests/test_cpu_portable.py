@@ -14,7 +14,8 @@ import pytest
 import torch
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 
-from bik._native import NativeBackend
+from bik.backends import load
+from bik.backends.native import native_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
@@ -31,7 +32,7 @@ def _cpu_flags():
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory):
     pybind11 = pytest.importorskip("pybind11")
-    import bik.cpu as native
+    native = load("cpu")
 
     out = tmp_path_factory.mktemp("portable") / ("_cpu" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run(
@@ -54,7 +55,7 @@ def backends(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("_cpu", out)
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
-    return native, NativeBackend("cpu-portable", "cpu", lib)
+    return native, native_backend("cpu-portable", "cpu", lib)
 
 
 def _has_avx512_bf16():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import bik
-from bik import verify
 from bik.__main__ import main
+from bik.tools import verify
 
 pytest.importorskip("transformers")
 PRESETS = list(verify.PRESETS)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
-from bik import reference
+from bik.backends import reference
 
 
 @given(

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from .. import _checks, backends, contract, reference
+from .. import _checks, backends, contract
+from ..backends import reference
 from . import _recompute, run
 
 

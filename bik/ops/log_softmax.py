@@ -7,7 +7,8 @@ chunks in ascending order (per-lane partials, then one fixed reduction tree acro
 
 import torch
 
-from .. import _checks, backends, reference
+from .. import _checks, backends
+from ..backends import reference
 from . import _recompute, as_rows, run, shaped
 
 

@@ -6,7 +6,8 @@ depends only on the row length D, never on the number of rows.
 
 import torch
 
-from .. import _checks, backends, reference
+from .. import _checks, backends
+from ..backends import reference
 from . import _recompute, as_rows, run, shaped
 
 

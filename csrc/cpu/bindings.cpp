@@ -1,5 +1,5 @@
 // pybind11 bindings of the CPU kernels. No libtorch: tensors arrive as data pointers,
-// shapes and strides (bik/cpu.py does the marshalling), so the module builds in seconds and
+// shapes and strides (bik/backends/native.py does the marshalling), so the module builds in seconds and
 // does not depend on the torch version. The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,5 +1,5 @@
 // pybind11 bindings of the CUDA kernels (no libtorch: pointers, sizes, strides and the CUDA
-// stream arrive as integers; bik/cuda.py marshals them). The GIL is released during launches.
+// stream arrive as integers; bik/backends/cuda.py marshals them). The GIL is released during launches.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

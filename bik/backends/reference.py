@@ -2,19 +2,17 @@
 
 It is the accuracy oracle (run it on float64 inputs for a ground truth) and what the op
 backward passes differentiate. It is NOT batch-invariant: torch picks kernels and reduction
-orders by shape. Kernel signatures match every other backend (see bik.backends).
+orders by shape. Kernel signatures match every other backend (see bik.backends.base).
 """
 
 import torch
+
+from .base import Backend
 
 
 def _at_least_fp32(t):
     """fp32 math for low-precision inputs; float64 inputs (the oracle) stay float64."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def check_device(device):
-    """Plain torch runs everywhere."""
 
 
 def matmul(a, b, bias):
@@ -73,3 +71,15 @@ def _repeat_heads(t, groups):
     """
     b, h, t_len, d = t.shape
     return t.unsqueeze(2).expand(b, h, groups, t_len, d).reshape(b, h * groups, t_len, d)
+
+
+BACKEND = Backend(
+    "reference",
+    (),  # plain torch runs on every device
+    matmul,
+    rms_norm,
+    log_softmax,
+    token_logprobs,
+    attention,
+    invariant=False,
+)

@@ -4,10 +4,10 @@ and a GPU are present, or with BIK_BUILD_CUDA=1."""
 
 import torch
 
-from ._native import NativeBackend
+from .native import native_backend
 
 try:
-    from . import _cuda
+    from .. import _cuda
 except ImportError as error:
     raise ImportError(
         "bik cuda backend is not built: reinstall on a machine with nvcc and a GPU, or with "
@@ -28,4 +28,4 @@ def _attention_scratch(q, tk, split_size):
     return scratch, (scratch.data_ptr(), n_splits)
 
 
-NativeBackend("cuda", "cuda", _cuda, _stream, _attention_scratch).export(globals())
+BACKEND = native_backend("cuda", "cuda", _cuda, _stream, _attention_scratch)

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import row_chunk
+from ...contract import row_chunk
 
 NEG_INF = tl.constexpr(float("-inf"))
 

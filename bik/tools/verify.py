@@ -9,12 +9,13 @@ Checks (each compares token log-probs bit for bit):
 On a mismatch the first module whose output differs (batch 1 vs batch N) is named.
 """
 
+import argparse
 import random
 
 import torch
 
-from . import hf
-from .ops.log_softmax import token_logprobs
+from .. import hf
+from ..ops.log_softmax import token_logprobs
 
 PRESETS = {f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES}
 _TINY = dict(
@@ -270,7 +271,24 @@ def _cell(ok, diff):
     return "bit-identical" if ok else f"DIFFERS (max {diff:.2e})"
 
 
-def main(args):
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="all",
+        help=f"a preset ({', '.join(PRESETS)}), 'all' (default: every preset) or a local "
+        "model directory",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skip-unpatched",
+        action="store_true",
+        help="do not run the checks on the unpatched model first",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     names = list(PRESETS) if args.model == "all" else [args.model]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("verify: --device cuda requested but no CUDA device is available")

@@ -2,33 +2,29 @@
 
 A compiled extension exposes matmul, rms_norm, log_softmax, token_logprobs and attention taking
 integers (data pointers), sizes and strides in elements; the innermost dim of each operand is
-contiguous (B of matmul takes any strides). ``NativeBackend`` adapts one to the backend API of
-bik.backends; ``launch_args(device)`` adds what a device needs at the end of every call (the
-CUDA stream), ``attention_scratch`` the fp32 workspace of split-KV attention (CUDA only).
+contiguous (B of matmul takes any strides). :func:`native_backend` adapts one to a
+:class:`Backend`; ``launch_args(device)`` adds what a device needs at the end of every call
+(the CUDA stream), ``attention_scratch`` the fp32 workspace of split-KV attention (CUDA only).
 """
+
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from .contract import DTYPE_CODES
+from ..contract import DTYPE_CODES
+from .base import Backend
 
 
 def _inner_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class NativeBackend:
-    def __init__(
-        self, name, device_type, lib, launch_args=lambda device: (), attention_scratch=None
-    ):
-        self.name, self.device_type, self.lib = name, device_type, lib
-        self.launch_args, self.attention_scratch = launch_args, attention_scratch
+class _NativeKernels:
+    """The five kernels over one compiled extension ``lib``."""
 
-    def check_device(self, device):
-        if device.type != self.device_type:
-            raise RuntimeError(
-                f"bik {self.name} backend: runs {self.device_type} tensors only, "
-                f"got device {device}"
-            )
+    def __init__(self, lib, launch_args, attention_scratch):
+        self.lib, self.launch_args, self.attention_scratch = lib, launch_args, attention_scratch
 
     def matmul(self, a, b, bias):
         """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
@@ -134,14 +130,22 @@ class NativeBackend:
         del workspace
         return out
 
-    def export(self, namespace):
-        """Put the backend API (check_device + the five kernels) into a module's namespace."""
-        for name in (
-            "check_device",
-            "matmul",
-            "rms_norm",
-            "log_softmax",
-            "token_logprobs",
-            "attention",
-        ):
-            namespace[name] = getattr(self, name)
+
+def native_backend(
+    name: str,
+    device_type: str,
+    lib: ModuleType,
+    launch_args: Callable[[torch.device], tuple] = lambda device: (),
+    attention_scratch: Callable | None = None,
+) -> Backend:
+    """A :class:`Backend` running the kernels of the compiled extension ``lib``."""
+    kernels = _NativeKernels(lib, launch_args, attention_scratch)
+    return Backend(
+        name,
+        (device_type,),
+        kernels.matmul,
+        kernels.rms_norm,
+        kernels.log_softmax,
+        kernels.token_logprobs,
+        kernels.attention,
+    )

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KEY_BLOCK
+from ...contract import KEY_BLOCK
 from ._common import dot_acc, upcast_dot_operands
 
 QUERY_BLOCK = 16

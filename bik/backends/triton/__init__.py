@@ -5,21 +5,31 @@ try:
 except ImportError as error:  # registry reports this as "backend not usable"
     raise ImportError("bik triton backend: the triton package is not installed") from error
 
+import torch
+
+from ..base import Backend
 from ._common import INTERPRET
 from .attention import attention
 from .log_softmax import log_softmax, token_logprobs
 from .matmul import matmul
 from .rms_norm import rms_norm
 
-__all__ = ["attention", "check_device", "log_softmax", "matmul", "rms_norm", "token_logprobs"]
 
-
-def check_device(device):
-    if device.type == "cuda" or (device.type == "cpu" and INTERPRET):
-        return
-    if device.type == "cpu":
+def _needs_interpreter_on_cpu(device: torch.device) -> None:
+    if device.type == "cpu" and not INTERPRET:
         raise RuntimeError(
             "bik triton backend: CPU tensors need the Triton interpreter; "
             "set TRITON_INTERPRET=1 before bik (and triton) are imported"
         )
-    raise RuntimeError(f"bik triton backend: cannot run on device {device}")
+
+
+BACKEND = Backend(
+    "triton",
+    ("cuda", "cpu"),
+    matmul,
+    rms_norm,
+    log_softmax,
+    token_logprobs,
+    attention,
+    extra_device_check=_needs_interpreter_on_cpu,
+)

@@ -1,0 +1,48 @@
+"""What a backend is: a name, the device types it serves, and the five kernels.
+
+Ops (bik.ops) validate their inputs and reshape them to the kernel layouts below, so a
+kernel never sees a bad argument; a kernel only has to compute its op in the fixed order the
+contract (bik.contract) sets for it.
+
+Kernel layouts:
+  matmul(a [B, M, K], b [B or 1, K, N], bias [N] | None) -> [B, M, N] in a's dtype
+  rms_norm(x [R, D], weight [D], eps) -> [R, D] in x's dtype
+  log_softmax(x [R, V], temperature, out_dtype) -> [R, V] in out_dtype
+  token_logprobs(logits [R, V], tokens [R], temperature) -> fp32 [R]
+  attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], causal, scale, kv_start int32 [B],
+            split_size) -> [B, Hq, Tq, D]
+The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: its kernels and the checks the registry runs before using it."""
+
+    name: str
+    device_types: tuple[str, ...]
+    """torch device types it serves ("cpu", "cuda"); empty: every device."""
+    matmul: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor]
+    log_softmax: Callable[..., torch.Tensor]
+    token_logprobs: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    invariant: bool = True
+    """False only for the reference oracle: plain torch picks orders by shape."""
+    extra_device_check: Callable[[torch.device], None] | None = None
+    """Raises RuntimeError (with how to fix it) when a served device type still cannot run."""
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``RuntimeError`` saying how to fix it if this backend cannot run on ``device``."""
+        if self.device_types and device.type not in self.device_types:
+            served = " or ".join(self.device_types)
+            raise RuntimeError(
+                f"bik {self.name} backend: runs {served} tensors only, got device {device}"
+            )
+        if self.extra_device_check is not None:
+            self.extra_device_check(device)

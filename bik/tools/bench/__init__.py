@@ -1,0 +1,222 @@
+"""``python -m bik bench``: bik's kernels against the non-invariant baselines, same run.
+
+For every case and dtype, bik and its baseline are timed alternately on the same inputs;
+``ratio = baseline_ms / bik_ms`` is bik's speed relative to the baseline (1.0 = as fast,
+0.5 = half the throughput). Achieved TFLOP/s and GB/s are reported, and ``peak_share`` is
+the larger of the compute and bandwidth shares of the peaks measured on this device in the
+same run (a big torch matmul, a big tensor copy). Shapes whose data stay in cache can exceed
+100% of the copy bandwidth.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from ... import backends
+from . import cases as case_lib
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next(
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds_per_call(fn, device, calls):
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+def time_pair(bik_fn, base_fn, device, min_time):
+    """Median ms per call of both functions, measured alternately (same conditions for both)."""
+    calls = 1
+    bik_fn(), base_fn()  # warm-up (and compilation)
+    while calls < 4096 and _seconds_per_call(bik_fn, device, calls) * calls < min_time / 5:
+        calls *= 2
+    bik_s, base_s = [], []
+    for _ in range(5):
+        bik_s.append(_seconds_per_call(bik_fn, device, calls))
+        base_s.append(_seconds_per_call(base_fn, device, calls))
+    return statistics.median(bik_s) * 1e3, statistics.median(base_s) * 1e3
+
+
+def measure_peaks(device, dtype, quick):
+    """(FLOP/s, bytes/s) this device reaches with torch: one square matmul, one big copy."""
+    n = 1024 if quick or device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    flops_ms, _ = time_pair(lambda: a @ a, lambda: None, device, 0.2)
+    x = torch.ones(1 << (24 if quick or device.type == "cpu" else 28), device=device, dtype=dtype)
+    y = torch.empty_like(x)  # preallocated: time the copy, not page faults
+    copy_ms, _ = time_pair(lambda: y.copy_(x), lambda: None, device, 0.2)
+    return 2 * n**3 / (flops_ms * 1e-3), 2 * x.numel() * x.element_size() / (copy_ms * 1e-3)
+
+
+def run(
+    device="cpu",
+    ops=None,
+    dtypes=("float32", "bfloat16"),
+    quick=False,
+    min_time=0.2,
+    json_path=None,
+    plot_path=None,
+    echo=print,
+):
+    device = torch.device(device)
+    backend = backends.resolve(device).name
+    all_cases = case_lib.cuda_cases(quick) if device.type == "cuda" else case_lib.cpu_cases(quick)
+    unknown = set(ops or ()) - {c.op for c in all_cases}
+    if unknown:
+        raise ValueError(
+            f"ops: unknown {sorted(unknown)}; expected some of {sorted({c.op for c in all_cases})}"
+        )
+    selected = [c for c in all_cases if not ops or c.op in ops]
+    records, peaks = [], {}
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        peak_flops, peak_bw = measure_peaks(device, dtype, quick)
+        peaks[dtype_name] = {"tflops": peak_flops / 1e12, "gbps": peak_bw / 1e9}
+        for case in selected:
+            bik_ms, base_ms = time_pair(*case.make(device, dtype), device, min_time)
+            flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
+            records.append(
+                {
+                    "op": case.op,
+                    "shape": case.shape,
+                    "dtype": dtype_name,
+                    "backend": backend,
+                    "bik_ms": bik_ms,
+                    "baseline_ms": base_ms,
+                    "ratio": base_ms / bik_ms,
+                    "bik_tflops": flops / 1e12,
+                    "bik_gbps": traffic / 1e9,
+                    "peak_share": max(flops / peak_flops, traffic / peak_bw),
+                }
+            )
+            if case.tokens:  # end-to-end: patched vs unpatched model throughput
+                records[-1].update(
+                    bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
+                    baseline_tokens_per_s=case.tokens / (base_ms * 1e-3),
+                )
+            echo(_row(records[-1]), flush=True) if echo is print else echo(_row(records[-1]))
+    result = {
+        "device": device_name(device),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "backend": backend,
+        "peaks": peaks,
+        "records": records,
+    }
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(result, out, indent=1)
+    if plot_path:
+        plot(result, plot_path)
+    return result
+
+
+HEADER = (
+    "| op | shape | dtype | bik ms | baseline ms | ratio | bik TFLOP/s | bik GB/s | peak share |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def _row(r):
+    head = (
+        f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
+    )
+    if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
+        return (
+            f"{head}| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
+            f"{r['baseline_tokens_per_s']:.0f} tok/s (unpatched) | - |"
+        )
+    return (
+        f"{head}| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} "
+        f"| {r['peak_share']:.0%} |"
+    )
+
+
+def markdown(result):
+    lines = [
+        f"Device: {result['device']}; torch {result['torch']}; bik backend "
+        f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.",
+        "",
+        HEADER,
+    ]
+    return "\n".join(lines + [_row(r) for r in result["records"]])
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib") from error
+    records = result["records"]
+    labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in records]
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(records) + 1.5))
+    ax.barh(range(len(records)), [r["ratio"] for r in records])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(records)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("bik speed / baseline speed (baseline ms / bik ms)")
+    ax.set_title(f"bik vs non-invariant baselines: {result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ops", nargs="+", help="only these ops (e.g. linear attention_decode)")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small shapes, about a minute on a CPU"
+    )
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timed sample set")
+    parser.add_argument("--json", help="write the records to this JSON file")
+    parser.add_argument("--markdown", help="write the table, with the device named, to this file")
+    parser.add_argument("--plot", help="write a PNG bar chart of the ratios (needs matplotlib)")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(HEADER)
+    result = run(
+        device=args.device,
+        ops=args.ops,
+        dtypes=args.dtypes,
+        quick=args.quick,
+        min_time=args.min_time,
+        json_path=args.json,
+        plot_path=args.plot,
+    )
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(markdown(result) + "\n")
+    return 0
