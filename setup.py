@@ -19,6 +19,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
+INCLUDE = "csrc/include"  # headers shared by csrc/cpu and csrc/cuda (bik/*.h)
 with open("csrc/cpu/flags.txt") as flags_file:
     CPU_FLAGS = [line.strip() for line in flags_file if line.strip() and not line.startswith("#")]
 
@@ -54,6 +55,7 @@ class OptionalBuildExt(build_ext):
                     "-O3",
                     "-Xcompiler",
                     "-fPIC",
+                    f"-I{INCLUDE}",
                     *gencode,
                     "-c",
                     source,
@@ -91,6 +93,7 @@ def extensions():
             "bik._cpu",
             sorted(glob.glob("csrc/cpu/*.cpp")),
             cxx_std=17,
+            include_dirs=[INCLUDE],
             extra_compile_args=CPU_FLAGS + ["-march=native"],
             extra_link_args=["-fopenmp"],
         )
@@ -103,7 +106,7 @@ def extensions():
                 "bik._cuda",
                 ["csrc/cuda/bindings.cpp", "csrc/cuda/kernels.cu"],
                 cxx_std=17,
-                include_dirs=[os.path.join(cuda_home, "include")],
+                include_dirs=[INCLUDE, os.path.join(cuda_home, "include")],
                 library_dirs=[os.path.join(cuda_home, d) for d in ("lib64", "lib")],
                 libraries=["cudart_static", "rt", "dl", "pthread"],
                 extra_compile_args=["-O3"],

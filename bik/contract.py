@@ -24,8 +24,9 @@ attention
     ascending order, and split partials are merged in ascending split order. Prefill, chunked
     prefill and decode run this same algorithm.
 
-The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; a test
-asserts that the two agree.
+The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; their
+bindings export them and a test asserts that the two agree. docs/design.md explains the whole
+design.
 """
 
 import torch
@@ -37,7 +38,18 @@ DEFAULT_SPLIT_SIZE: int = 256
 """Keys per attention split unless the caller fixes another."""
 
 ROW_CHUNK_CAP: int = 4096
-"""Widest chunk a one-row-per-program kernel reads at once (see :func:`row_chunk`)."""
+"""Widest chunk a one-row-per-program Triton kernel reads at once (see :func:`row_chunk`)."""
+
+MATMUL_BLOCK_K: int = 32
+"""K tile of the Triton matmul: each output element adds its K tiles in ascending order."""
+
+CPU_LANES: int = 16
+"""cpu backend: row reductions and dot products run in this many interleaved partial sums
+(lane l takes elements l, l + CPU_LANES, ...), then one fixed pairwise tree."""
+
+CUDA_ROW_THREADS: int = 256
+"""cuda backend: a row reduction runs on this many threads (strided partials), then one fixed
+shared-memory tree."""
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The integer each floating dtype is passed as to the compiled kernels (enum bik::DType)."""

@@ -43,6 +43,7 @@ def backends(tmp_path_factory):
             "-std=c++17",
             *_cpu_flags(),
             "-march=x86-64-v3",
+            f"-I{ROOT / 'csrc/include'}",
             f"-I{pybind11.get_include()}",
             f"-I{sysconfig.get_paths()['include']}",
             *map(str, sorted((ROOT / "csrc/cpu").glob("*.cpp"))),

@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,30 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
             "-std=c++17",
             "-O3",
             "-gencode=arch=compute_90,code=sm_90",
+            f"-I{ROOT / 'csrc/include'}",
             "-c",
             str(ROOT / "csrc/cuda/kernels.cu"),
             "-o",
             str(tmp_path / "kernels.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+def test_cuda_bindings_compile_against_the_shared_headers():
+    pybind11 = pytest.importorskip("pybind11")
+    done = subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-fsyntax-only",
+            f"-I{ROOT / 'csrc/include'}",
+            f"-I{pybind11.get_include()}",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(ROOT / "csrc/cuda/bindings.cpp"),
         ],
         capture_output=True,
         text=True,

@@ -13,7 +13,6 @@
 namespace bik {
 namespace {
 
-constexpr int64_t KEY_BLOCK = 32;  // equals bik.KEY_BLOCK; split_size is a multiple of it
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Partial {  // unnormalised softmax state: sum_j exp(s_j - max) * v_j, sum_j exp(s_j - max)
@@ -106,11 +105,7 @@ void attention_impl(const AttentionArgs& p) {
 }  // namespace
 
 void attention(int dtype, const AttentionArgs& args) {
-  switch (dtype) {
-    case F32: return attention_impl<float>(args);
-    case BF16: return attention_impl<bf16>(args);
-    default: return attention_impl<f16>(args);
-  }
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { attention_impl<decltype(type)>(args); });
 }
 
 }  // namespace bik

@@ -6,6 +6,7 @@
 
 #include <array>
 
+#include "bik/bindings.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -33,6 +34,7 @@ void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_st
 
 PYBIND11_MODULE(_cpu, m) {
   m.doc() = "bik's batch-invariant CPU kernels (fixed reduction orders, OpenMP over rows)";
+  bik::export_contract(m);
   auto release = py::call_guard<py::gil_scoped_release>();
   m.def("matmul", &matmul, release);
   m.def("rms_norm", &bik::rms_norm, release);

@@ -18,18 +18,26 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bik/contract.h"
+#include "bik/dispatch.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace bik {
 
-constexpr int LANES = 16;
-
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+constexpr int LANES = CPU_LANES;
 
 struct bf16 { uint16_t bits; };
 using f16 = _Float16;
+
+// The element type of each dtype code, for dispatch_dtype.
+struct CpuTypes {
+  using Float = float;
+  using BFloat16 = bf16;
+  using Half = f16;
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(f16 x) { return static_cast<float>(x); }

@@ -89,17 +89,6 @@ void log_softmax_impl(const T* x, O* y, int64_t rows, int64_t V, int64_t stride,
 }
 
 template <typename T>
-void log_softmax_out(int out_dtype, uintptr_t x, uintptr_t y, int64_t rows, int64_t V,
-                     int64_t stride, float temperature) {
-  const T* xp = reinterpret_cast<const T*>(x);
-  switch (out_dtype) {
-    case F32: return log_softmax_impl(xp, reinterpret_cast<float*>(y), rows, V, stride, temperature);
-    case BF16: return log_softmax_impl(xp, reinterpret_cast<bf16*>(y), rows, V, stride, temperature);
-    default: return log_softmax_impl(xp, reinterpret_cast<f16*>(y), rows, V, stride, temperature);
-  }
-}
-
-template <typename T>
 void token_logprobs_impl(const T* x, const int64_t* tokens, float* out, int64_t rows, int64_t V,
                          int64_t stride, float temperature) {
   for_each_row(x, rows, V, stride, temperature, [&](int64_t r, const float* xr, auto scale) {
@@ -111,22 +100,23 @@ void token_logprobs_impl(const T* x, const int64_t* tokens, float* out, int64_t 
 
 void log_softmax(int dtype, int out_dtype, uintptr_t x, uintptr_t y, int64_t rows, int64_t V,
                  int64_t stride, float temperature) {
-  switch (dtype) {
-    case F32: return log_softmax_out<float>(out_dtype, x, y, rows, V, stride, temperature);
-    case BF16: return log_softmax_out<bf16>(out_dtype, x, y, rows, V, stride, temperature);
-    default: return log_softmax_out<f16>(out_dtype, x, y, rows, V, stride, temperature);
-  }
+  dispatch_dtype<CpuTypes>(dtype, [&](auto x_type) {
+    using T = decltype(x_type);
+    dispatch_dtype<CpuTypes>(out_dtype, [&](auto out_type) {
+      using O = decltype(out_type);
+      log_softmax_impl(reinterpret_cast<const T*>(x), reinterpret_cast<O*>(y), rows, V, stride,
+                       temperature);
+    });
+  });
 }
 
 void token_logprobs(int dtype, uintptr_t x, uintptr_t tokens, uintptr_t out, int64_t rows,
                     int64_t V, int64_t stride, float temperature) {
-  const int64_t* tok = reinterpret_cast<const int64_t*>(tokens);
-  float* o = reinterpret_cast<float*>(out);
-  switch (dtype) {
-    case F32: return token_logprobs_impl(reinterpret_cast<const float*>(x), tok, o, rows, V, stride, temperature);
-    case BF16: return token_logprobs_impl(reinterpret_cast<const bf16*>(x), tok, o, rows, V, stride, temperature);
-    default: return token_logprobs_impl(reinterpret_cast<const f16*>(x), tok, o, rows, V, stride, temperature);
-  }
+  dispatch_dtype<CpuTypes>(dtype, [&](auto x_type) {
+    using T = decltype(x_type);
+    token_logprobs_impl(reinterpret_cast<const T*>(x), reinterpret_cast<const int64_t*>(tokens),
+                        reinterpret_cast<float*>(out), rows, V, stride, temperature);
+  });
 }
 
 }  // namespace bik

@@ -250,11 +250,7 @@ void matmul_impl(const MatmulArgs& p) {
 }  // namespace
 
 void matmul(int dtype, const MatmulArgs& args) {
-  switch (dtype) {
-    case F32: return matmul_impl<float>(args);
-    case BF16: return matmul_impl<bf16>(args);
-    default: return matmul_impl<f16>(args);
-  }
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { matmul_impl<decltype(type)>(args); });
 }
 
 }  // namespace bik

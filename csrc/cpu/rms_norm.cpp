@@ -23,27 +23,18 @@ void rms_norm_impl(const T* x, const W* w, T* y, int64_t rows, int64_t D, int64_
   }
 }
 
-template <typename T>
-void with_weight(int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int64_t rows, int64_t D,
-                 int64_t stride, float eps) {
-  const T* xp = reinterpret_cast<const T*>(x);
-  T* yp = reinterpret_cast<T*>(y);
-  switch (w_dtype) {
-    case F32: return rms_norm_impl(xp, reinterpret_cast<const float*>(w), yp, rows, D, stride, eps);
-    case BF16: return rms_norm_impl(xp, reinterpret_cast<const bf16*>(w), yp, rows, D, stride, eps);
-    default: return rms_norm_impl(xp, reinterpret_cast<const f16*>(w), yp, rows, D, stride, eps);
-  }
-}
-
 }  // namespace
 
 void rms_norm(int dtype, int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int64_t rows,
               int64_t D, int64_t stride, float eps) {
-  switch (dtype) {
-    case F32: return with_weight<float>(w_dtype, x, w, y, rows, D, stride, eps);
-    case BF16: return with_weight<bf16>(w_dtype, x, w, y, rows, D, stride, eps);
-    default: return with_weight<f16>(w_dtype, x, w, y, rows, D, stride, eps);
-  }
+  dispatch_dtype<CpuTypes>(dtype, [&](auto x_type) {
+    using T = decltype(x_type);
+    dispatch_dtype<CpuTypes>(w_dtype, [&](auto w_type) {
+      using W = decltype(w_type);
+      rms_norm_impl(reinterpret_cast<const T*>(x), reinterpret_cast<const W*>(w),
+                    reinterpret_cast<T*>(y), rows, D, stride, eps);
+    });
+  });
 }
 
 }  // namespace bik

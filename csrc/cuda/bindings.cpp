@@ -5,6 +5,7 @@
 
 #include <array>
 
+#include "bik/bindings.h"
 #include "kernels.h"
 
 namespace py = pybind11;
@@ -31,6 +32,7 @@ void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_st
 
 PYBIND11_MODULE(_cuda, m) {
   m.doc() = "bik's batch-invariant CUDA kernels (fixed reduction orders, one block per row)";
+  bik::export_contract(m);
   auto release = py::call_guard<py::gil_scoped_release>();
   m.def("matmul", &matmul, release);
   m.def("rms_norm", &bik_cuda::rms_norm, release);

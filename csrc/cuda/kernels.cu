@@ -17,13 +17,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "bik/contract.h"
+#include "bik/dispatch.h"
 #include "kernels.h"
 
 namespace bik_cuda {
 namespace {
 
-constexpr int THREADS = 256;
-constexpr int KEY_BLOCK = 32;  // equals bik.KEY_BLOCK
+constexpr int THREADS = bik::CUDA_ROW_THREADS;
+using bik::KEY_BLOCK;
 constexpr int TILE = 16;       // matmul tile edge
 
 __device__ inline float to_float(float x) { return x; }
@@ -212,22 +214,20 @@ void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess) throw std::runtime_error(std::string("bik cuda ") + what + ": " + cudaGetErrorString(status));
 }
 
-template <typename F>
-void by_dtype(int dtype, F&& f) {
-  switch (dtype) {
-    case 0: f(float{}); break;
-    case 1: f(__nv_bfloat16{}); break;
-    default: f(__half{}); break;
-  }
-}
+// The element type of each dtype code, for bik::dispatch_dtype.
+struct CudaTypes {
+  using Float = float;
+  using BFloat16 = __nv_bfloat16;
+  using Half = __half;
+};
 
 }  // namespace
 
 void rms_norm(int dtype, int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int64_t rows, int64_t D,
               int64_t stride, float eps, uintptr_t stream) {
-  by_dtype(dtype, [&](auto xt) {
+  bik::dispatch_dtype<CudaTypes>(dtype, [&](auto xt) {
     using T = decltype(xt);
-    by_dtype(w_dtype, [&](auto wt) {
+    bik::dispatch_dtype<CudaTypes>(w_dtype, [&](auto wt) {
       using W = decltype(wt);
       rms_norm_kernel<T, W><<<rows, THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
           reinterpret_cast<const T*>(x), reinterpret_cast<const W*>(w), reinterpret_cast<T*>(y), D, stride, eps);
@@ -238,9 +238,9 @@ void rms_norm(int dtype, int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int
 
 void log_softmax(int dtype, int out_dtype, uintptr_t x, uintptr_t y, int64_t rows, int64_t V,
                  int64_t stride, float temperature, uintptr_t stream) {
-  by_dtype(dtype, [&](auto xt) {
+  bik::dispatch_dtype<CudaTypes>(dtype, [&](auto xt) {
     using T = decltype(xt);
-    by_dtype(out_dtype, [&](auto ot) {
+    bik::dispatch_dtype<CudaTypes>(out_dtype, [&](auto ot) {
       using O = decltype(ot);
       log_softmax_kernel<T, O><<<rows, THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
           reinterpret_cast<const T*>(x), reinterpret_cast<O*>(y), V, stride, temperature);
@@ -251,7 +251,7 @@ void log_softmax(int dtype, int out_dtype, uintptr_t x, uintptr_t y, int64_t row
 
 void token_logprobs(int dtype, uintptr_t x, uintptr_t tokens, uintptr_t out, int64_t rows, int64_t V,
                     int64_t stride, float temperature, uintptr_t stream) {
-  by_dtype(dtype, [&](auto xt) {
+  bik::dispatch_dtype<CudaTypes>(dtype, [&](auto xt) {
     using T = decltype(xt);
     token_logprobs_kernel<T><<<rows, THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const T*>(x), reinterpret_cast<const int64_t*>(tokens), reinterpret_cast<float*>(out),
@@ -262,7 +262,7 @@ void token_logprobs(int dtype, uintptr_t x, uintptr_t tokens, uintptr_t out, int
 
 void matmul(int dtype, const MatmulArgs& a, uintptr_t stream) {
   const dim3 block(TILE, TILE), grid((a.N + TILE - 1) / TILE, (a.M + TILE - 1) / TILE, a.batch);
-  by_dtype(dtype, [&](auto t) {
+  bik::dispatch_dtype<CudaTypes>(dtype, [&](auto t) {
     using T = decltype(t);
     matmul_kernel<T><<<grid, block, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
         reinterpret_cast<const T*>(a.a), reinterpret_cast<const T*>(a.b), reinterpret_cast<const T*>(a.bias),
@@ -280,7 +280,7 @@ void attention(int dtype, const AttentionArgs& p, uintptr_t scratch, int64_t n_s
   float* part_sum = part_max + rows * n_splits;
   const int threads = static_cast<int>(p.D < KEY_BLOCK ? KEY_BLOCK : (p.D + 31) / 32 * 32);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  by_dtype(dtype, [&](auto t) {
+  bik::dispatch_dtype<CudaTypes>(dtype, [&](auto t) {
     using T = decltype(t);
     attention_split_kernel<T><<<dim3(rows, n_splits), threads, 0, s>>>(p, part_acc, part_max, part_sum, n_splits);
     attention_combine_kernel<T><<<rows, threads, 0, s>>>(p, part_acc, part_max, part_sum, n_splits);

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "../cpu/kernels.h"
+#include "bik/args.h"
 
 namespace bik_cuda {
 

@@ -4,10 +4,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...contract import MATMUL_BLOCK_K
 from ._common import dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
 
 
 @triton.jit

@@ -1,0 +1,43 @@
+// Argument structs of the compiled kernels. Pointers arrive as integers from Python
+// (tensor.data_ptr()), strides are in elements, and the innermost dim of every tensor is
+// contiguous (except B of matmul, which takes any strides). bik/backends/native.py fills them.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace bik {
+
+struct MatmulArgs {  // C[b] = A[b] . B[b] (+ bias); C contiguous [batch, M, N]
+  uintptr_t a, b, bias, c;  // bias may be 0; B may have any strides (e.g. W^T)
+  int64_t batch, M, N, K;
+  int64_t a_batch_stride, a_row_stride, b_batch_stride, b_k_stride, b_n_stride;
+};
+
+struct AttentionArgs {  // see bik/ops/attention.py for the semantics
+  uintptr_t q, k, v, kv_start, out;  // kv_start: int32 [B]; out contiguous [B, Hq, Tq, D]
+  int64_t B, Hq, Hkv, Tq, Tk, D, split_size;
+  int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, position
+  float scale;
+  bool causal;
+};
+
+// AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
+// strides = (batch, head, position) of q, k and v.
+inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start,
+                                    uintptr_t out, const std::array<int64_t, 7>& sizes,
+                                    const std::array<int64_t, 3>& q_strides,
+                                    const std::array<int64_t, 3>& k_strides,
+                                    const std::array<int64_t, 3>& v_strides, float scale,
+                                    bool causal) {
+  AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
+                     sizes[5], sizes[6], {}, {}, {}, scale, causal};
+  for (int i = 0; i < 3; ++i) {
+    args.q_strides[i] = q_strides[i];
+    args.k_strides[i] = k_strides[i];
+    args.v_strides[i] = v_strides[i];
+  }
+  return args;
+}
+
+}  // namespace bik
