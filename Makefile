@@ -4,27 +4,50 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BUILT := $(VENV)/.built
+CSRC := $(shell find csrc -type f)
+# Fewer hypothesis examples and no `slow` cases: every axis is still checked, in ~1 minute.
+FAST := BIK_EXAMPLES=5 $(BIN)/python -m pytest -q -m "not slow" tests
 
-.PHONY: install demo test clean
+.PHONY: install build demo test test-fast lint format clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Rebuild the compiled backends whenever a C++/CUDA source or header changes, so the tests
+# never run a stale extension.
+$(BUILT): $(STAMP) $(CSRC)
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(BUILT)
+
+install: $(BUILT)
+
+build: $(BUILT)
 
 # The main job: the kernel demo, then a zero-mismatch RL run next to a kernel-swapped one.
-demo: $(STAMP)
+demo: $(BUILT)
 	$(BIN)/python -m bik demo
 	rm -rf runs/zero_mismatch runs/kernel_swap
 	$(BIN)/python -m rl_harness run --out runs/zero_mismatch
 	$(BIN)/python -m rl_harness run --recipe kernel_swap --out runs/kernel_swap
 	$(BIN)/python -m rl_harness compare runs/zero_mismatch runs/kernel_swap --out runs/compare
 
-test: $(STAMP)
+test: $(BUILT)
 	$(BIN)/python -m pytest -q tests
 
+test-fast: $(BUILT)
+	$(FAST)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .cache runs
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so

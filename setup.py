@@ -11,6 +11,7 @@ raises an error that says how to build it.
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from setuptools.command.build_ext import build_ext
 
 CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
 INCLUDE = "csrc/include"  # headers shared by csrc/cpu and csrc/cuda (bik/*.h)
+with open("bik/__init__.py") as init_file:  # the one version source: bik.__version__
+    VERSION = re.search(r'^__version__ = "([^"]+)"', init_file.read(), re.M).group(1)
 with open("csrc/cpu/flags.txt") as flags_file:
     CPU_FLAGS = [line.strip() for line in flags_file if line.strip() and not line.startswith("#")]
 
@@ -136,12 +139,17 @@ def _cuda_home():
 
 setup(
     name="bik",
-    version="0.1.0",
+    version=VERSION,
     description="Deterministic, batch-invariant kernels for LLM inference and training",
     python_requires=">=3.10",
     packages=find_packages(include=["bik", "bik.*", "rl_harness", "rl_harness.*"]),
-    install_requires=["torch", "triton", "numpy", "pybind11", "transformers>=5,<6"],
-    extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
+    install_requires=["torch", "triton", "numpy", "transformers>=5,<6"],
+    # pybind11 is a build requirement (pyproject.toml); dev also lists it, with setuptools, for
+    # `make build`, which rebuilds the extension without an isolated build environment.
+    extras_require={
+        "dev": ["pytest", "hypothesis", "matplotlib", "ruff", "pybind11>=2.10", "setuptools>=64"]
+    },
+    package_data={"bik": ["py.typed"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,6 +1,8 @@
 """bik: batch-invariant kernels. A row's result never depends on how it was batched,
 chunked or padded, so rollout and training compute the same bits."""
 
+__version__ = "0.1.0"  # the one version source (setup.py reads it)
+
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
@@ -10,7 +12,7 @@ from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # The Hugging Face layer is imported on first use: the kernels never need transformers.
     if name in ("patch_model", "unpatch_model", "sequence_logprobs", "PatchReport"):
         from . import hf
@@ -18,8 +20,6 @@ def __getattr__(name):
         return getattr(hf, name)
     raise AttributeError(f"module 'bik' has no attribute {name!r}")
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",

@@ -19,7 +19,16 @@ from ..backends import reference
 from . import _recompute, run
 
 
-def attention(q, k, v, *, causal=True, scale=None, kv_start=None, split_size=None):
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    kv_start: torch.Tensor | None = None,
+    split_size: int | None = None,
+) -> torch.Tensor:
     """Attention of ``q [B, Hq, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``; returns ``[B, Hq, Tq, D]``.
 
     The Tq queries are the last Tq of the Tk positions (Tq == Tk: prefill, Tq == 1: decode).

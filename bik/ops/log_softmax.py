@@ -12,7 +12,7 @@ from ..backends import reference
 from . import _recompute, as_rows, run, shaped
 
 
-def log_softmax(x, dim=-1, dtype=None):
+def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.log_softmax`` over the last dim with fp32 math; output dtype ``dtype`` or x's."""
     _checks.floating("x", x)
     _checks.rank("x", x, (1,))
@@ -23,7 +23,9 @@ def log_softmax(x, dim=-1, dtype=None):
     return run(_LogSoftmax, x, dtype or x.dtype)
 
 
-def token_logprobs(logits, tokens, temperature=1.0):
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """fp32 ``log_softmax(logits / temperature)`` over the full vocabulary, gathered at ``tokens``.
 
     logits ``[..., V]``, tokens ``[...]`` (integer, in ``[0, V)``); returns fp32 ``[...]``.

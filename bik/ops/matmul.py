@@ -25,7 +25,7 @@ def _validate(a_name, a, b_name, b, bias):
         _checks.same_device("bias", bias, a_name, a)
 
 
-def matmul(a, b, bias=None):
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a [..., K] @ b [K, N] (+ bias [N])``; ``b`` may be any strided view (e.g. ``w.t()``)."""
     _validate("a", a, "b", b, bias)
     _checks.dim_size("b", b, 0, a.shape[-1], "K, the last dim of a")
@@ -34,7 +34,7 @@ def matmul(a, b, bias=None):
     return run(_Matmul, a, b, bias)
 
 
-def linear(x, weight, bias=None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` semantics: ``x [..., K] @ weight[N, K].T (+ bias [N])``."""
     _validate("x", x, "weight", weight, bias)
     _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")

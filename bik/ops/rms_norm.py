@@ -11,7 +11,7 @@ from ..backends import reference
 from . import _recompute, as_rows, run, shaped
 
 
-def rms_norm(x, weight, eps=1e-6):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` in fp32, returned in x's dtype."""
     _checks.floating("x", x)
     _checks.rank("x", x, (1,))
