@@ -3,7 +3,7 @@
 The backward passes of rms_norm, log_softmax and attention differentiate the float32
 reference formula (bik.backends.reference) with torch autograd. Every op in those graphs is
 deterministic on CPU and CUDA (no atomics, no scatter), so gradients are reproducible run to
-run; they are not promised to be batch-invariant (DESIGN.md, kernel rules).
+run; they are not promised to be batch-invariant (docs/design.md, "Reduction orders").
 """
 
 import torch

@@ -1,6 +1,6 @@
 """Scaled-dot-product attention with one algorithm for prefill, chunked prefill and decode.
 
-The reduction order of every backend (DESIGN.md, attention rules):
+The reduction order of every backend (docs/design.md, "Reduction orders"):
   * keys are visited in blocks of contract.KEY_BLOCK, counted from the row's first valid key
     ``kv_start[b]`` (so left padding never moves a block boundary);
   * blocks are grouped into splits of a FIXED number of keys ``split_size`` (never a fixed
