@@ -19,7 +19,7 @@ Covered, with their ``out=`` and in-place forms:
     result of a 16-bit product), _grouped_mm (MoE experts), _foreach_mm. On CPU torch
     decomposes _grouped_mm and _foreach_mm into mm / bmm, which are covered.
   * _log_softmax, _softmax and mean.dim.
-  * the CPU flash SDPA kernel.
+  * the CPU flash SDPA kernel, grouped-query attention (``enable_gqa=True``) included.
 Refused with NotImplementedError (bik has no invariant kernel for them): fp8 and
 weight-quantised matmuls (_scaled_mm, _scaled_grouped_mm, _weight_int8pack_mm,
 _weight_int4pack_mm and variants, _dyn_quant_matmul_4bit, _mixed_dtypes_linear) and 2:4-sparse
@@ -325,9 +325,11 @@ def _sdpa_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=No
         )
     _backend(query.device)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = attention(query, key, value, causal=is_causal, scale=scale)
-    # logsumexp is only read by the backward formula; plain fp32 math (deterministic).
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    out = attention(query, key, value, causal=is_causal, scale=scale)  # GQA natively
+    # logsumexp is only read by torch's backward kernel: plain fp32 math (deterministic), the
+    # kv heads repeated for GQA the way that kernel pairs them (query head h, kv head h // g).
+    k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
     if is_causal:
         scores = scores.masked_fill(
             torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")
