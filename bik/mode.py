@@ -18,7 +18,8 @@ Covered, with their ``out=`` and in-place forms:
   * CUDA kernels torch has only there: mm / bmm / addmm / baddbmm with ``out_dtype`` (fp32
     result of a 16-bit product), _grouped_mm (MoE experts), _foreach_mm. On CPU torch
     decomposes _grouped_mm and _foreach_mm into mm / bmm, which are covered.
-  * _log_softmax, _softmax and mean.dim.
+  * _log_softmax and _softmax along any dim, 0-d inputs included (contiguous results, as
+    torch's), and mean.dim.
   * the CPU flash SDPA kernel, grouped-query attention (``enable_gqa=True``) included.
 Refused with NotImplementedError (bik has no invariant kernel for them): fp8 and
 weight-quantised matmuls (_scaled_mm, _scaled_grouped_mm, _weight_int8pack_mm,
@@ -35,6 +36,7 @@ order.
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -284,8 +286,12 @@ def _refuse(op: str, what: str) -> Callable:
 def _log_softmax(op, self, dim, half_to_float):
     _covered(op, "self", self)
     _backend(self.device)  # refuses a non-invariant backend
+    if self.dim() == 0:  # torch treats a 0-d tensor as one element along dim 0 / -1
+        return _log_softmax(op, self.reshape(1), dim, half_to_float).reshape(())
     out_dtype = torch.float32 if half_to_float else self.dtype
-    return log_softmax(self.movedim(dim, -1), dtype=out_dtype).movedim(-1, dim)
+    moved = self.movedim(dim, -1)  # IndexError for a bad dim, as torch
+    # torch returns a contiguous tensor whatever the dim and the input's layout.
+    return log_softmax(moved, dtype=out_dtype).movedim(-1, dim).contiguous()
 
 
 def _softmax(op, self, dim, half_to_float):
@@ -293,18 +299,36 @@ def _softmax(op, self, dim, half_to_float):
     return _log_softmax(op, self, dim, True).exp().to(out_dtype)
 
 
+def _reduced_dims(op: str, dim, ndim: int) -> list[int]:
+    """``dim`` of a reduction, wrapped and sorted; None or [] means every dim (torch's rule)."""
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    size = max(ndim, 1)  # a 0-d tensor accepts dim 0 and -1
+    for d in dims:
+        if not -size <= d < size:
+            raise IndexError(
+                f"Dimension out of range (expected to be in range of [{-size}, {size - 1}], "
+                f"but got {d})"
+            )
+    wrapped = sorted(d % size for d in dims)
+    if len(set(wrapped)) != len(wrapped):
+        raise ValueError(f"{_arg(op, 'dim')}: expected distinct dims, got {dims}")
+    return wrapped
+
+
 def _mean_dim(op, self, dim, keepdim=False, *, dtype=None):
     _covered(op, "self", self)
-    dims = sorted(d % self.dim() for d in (dim if dim else range(self.dim())))
+    dims = _reduced_dims(op, dim, self.dim())
+    if self.dim() == 0:
+        return _mean_dim(op, self.reshape(1), [0], False, dtype=dtype).reshape(())
     kept = [d for d in range(self.dim()) if d not in dims]
-    count = 1
-    for d in dims:
-        count *= self.shape[d]
-    rows = self.permute(*kept, *dims).reshape(-1, max(1, count)).float()
+    kept_shape, count = [self.shape[d] for d in kept], math.prod(self.shape[d] for d in dims)
+    rows = self.permute(*kept, *dims).reshape(math.prod(kept_shape), count).float()
     # One fixed-order sum per row: a matmul with a ones column (ascending k, fp32).
-    ones = torch.ones(1, rows.shape[1], 1, device=self.device)
+    ones = torch.ones(1, count, 1, device=self.device)
     total = _matmul(rows[None], ones)[0, :, 0]
-    out = (total / rows.shape[1]).reshape([self.shape[d] for d in kept])
+    out = (total / count).reshape(kept_shape)  # an empty row gives 0 / 0 = NaN, as torch
     if keepdim:
         for d in dims:
             out = out.unsqueeze(d)
