@@ -77,7 +77,8 @@ def _covered(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Checked ``a [B, M, K] @ b [B, K, N] (+ bias [N])`` on the backend's fixed-order kernel."""
+    """``a [B, M, K] @ b [B, K, N] (+ bias [N])``, operands already checked, on the backend's
+    fixed-order kernel."""
     batch, m, k = a.shape
     n = b.shape[2]
     if not (batch and m and n and k):
@@ -244,8 +245,11 @@ def _grouped_mm(op, self, mat2, offs=None, bias=None, out_dtype=None):
     a, b = (self, mat2) if out_dtype == self.dtype else (self.float(), mat2.float())
     ends = [] if offs is None else offs.tolist()
     starts = [0, *ends[:-1]]
-    if any(e < s for s, e in zip(starts, ends)):
-        raise ValueError(f"{_arg(op, 'offs')}: expected non-decreasing group ends, got {ends}")
+    grouped = {(2, 3): a.shape[0], (3, 2): b.shape[1], (2, 2): a.shape[1]}.get((a.dim(), b.dim()))
+    if any(e < s for s, e in zip(starts, ends)) or (ends and ends[-1] > grouped):
+        raise ValueError(
+            f"{_arg(op, 'offs')}: expected non-decreasing group ends in [0, {grouped}], got {ends}"
+        )
     if a.dim() == 3 and b.dim() == 3:
         return _matmul(a, b).to(out_dtype)
     if a.dim() == 2 and b.dim() == 3:  # rows (tokens) grouped by expert
@@ -273,8 +277,8 @@ def _refuse(op: str, what: str) -> Callable:
     def kernel(*args, **kwargs):
         raise NotImplementedError(
             f"bik batch_invariant_mode: aten.{op} ({what}) has no batch-invariant kernel in "
-            "bik; dequantize the weights to float32 / bfloat16 / float16 and use a plain "
-            "matmul (nn.Linear, bik.linear), or run this op outside the mode"
+            "bik; use dense float32 / bfloat16 / float16 weights and a plain matmul "
+            "(nn.Linear, bik.linear), or run this op outside the mode"
         )
 
     return kernel

@@ -201,7 +201,7 @@ def test_mode_refuses_fp8_and_quantised_matmuls():
     torch._weight_int8pack_mm(x, w_int8, scales)  # plain torch runs both on this machine
     torch._scaled_mm(a8, b8.t().contiguous().t(), one, one, out_dtype=torch.bfloat16)
     with batch_invariant_mode():
-        with pytest.raises(NotImplementedError, match=r"aten\._weight_int8pack_mm .*dequantize"):
+        with pytest.raises(NotImplementedError, match=r"aten\._weight_int8pack_mm .*dense float32"):
             torch._weight_int8pack_mm(x, w_int8, scales)
         with pytest.raises(NotImplementedError, match=r"aten\._scaled_mm "):
             torch._scaled_mm(a8, b8.t().contiguous().t(), one, one, out_dtype=torch.bfloat16)
@@ -262,3 +262,5 @@ def test_mode_grouped_mm_matches_torchs_decomposition(case):
         alone = bik.mode._CUDA_ONLY["_grouped_mm"](a[5:6], b, torch.tensor([0, 0, 1]).int())
         assert torch.equal(alone[0], out[5])
         assert not out[13:].any()  # rows past the last offset are zeros, not garbage
+        with pytest.raises(ValueError, match=r"offs of aten\._grouped_mm: expected non-decr"):
+            bik.mode._CUDA_ONLY["_grouped_mm"](a, b, torch.tensor([4, 4, 17]).int())
