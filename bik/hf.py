@@ -8,7 +8,6 @@ batches) equal those of one full forward of the finished sequences, bit for bit.
 """
 
 import dataclasses
-import types
 import weakref
 
 import torch
@@ -23,34 +22,21 @@ from .ops.rms_norm import rms_norm
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "bik"
-# Modules that run no reduction of their own: containers whose children do the work, lookups,
-# elementwise activations, and rotary embeddings (an outer product: no sum over anything).
-_SAFE_SUFFIXES = (
-    "ForCausalLM",
-    "Model",
-    "DecoderLayer",
-    "MLP",
-    "RotaryEmbedding",
-    "Activation",
-    "ModuleList",
-    "Embedding",
-    "Identity",
-    "SiLU",
-    "GELU",
-)
 
 
 @dataclasses.dataclass
 class PatchReport:
-    """What patch_model did: module name -> what it now runs, and what it could not patch."""
+    """What patch_model did: module name -> what it now runs, and the modules that reduce
+    (so their bits can depend on the batch) but could not be patched."""
 
     family: str
     backend: str
     patched: dict
     unpatched: list
     attention_was: str
+    split_size: int | None = None
 
-    def __str__(self):
+    def __str__(self) -> str:
         kinds = {}
         for kind in self.patched.values():
             kinds[kind] = kinds.get(kind, 0) + 1
@@ -62,40 +48,87 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _in_backend(backend, fn):
-    """``fn`` run under ``backend`` ("auto": the caller's current selection)."""
+def _run(backend, fn, *args, **kwargs):
+    """``fn`` under ``backend`` ("auto": the caller's selection)."""
     if backend == "auto":
-        return fn
-
-    def scoped(*args, **kwargs):
-        with backends.use_backend(backend):
-            return fn(*args, **kwargs)
-
-    return scoped
+        return fn(*args, **kwargs)
+    with backends.use_backend(backend):
+        return fn(*args, **kwargs)
 
 
-def _linear_forward(self, x):
-    return linear(x, self.weight, self.bias)
+# -- Linear and RMSNorm --------------------------------------------------------------------
 
 
-def _rms_norm_forward(self, x):
-    return rms_norm(x, self.weight, self.variance_epsilon)
+class _PatchedForward:
+    """A patched module's forward. A plain object holding the module and the patch-time
+    backend, not a closure or bound method, so deepcopy and pickle keep it."""
+
+    def __init__(self, module, kind, backend):
+        self.module, self.kind, self.backend = module, kind, backend
+
+    def __call__(self, x):
+        m = self.module
+        if self.kind == "linear":
+            return _run(self.backend, linear, x, m.weight, m.bias)
+        return _run(self.backend, rms_norm, x, m.weight, m.variance_epsilon)
 
 
 def _is_rms_norm(module):
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
 
-def _kind(name, module):
-    """'linear', 'rms_norm', 'attention', 'safe', or None (cannot be made invariant)."""
+# torch.nn modules without weights of their own that still reduce over something.
+_REDUCING_TYPES = tuple(
+    getattr(torch.nn, name)
+    for name in (
+        "Softmax",
+        "LogSoftmax",
+        "Softmin",
+        "Softmax2d",
+        "LayerNorm",
+        "GroupNorm",
+        "LocalResponseNorm",
+        *(f"{kind}{d}d" for kind in ("BatchNorm", "InstanceNorm") for d in (1, 2, 3)),
+        *(f"{kind}{d}d" for kind in ("AvgPool", "AdaptiveAvgPool", "LPPool") for d in (1, 2)),
+        "AvgPool3d",
+        "AdaptiveAvgPool3d",
+        "CosineSimilarity",
+        "PairwiseDistance",
+    )
+)
+# Class-name endings of model code that reduces: norms, attention, poolers, MoE routing and
+# expert combination. Containers (layers, blocks, MLPs), elementwise activations, dropout and
+# rotary embeddings do no reduction of their own and are not listed.
+_REDUCING_SUFFIXES = (
+    "Norm",
+    "Attention",
+    "Softmax",
+    "Pool",
+    "Pooler",
+    "Pooling",
+    "Experts",
+    "Router",
+    "MoeBlock",
+    "MoE",
+    "Moe",
+)
+
+
+def _kind(module):
+    """'linear', 'rms_norm', 'attention', 'unpatched' (reduces, but bik cannot vouch for its
+    order) or None (does no reduction of its own)."""
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):
         return "rms_norm"
-    if type(module).__name__.endswith("Attention") and hasattr(module, "config"):
+    name = type(module).__name__
+    if name.endswith("Attention") and hasattr(module, "config"):
         return "attention"
-    if isinstance(module, torch.nn.Dropout) or type(module).__name__.endswith(_SAFE_SUFFIXES):
-        return "safe"
+    if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
+        return None
+    owns_weights = next(module.parameters(recurse=False), None) is not None
+    if owns_weights or isinstance(module, _REDUCING_TYPES) or name.endswith(_REDUCING_SUFFIXES):
+        return "unpatched"
     return None
 
 
@@ -112,15 +145,24 @@ def _check_model(model):
             f"generate() and an lm_head), got {type(model).__name__}"
         )
     if hasattr(model, "_bik_patch"):
-        raise RuntimeError("model: already patched by bik; call bik.unpatch_model(model) first")
+        raise RuntimeError(
+            "model: already patched by bik; call bik.unpatch_model(model) before patching again"
+        )
 
 
-def patch_model(model, *, backend="auto", strict=True, split_size=None):
+def patch_model(
+    model: torch.nn.Module,
+    *,
+    backend: str = "auto",
+    strict: bool = True,
+    split_size: int | None = None,
+) -> PatchReport:
     """Route every reduction of ``model``'s forward through bik; returns a :class:`PatchReport`.
 
-    strict: a module bik cannot make invariant (or an unsupported model family) raises
-    ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
+    strict: a module that reduces but cannot be made invariant (or an unsupported model family)
+    raises ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
+    The backend and split size live on the patched modules: deepcopy and pickle keep them.
     """
     _check_model(model)
     backends.check_name(backend)
@@ -129,51 +171,71 @@ def patch_model(model, *, backend="auto", strict=True, split_size=None):
     if strict and family not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model: family {family!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to patch what can be"
+            f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to bik.patch_model to patch "
+            "what can be and list the rest in report.unpatched"
         )
-    kinds = {name: _kind(name, module) for name, module in model.named_modules() if name}
+    kinds = {name: _kind(module) for name, module in model.named_modules() if name}
     unpatched = [
         f"{name} ({type(model.get_submodule(name)).__name__})"
         for name, kind in kinds.items()
-        if kind is None
+        if kind == "unpatched"
     ]
     if strict and unpatched:
-        raise ValueError(f"model: cannot make these modules invariant: {', '.join(unpatched)}")
+        raise ValueError(
+            f"model: cannot make these modules invariant: {', '.join(unpatched)}; pass "
+            "strict=False to bik.patch_model to patch the rest and list them in report.unpatched"
+        )
 
-    forwards = {"linear": _linear_forward, "rms_norm": _rms_norm_forward}
     patched = {}
+    settings = _AttentionSettings(backend, split_size)
     for name, kind in kinds.items():
-        if kind in forwards:
-            module = model.get_submodule(name)
-            module.forward = types.MethodType(_in_backend(backend, forwards[kind]), module)
+        module = model.get_submodule(name)
+        if kind in ("linear", "rms_norm"):
+            module.forward = _PatchedForward(module, kind, backend)
             patched[name] = f"bik.{kind}"
         elif kind == "attention":
+            module._bik_attention = settings
             patched[name] = "bik.attention"
     attention_was = model.config._attn_implementation
     _register_attention()
-    _ATTENTION_SETTINGS[id(model.config)] = (backend, split_size)
     model.set_attn_implementation(ATTENTION_NAME)
-    report = PatchReport(family, backend, patched, unpatched, attention_was)
+    report = PatchReport(family, backend, patched, unpatched, attention_was, split_size)
     model._bik_patch = report
     return report
 
 
-def unpatch_model(model):
+def unpatch_model(model: torch.nn.Module) -> None:
     """Undo :func:`patch_model` exactly: original forwards and attention implementation."""
     report = getattr(model, "_bik_patch", None)
     if report is None:
-        raise ValueError("model: not patched by bik")
+        raise ValueError("model: not patched by bik (bik.unpatch_model undoes bik.patch_model)")
     for name, kind in report.patched.items():
-        if kind != "bik.attention":
-            del model.get_submodule(name).forward  # the class's own forward shows again
+        module = model.get_submodule(name)
+        if kind == "bik.attention":
+            vars(module).pop("_bik_attention", None)
+        else:
+            del module.forward  # the class's own forward shows again
     model.set_attn_implementation(report.attention_was)
-    _ATTENTION_SETTINGS.pop(id(model.config), None)
     del model._bik_patch
 
 
 # -- attention -----------------------------------------------------------------------------
 
-_ATTENTION_SETTINGS = {}  # id(config) -> (backend name, split size) chosen at patch time
+
+class _AttentionSettings:
+    """Backend and split size chosen at patch time, kept on each patched attention module."""
+
+    def __init__(self, backend, split_size):
+        self.backend, self.split_size = backend, split_size
+
+    def __setstate__(self, state):
+        # Unpickling a patched model in a fresh process: its config names the "bik" attention,
+        # which must be registered before the model runs.
+        vars(self).update(state)
+        _register_attention()
+
+
+_DEFAULT_SETTINGS = _AttentionSettings("auto", None)  # "bik" set on a config by hand
 
 
 def _register_attention():
@@ -233,15 +295,17 @@ def _attention_forward(
         raise RuntimeError(f"bik attention: {type(module).__name__} is not causal")
     batch, _, tq, _ = query.shape
     kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2])
-    backend, split_size = _ATTENTION_SETTINGS.get(id(module.config), ("auto", None))
-    out = _in_backend(backend, attention)(
+    settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
+    out = _run(
+        settings.backend,
+        attention,
         query,
         key[:, :, :kv_len],
         value[:, :, :kv_len],
         causal=True,
         scale=scaling,
         kv_start=kv_start.to(query.device),
-        split_size=split_size,
+        split_size=settings.split_size,
     )
     return out.transpose(1, 2), None
 
