@@ -5,6 +5,9 @@ layers (lm_head included) through ``bik.linear``, RMSNorm through ``bik.rms_norm
 attention through ``bik.attention``, registered in transformers' attention-function registry
 as "bik". Then the log-probs of tokens sampled by ``model.generate`` (KV cache, left-padded
 batches) equal those of one full forward of the finished sequences, bit for bit.
+
+What bik cannot compute is never ignored: attention keywords it does not implement (soft-
+capping, sinks, an active sliding window, dropout...) raise when the model runs.
 """
 
 import dataclasses
@@ -22,6 +25,10 @@ from .ops.rms_norm import rms_norm
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "bik"
+_UNPATCH_ADVICE = (
+    f"call bik.unpatch_model(model) to run it with its own attention (bik patches the "
+    f"{', '.join(SUPPORTED_FAMILIES)} families)"
+)
 
 
 @dataclasses.dataclass
@@ -161,6 +168,8 @@ def patch_model(
 
     strict: a module that reduces but cannot be made invariant (or an unsupported model family)
     raises ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
+    Attention features bik does not implement (soft-capping, sinks, an active sliding window,
+    dropout...) raise ``NotImplementedError`` when the model runs, strict or not.
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
     The backend and split size live on the patched modules: deepcopy and pickle keep them.
     """
@@ -249,39 +258,123 @@ def _register_attention():
 _last_bounds = {"mask": None, "key": None, "bounds": None}  # every layer gets the same mask
 
 
-def _cached_kv_bounds(mask, batch, tq, tk):
+def _cached_kv_bounds(mask, batch, tq, tk, window):
     """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
     if mask is None:
-        return _kv_bounds(None, batch, tq, tk)
-    key = (batch, tq, tk, mask.shape, mask.dtype)
+        return _kv_bounds(None, batch, tq, tk, window)
+    key = (batch, tq, tk, mask.shape, mask.dtype, window)
     if (
         _last_bounds["mask"] is None
         or _last_bounds["mask"]() is not mask
         or _last_bounds["key"] != key
     ):
-        _last_bounds.update(mask=weakref.ref(mask), key=key, bounds=_kv_bounds(mask, batch, tq, tk))
+        bounds = _kv_bounds(mask, batch, tq, tk, window)
+        _last_bounds.update(mask=weakref.ref(mask), key=key, bounds=bounds)
     return _last_bounds["bounds"]
 
 
-def _kv_bounds(mask, batch, tq, tk):
+class _WindowActive(Exception):
+    """A sliding window hides keys some query would otherwise see."""
+
+
+def _kv_bounds(mask, batch, tq, tk, window):
     """Each row's first valid key and the number of keys in use, read off the mask, which
     must be exactly causal with left padding (anything else cannot be expressed to bik)."""
     if mask is None:
-        return torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
-    allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
-    allowed = allowed[:, 0].expand(batch, tq, tk)
-    last_query = allowed[:, -1]
-    if not bool(last_query.any(-1).all()):
-        raise RuntimeError("bik attention: a row's last query sees no key; bik needs left padding")
-    kv_start = last_query.int().argmax(-1)
-    kv_len = tk - int(last_query.flip(-1).int().argmax(-1).min())
-    expected = reference.attention_mask(tq, kv_len, kv_start, causal=True)[:, 0]
-    if not torch.equal(allowed[..., :kv_len], expected) or bool(allowed[..., kv_len:].any()):
-        raise RuntimeError(
-            "bik attention: the attention mask is not causal with left padding "
-            "(right padding, packing or a sliding window cannot be made invariant)"
-        )
+        kv_start, kv_len = torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
+        allowed = allowed[:, 0].expand(batch, tq, tk)
+        seen = allowed.any(1)  # [B, Tk]: keys some query sees (a window hides none of them)
+        if not bool(seen.any(-1).all()):
+            raise RuntimeError(
+                "bik attention: attention_mask leaves a row with no key to attend to (a row of "
+                "padding only); give every row at least one token"
+            )
+        kv_start = seen.int().argmax(-1)
+        kv_len = tk - int(seen.flip(-1).int().argmax(-1).min())
+        expected = reference.attention_mask(tq, kv_len, kv_start, causal=True)[:, 0]
+        if not torch.equal(allowed[..., :kv_len], expected) or bool(allowed[..., kv_len:].any()):
+            if window is not None and _windowed(expected, tq, kv_len, window).equal(
+                allowed[..., :kv_len]
+            ):
+                raise _WindowActive
+            raise RuntimeError(
+                "bik attention: attention_mask is not causal with left padding (right padding "
+                "or packed sequences), which bik cannot make invariant; pad on the left "
+                "(tokenizer.padding_side = 'left') with one sequence per row"
+            )
+    if window is not None and kv_len - int(kv_start.min()) > window:
+        raise _WindowActive
     return kv_start.to(torch.int32), kv_len
+
+
+def _windowed(visible, tq, tk, window):
+    """``visible`` [B, Tq, Tk] restricted to transformers' sliding window: query at position
+    p sees keys in (p - window, p]."""
+    keys = torch.arange(tk, device=visible.device)
+    positions = torch.arange(tk - tq, tk, device=visible.device)
+    return visible & (keys[None, :] > positions[:, None] - window)
+
+
+# Keywords transformers passes for bookkeeping: RoPE is applied and the cache updated before
+# the attention function runs, so they do not change what it computes.
+_BOOKKEEPING = frozenset(
+    {"position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value"}
+)
+# What an attention keyword asks for, and what the caller can do instead.
+_UNSUPPORTED = {
+    "dropout": (
+        "attention dropout",
+        "call model.eval(), or set attention_dropout = 0.0 on the attention modules",
+    ),
+    "softcap": ("attention-logit soft-capping", _UNPATCH_ADVICE),
+    "s_aux": ("attention sinks", _UNPATCH_ADVICE),
+    "sliding_window": (
+        "an active sliding window (a query would see more keys than the window allows)",
+        "keep each sequence within the window, or " + _UNPATCH_ADVICE,
+    ),
+    "is_causal": ("non-causal attention", _UNPATCH_ADVICE),
+    "output_attentions": (
+        "returning attention weights (bik never materialises them)",
+        "run the model without output_attentions=True",
+    ),
+    "position_bias": ("an additive position bias", _UNPATCH_ADVICE),
+    **{
+        key: ("packed (varlen) sequences", "pad on the left with one sequence per row")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    },
+}
+
+
+def _unsupported(module, keyword, value):
+    family = getattr(getattr(module, "config", None), "model_type", "unknown")
+    if isinstance(value, torch.Tensor):
+        value = f"<tensor of shape {list(value.shape)}>"
+    what, advice = _UNSUPPORTED.get(
+        keyword, ("an attention keyword bik does not know", _UNPATCH_ADVICE)
+    )
+    return NotImplementedError(
+        f"bik attention: {type(module).__name__} (model family {family!r}) was called with "
+        f"{keyword}={value!r}: {what}. bik's attention does not implement it, and ignoring it "
+        f"could silently change the output. To fix: {advice}."
+    )
+
+
+def _check_keywords(module, dropout, kwargs):
+    """Raise for every attention keyword that asks for something bik does not compute."""
+    if dropout:
+        raise _unsupported(module, "dropout", dropout)
+    if not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
+        raise _unsupported(module, "is_causal", False)
+    for keyword, value in kwargs.items():
+        if keyword in _BOOKKEEPING or keyword == "sliding_window" or value is None:
+            continue  # sliding_window is checked against the mask, in _kv_bounds
+        if keyword == "is_causal" and value is True:
+            continue
+        if value is False and keyword != "is_causal":
+            continue  # a feature switched off
+        raise _unsupported(module, keyword, value)
 
 
 def _attention_forward(
@@ -289,12 +382,13 @@ def _attention_forward(
 ):
     """transformers attention function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (cache included)
     -> ([B, Tq, Hq, D], None)."""
-    if dropout and module.training:
-        raise RuntimeError("bik attention: attention dropout is not supported")
-    if not getattr(module, "is_causal", True):
-        raise RuntimeError(f"bik attention: {type(module).__name__} is not causal")
+    _check_keywords(module, dropout, kwargs)
+    window = kwargs.get("sliding_window")
     batch, _, tq, _ = query.shape
-    kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2])
+    try:
+        kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2], window)
+    except _WindowActive:
+        raise _unsupported(module, "sliding_window", window) from None
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
     out = _run(
         settings.backend,

@@ -1,4 +1,5 @@
-"""What bik cannot patch: the report lists only modules that reduce."""
+"""Attention features bik does not implement raise at call time; the report lists only modules
+that reduce."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import bik
 
 pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bik.tools import verify
 
@@ -31,6 +33,101 @@ def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+
+
+@pytest.fixture(scope="module")
+def patched_llama():
+    model = verify.load_model("tiny-llama")
+    bik.patch_model(model)
+    return model
+
+
+_GEN = torch.Generator().manual_seed(0)
+Q, K, V = (torch.randn(2, h, 9, 32, generator=_GEN) for h in (4, 2, 2))
+
+
+def _call(model, q=Q, **kwargs):
+    """bik's registered attention function called as a transformers attention module calls it."""
+    module = model.model.layers[0].self_attn
+    fn = ALL_ATTENTION_FUNCTIONS[bik.hf.ATTENTION_NAME]
+    return fn(module, q, K, V, None, scaling=module.scaling, **kwargs)[0]
+
+
+@pytest.mark.parametrize(
+    "keyword, value",
+    [
+        ("softcap", 50.0),
+        ("s_aux", torch.zeros(4)),
+        ("sliding_window", 4),  # 9 keys: the window is active
+        ("dropout", 0.1),
+        ("is_causal", False),
+        ("output_attentions", True),
+        ("position_bias", torch.zeros(1, 4, 9, 9)),
+        ("cu_seq_lens_q", torch.tensor([0, 4, 9])),
+    ],
+)
+def test_unimplemented_attention_keyword_raises_naming_it_and_the_module(
+    patched_llama, keyword, value
+):
+    with pytest.raises(NotImplementedError, match=rf"LlamaAttention.*'llama'.*{keyword}="):
+        _call(patched_llama, **{keyword: value})
+
+
+def test_inactive_or_bookkeeping_keywords_do_not_change_the_output(patched_llama):
+    plain = _call(patched_llama)
+    same = _call(
+        patched_llama,
+        softcap=None,
+        s_aux=None,
+        sliding_window=9,  # every key inside the window
+        dropout=0.0,
+        is_causal=True,
+        output_attentions=False,
+        position_ids=torch.arange(9)[None],
+        use_cache=True,
+    )
+    assert torch.equal(plain, same)
+    decode = _call(patched_llama, Q[:, :, -1:], sliding_window=None)
+    assert torch.equal(decode, plain[:, -1:])  # output is [B, Tq, Hq, D]
+
+
+def test_gemma2_soft_capping_raises_at_call_time_with_strict_false():
+    model = _random_init("gemma2")
+    assert model.config.attn_logit_softcapping is not None
+    bik.patch_model(model, strict=False)
+    with pytest.raises(NotImplementedError, match=r"Gemma2Attention.*'gemma2'.*softcap=50\.0"):
+        model(input_ids=torch.randint(3, 64, (1, 5)))
+
+
+def test_gpt_oss_sinks_raise_at_call_time_with_strict_false():
+    model = _random_init("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
+    bik.patch_model(model, strict=False)
+    with pytest.raises(NotImplementedError, match=r"GptOssAttention.*'gpt_oss'.*s_aux="):
+        model(input_ids=torch.randint(3, 64, (1, 5)))
+
+
+def test_active_sliding_window_raises_and_an_inactive_one_runs():
+    model = _random_init("mistral", sliding_window=4)
+    bik.patch_model(model)
+    short = torch.randint(3, 64, (1, 4))
+    model(input_ids=short)  # 4 keys: every query sees its whole prefix
+    with pytest.raises(NotImplementedError, match=r"MistralAttention.*sliding_window=4"):
+        model(input_ids=torch.randint(3, 64, (1, 9)))
+    left_padded = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])  # 3 keys in use of 8
+    model(input_ids=torch.randint(3, 64, (1, 8)), attention_mask=left_padded)
+    with pytest.raises(NotImplementedError, match="sliding_window=4"):
+        model(input_ids=torch.randint(3, 64, (1, 9)), attention_mask=torch.ones(1, 9, dtype=int))
+
+
+def test_training_mode_attention_dropout_raises():
+    model = verify.load_model("tiny-qwen3")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    bik.patch_model(model)
+    model(input_ids=torch.randint(3, 256, (1, 5)))  # eval: transformers passes dropout=0.0
+    model.train()
+    with pytest.raises(NotImplementedError, match=r"dropout=0\.1.*model\.eval\(\)"):
+        model(input_ids=torch.randint(3, 256, (1, 5)))
 
 
 def _listed_types(report):
