@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from .tools import bench, demo, verify
+from .tools.cli import UsageError
 
 TOOLS = {
     "demo": (demo, "show plain torch moving with the batch and bik staying bit-identical"),
@@ -13,13 +14,25 @@ TOOLS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: the process arguments) and run the chosen tool."""
+    """Parse ``argv`` (default: the process arguments) and run the chosen tool.
+
+    A bad argument exits with status 2 and one line naming it (argparse's format), before
+    the tool does any work: argparse checks what the text alone decides, then the tool's
+    ``check(args)`` what needs the machine (the device, a model's family).
+    """
     parser = argparse.ArgumentParser(prog="python -m bik", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    parsers = {}
     for name, (module, summary) in TOOLS.items():
-        module.add_arguments(commands.add_parser(name, help=summary, description=module.__doc__))
+        parsers[name] = commands.add_parser(name, help=summary, description=module.__doc__)
+        module.add_arguments(parsers[name])
     args = parser.parse_args(argv)
-    return TOOLS[args.command][0].main(args)
+    tool = TOOLS[args.command][0]
+    try:
+        tool.check(args)
+        return tool.main(args)
+    except UsageError as error:
+        parsers[args.command].error(str(error))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from .cli import seed as seed_type
+
 
 def _prefer_interpreter():
     """Run the Triton kernels in the interpreter when no GPU is present (must precede their
@@ -84,7 +86,11 @@ def _attention_table(device, generator):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_type, default=0)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Nothing to check beyond argparse: the demo runs on whatever device there is."""
 
 
 def main(args: argparse.Namespace) -> int:

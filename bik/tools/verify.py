@@ -10,12 +10,17 @@ On a mismatch the first module whose output differs (batch 1 vs batch N) is name
 """
 
 import argparse
+import json
 import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from .. import hf
 from ..ops.log_softmax import token_logprobs
+from .cli import UsageError, check_device
+from .cli import seed as seed_type
 
 PRESETS = {f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES}
 _TINY = dict(
@@ -34,7 +39,9 @@ _TINY = dict(
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(name, device="cpu", dtype=torch.float32, seed=0):
+def load_model(
+    name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> torch.nn.Module:
     """A preset (random-init tiny config, no download) or a local model directory."""
     from pathlib import Path
 
@@ -57,7 +64,9 @@ def load_model(name, device="cpu", dtype=torch.float32, seed=0):
 # -- batches -------------------------------------------------------------------------------
 
 
-def left_pad(sequences, pad_id, extra=0):
+def left_pad(
+    sequences: Sequence[torch.Tensor], pad_id: int, extra: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack 1-D token tensors into ``ids, attention_mask`` with left padding (+ ``extra``)."""
     width = max(len(s) for s in sequences) + extra
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -88,7 +97,9 @@ def _compare(a, b):
 # -- checks --------------------------------------------------------------------------------
 
 
-def check_batch(model, rng, vocab, pad_id):
+def check_batch(
+    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+) -> tuple[bool, float]:
     seq = _random_tokens(rng, vocab, 24)
     others = [_random_tokens(rng, vocab, rng.randrange(4, 40)) for _ in range(6)]
     position = rng.randrange(len(others) + 1)
@@ -96,7 +107,9 @@ def check_batch(model, rng, vocab, pad_id):
     return _compare(_logprobs(model, [seq], pad_id)[0], _logprobs(model, batch, pad_id)[position])
 
 
-def check_needle(model, rng, vocab, pad_id, trials=3):
+def check_needle(
+    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int, trials: int = 3
+) -> tuple[bool, float]:
     needle = _random_tokens(rng, vocab, 16)
     alone = _logprobs(model, [needle], pad_id)[0]
     results = []
@@ -108,7 +121,9 @@ def check_needle(model, rng, vocab, pad_id, trials=3):
     return all(r[0] for r in results), max(r[1] for r in results)
 
 
-def check_decode(model, rng, vocab, pad_id, new_tokens=8):
+def check_decode(
+    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int, new_tokens: int = 8
+) -> tuple[bool, float]:
     prompts = [_random_tokens(rng, vocab, rng.randrange(3, 20)) for _ in range(3)]
     ids, mask = left_pad(prompts, pad_id)
     device = model.device
@@ -129,7 +144,9 @@ def check_decode(model, rng, vocab, pad_id, new_tokens=8):
     return _compare(rollout, trained)
 
 
-def check_chunked(model, rng, vocab, pad_id):
+def check_chunked(
+    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+) -> tuple[bool, float]:
     from transformers import DynamicCache
 
     seq = _random_tokens(rng, vocab, 30).to(model.device)
@@ -147,7 +164,9 @@ def check_chunked(model, rng, vocab, pad_id):
     return _compare(chunked, _logprobs(model, [seq.cpu()], pad_id)[0])
 
 
-def check_left_padding(model, rng, vocab, pad_id):
+def check_left_padding(
+    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+) -> tuple[bool, float]:
     seq = _random_tokens(rng, vocab, 20)
     return _compare(
         _logprobs(model, [seq], pad_id)[0],
@@ -164,7 +183,7 @@ CHECKS = {
 }
 
 
-def run_checks(model, seed=0):
+def run_checks(model: torch.nn.Module, seed: int = 0) -> dict[str, tuple[bool, float]]:
     """{check name: (bit-identical, max abs diff)} for ``model`` as it is (patched or not)."""
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     results = {}
@@ -174,7 +193,7 @@ def run_checks(model, seed=0):
     return results
 
 
-def first_divergent_module(model, seed=0):
+def first_divergent_module(model: torch.nn.Module, seed: int = 0) -> str | None:
     """The first module (in execution order) whose output for a sequence differs between
     batch 1 and a left-padded batch of 3, or None. If that module's input already differs, the
     source is an op between modules (such as the attention function) and is named as such."""
@@ -235,9 +254,16 @@ def _recorder(name, module, outputs, row, length):
     return hook
 
 
-def verify(model, seed=0, unpatched=True, echo=print):
-    """Run every check unpatched (optional) and patched; returns True if bik passes them all."""
-    before = run_checks(model, seed) if unpatched else None
+def verify(
+    model: torch.nn.Module,
+    seed: int = 0,
+    unpatched: bool = True,
+    echo: Callable[[str], object] = print,
+) -> bool:
+    """Run every check patched and (optionally) unpatched; returns True if bik passes them all.
+
+    The patched checks run first, so a model bik cannot patch raises before any check runs.
+    """
     report = hf.patch_model(model)
     try:
         after = run_checks(model, seed)
@@ -246,6 +272,7 @@ def verify(model, seed=0, unpatched=True, echo=print):
         )
     finally:
         hf.unpatch_model(model)
+    before = run_checks(model, seed) if unpatched else None
     culprit_before = (
         first_divergent_module(model, seed)
         if before and not all(ok for ok, _ in before.values())
@@ -271,16 +298,89 @@ def _cell(ok, diff):
     return "bit-identical" if ok else f"DIFFERS (max {diff:.2e})"
 
 
+def model_name(text: str) -> str:
+    """argparse type of ``--model``: 'all', a preset, or a directory holding a saved model of a
+    family bik patches (read from its config.json; nothing is loaded)."""
+    if text == "all" or text in PRESETS:
+        return text
+    families = ", ".join(hf.SUPPORTED_FAMILIES)
+    path = Path(text)
+    if not text:
+        problem = "got ''"
+    elif not path.exists():
+        problem = f"{text!r} does not exist"
+    elif not path.is_dir():
+        problem = f"{text!r} is a file, not a directory"
+    elif not (path / "config.json").is_file():
+        problem = f"{text!r} has no config.json (write one with model.save_pretrained(directory))"
+    else:
+        try:
+            family = json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as error:
+            problem = f"{str(path / 'config.json')!r} is not a readable model config ({error})"
+        else:
+            if family in hf.SUPPORTED_FAMILIES:
+                return text
+            what = (
+                f"holds a {family!r} model"
+                if isinstance(family, str)
+                else "has a config.json without model_type"
+            )
+            raise argparse.ArgumentTypeError(
+                f"{text!r} {what}; verify supports the {families} families"
+            )
+    raise argparse.ArgumentTypeError(
+        f"expected 'all', a preset ({', '.join(PRESETS)}) or a directory holding a saved model "
+        f"of a supported family ({families}); {problem}"
+    )
+
+
+def unpatchable(model: torch.nn.Module) -> str | None:
+    """Why bik cannot patch ``model`` (its family, or the modules it would leave unpatched),
+    or None; the model is left as it was."""
+    try:
+        hf.patch_model(model)
+    except ValueError:
+        report = hf.patch_model(model, strict=False)  # what strict patching refused, as data
+        hf.unpatch_model(model)
+        families = ", ".join(hf.SUPPORTED_FAMILIES)
+        if report.family not in hf.SUPPORTED_FAMILIES:
+            return f"is a {report.family!r} model; verify supports the {families} families"
+        if report.unpatched:
+            return (
+                f"({report.family}) has modules bik cannot make invariant: "
+                f"{', '.join(report.unpatched)}; verify checks models bik patches completely"
+            )
+        raise
+    hf.unpatch_model(model)
+    return None
+
+
+def _load(name, device, dtype, seed):
+    """load_model for the command line: a model bik cannot load or patch is a bad --model."""
+    try:
+        model = load_model(name, device, dtype, seed)
+    except (OSError, ValueError) as error:
+        if name in PRESETS:
+            raise
+        raise UsageError("--model", f"cannot load {name!r}: {error}") from None
+    problem = unpatchable(model)
+    if problem:
+        raise UsageError("--model", f"{name!r} {problem}")
+    return model
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
+        type=model_name,
         default="all",
         help=f"a preset ({', '.join(PRESETS)}), 'all' (default: every preset) or a local "
-        "model directory",
+        f"directory holding a saved model of the {', '.join(hf.SUPPORTED_FAMILIES)} families",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_type, default=0)
     parser.add_argument(
         "--skip-unpatched",
         action="store_true",
@@ -288,14 +388,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check(args: argparse.Namespace) -> None:
+    """The device; ``--model`` was checked by argparse, and is checked again once loaded."""
+    check_device(args.device)
+
+
 def main(args: argparse.Namespace) -> int:
     names = list(PRESETS) if args.model == "all" else [args.model]
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("verify: --device cuda requested but no CUDA device is available")
     failed = []
     for name in names:
+        model = _load(name, args.device, DTYPES[args.dtype], args.seed)
         print(f"\n## {name} ({args.dtype}, {args.device})")
-        model = load_model(name, args.device, DTYPES[args.dtype], args.seed)
         if not verify(model, args.seed, unpatched=not args.skip_unpatched):
             failed.append(name)
     verdict = "FAILED: " + ", ".join(failed) if failed else "all checks bit-identical under bik"

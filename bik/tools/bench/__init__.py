@@ -9,20 +9,24 @@ same run (a big torch matmul, a big tensor copy). Shapes whose data stay in cach
 """
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ... import backends
+from ..cli import AllOf, UsageError, check_device, output_file, output_problem, positive_float
 from . import cases as case_lib
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def device_name(device):
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or "unknown CPU"
@@ -50,7 +54,12 @@ def _seconds_per_call(fn, device, calls):
     return (time.perf_counter() - start) / calls
 
 
-def time_pair(bik_fn, base_fn, device, min_time):
+def time_pair(
+    bik_fn: Callable[[], object],
+    base_fn: Callable[[], object],
+    device: torch.device,
+    min_time: float,
+) -> tuple[float, float]:
     """Median ms per call of both functions, measured alternately (same conditions for both)."""
     calls = 1
     bik_fn(), base_fn()  # warm-up (and compilation)
@@ -63,7 +72,7 @@ def time_pair(bik_fn, base_fn, device, min_time):
     return statistics.median(bik_s) * 1e3, statistics.median(base_s) * 1e3
 
 
-def measure_peaks(device, dtype, quick):
+def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> tuple[float, float]:
     """(FLOP/s, bytes/s) this device reaches with torch: one square matmul, one big copy."""
     n = 1024 if quick or device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
@@ -75,24 +84,28 @@ def measure_peaks(device, dtype, quick):
 
 
 def run(
-    device="cpu",
-    ops=None,
-    dtypes=("float32", "bfloat16"),
-    quick=False,
-    min_time=0.2,
-    json_path=None,
-    plot_path=None,
-    echo=print,
-):
+    device: str | torch.device = "cpu",
+    ops: Sequence[str] | None = None,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    quick: bool = False,
+    min_time: float = 0.2,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    echo: Callable[..., object] = print,
+) -> dict:
+    """Time the selected cases; every argument is checked before the first case runs."""
     device = torch.device(device)
+    problem = unknown_ops(device.type, ops, quick)
+    if problem:
+        raise ValueError(f"ops: {problem}")
+    for name, path in (("json_path", json_path), ("plot_path", plot_path)):
+        problem = None if path is None else output_problem(path)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(f"plot_path: {PLOT_NEEDS}")
     backend = backends.resolve(device).name
-    all_cases = case_lib.cuda_cases(quick) if device.type == "cuda" else case_lib.cpu_cases(quick)
-    unknown = set(ops or ()) - {c.op for c in all_cases}
-    if unknown:
-        raise ValueError(
-            f"ops: unknown {sorted(unknown)}; expected some of {sorted({c.op for c in all_cases})}"
-        )
-    selected = [c for c in all_cases if not ops or c.op in ops]
+    selected = [c for c in case_lib.cases_for(device.type, quick) if not ops or c.op in ops]
     records, peaks = [], {}
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
@@ -137,6 +150,18 @@ def run(
     return result
 
 
+def unknown_ops(device_type: str, ops: Sequence[str] | None, quick: bool) -> str | None:
+    """What is wrong with ``ops`` for this device type and --quick, or None."""
+    offered = list(dict.fromkeys(c.op for c in case_lib.cases_for(device_type, quick)))
+    unknown = [op for op in ops or () if op not in offered]
+    if not unknown:
+        return None
+    where = f"{device_type} with --quick" if quick else device_type
+    return f"no case for {', '.join(unknown)} on {where}; expected some of {', '.join(offered)}"
+
+
+PLOT_NEEDS = "needs matplotlib: pip install matplotlib"
+
 HEADER = (
     "| op | shape | dtype | bik ms | baseline ms | ratio | bik TFLOP/s | bik GB/s | peak share |\n"
     "|---|---|---|---:|---:|---:|---:|---:|---:|"
@@ -158,7 +183,7 @@ def _row(r):
     )
 
 
-def markdown(result):
+def markdown(result: dict) -> str:
     lines = [
         f"Device: {result['device']}; torch {result['torch']}; bik backend "
         f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.",
@@ -168,14 +193,14 @@ def markdown(result):
     return "\n".join(lines + [_row(r) for r in result["records"]])
 
 
-def plot(result, path):
+def plot(result: dict, path: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from error
+        raise ImportError(f"--plot {PLOT_NEEDS}") from error
     records = result["records"]
     labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in records]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(records) + 1.5))
@@ -192,17 +217,60 @@ def plot(result, path):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--ops", nargs="+", help="only these ops (e.g. linear attention_decode)")
+    ops = case_lib.all_ops()
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        action=AllOf,
+        valid=ops,
+        metavar="OP",
+        help=f"only these ops, of: {', '.join(ops)} (--quick offers fewer)",
+    )
     parser.add_argument(
         "--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"]
     )
     parser.add_argument(
         "--quick", action="store_true", help="small shapes, about a minute on a CPU"
     )
-    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timed sample set")
-    parser.add_argument("--json", help="write the records to this JSON file")
-    parser.add_argument("--markdown", help="write the table, with the device named, to this file")
-    parser.add_argument("--plot", help="write a PNG bar chart of the ratios (needs matplotlib)")
+    parser.add_argument(
+        "--min-time",
+        type=positive_float,
+        default=0.2,
+        help="seconds per timed sample set (> 0)",
+    )
+    parser.add_argument("--json", type=output_file, help="write the records to this JSON file")
+    parser.add_argument(
+        "--markdown", type=output_file, help="write the table, with the device named, to this file"
+    )
+    parser.add_argument(
+        "--plot",
+        type=output_file,
+        help="write a PNG bar chart of the ratios (needs matplotlib)",
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    """What argparse cannot see: the device, the ops offered on it, matplotlib for --plot,
+    and one file per output."""
+    check_device(args.device)
+    try:
+        backends.resolve(torch.device(args.device))
+    except RuntimeError as error:
+        raise UsageError("--device", str(error)) from None
+    problem = unknown_ops(args.device, args.ops, args.quick)
+    if problem:
+        raise UsageError("--ops", problem)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot", PLOT_NEEDS)
+    outputs = {"--json": args.json, "--markdown": args.markdown, "--plot": args.plot}
+    seen = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(option, f"{path!r} is also the {seen[key]} file; give each its own")
+        seen[key] = option
 
 
 def main(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ def _randn(*shape, device, dtype):
     return torch.randn(*shape, device=device).to(dtype)
 
 
-def linear(m, k, n):
+def linear(m: int, k: int, n: int) -> Case:
     def make(device, dtype):
         x, w = _randn(m, k, device=device, dtype=dtype), _randn(n, k, device=device, dtype=dtype)
         return (lambda: bik.linear(x, w)), (lambda: F.linear(x, w))
@@ -35,7 +35,7 @@ def linear(m, k, n):
     return Case("linear", f"M={m} K={k} N={n}", 2 * m * k * n, 2 * (m * k + n * k + m * n), make)
 
 
-def rms_norm(rows, d):
+def rms_norm(rows: int, d: int) -> Case:
     def make(device, dtype):
         x, w = _randn(rows, d, device=device, dtype=dtype), _randn(d, device=device, dtype=dtype)
         return (lambda: bik.rms_norm(x, w)), (lambda: F.rms_norm(x, (d,), w, 1e-6))
@@ -43,7 +43,7 @@ def rms_norm(rows, d):
     return Case("rms_norm", f"rows={rows} D={d}", 4 * rows * d, 2 * (2 * rows * d + d), make)
 
 
-def log_softmax(rows, vocab):
+def log_softmax(rows: int, vocab: int) -> Case:
     def make(device, dtype):
         x = _randn(rows, vocab, device=device, dtype=dtype)
         return (lambda: bik.log_softmax(x)), (lambda: torch.log_softmax(x, -1))
@@ -53,7 +53,7 @@ def log_softmax(rows, vocab):
     )
 
 
-def token_logprobs(rows, vocab):
+def token_logprobs(rows: int, vocab: int) -> Case:
     def make(device, dtype):
         x = _randn(rows, vocab, device=device, dtype=dtype)
         tokens = torch.randint(vocab, (rows,), device=device)
@@ -68,7 +68,7 @@ def token_logprobs(rows, vocab):
     )
 
 
-def attention(batch, heads, kv_heads, tq, tk, dim):
+def attention(batch: int, heads: int, kv_heads: int, tq: int, tk: int, dim: int) -> Case:
     """Decode when tq == 1 (baseline: SDPA over the whole cache), else causal prefill."""
     causal = tq > 1
 
@@ -94,7 +94,9 @@ def attention(batch, heads, kv_heads, tq, tk, dim):
     )
 
 
-def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
+def end_to_end(
+    kind: str, batch: int, length: int, hidden: int, layers: int, new_tokens: int = 16
+) -> Case:
     """A random-init Qwen3-style model, patched with bik vs unpatched: one forward over
     ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after that prompt."""
 
@@ -141,7 +143,7 @@ def end_to_end(kind, batch, length, hidden, layers, new_tokens=16):
     )
 
 
-def cpu_cases(quick):
+def cpu_cases(quick: bool) -> list[Case]:
     """A small transformer on a CPU: hidden 256-1024, rows 1-4096, decode over 128-2048 keys."""
     if quick:
         return [
@@ -164,7 +166,7 @@ def cpu_cases(quick):
     return cases
 
 
-def cuda_cases(quick):
+def cuda_cases(quick: bool) -> list[Case]:
     """Llama/Qwen 1-8B shapes: N, K in 2048-14336; decode over 1k-32k keys; prefill 512-8k."""
     if quick:
         return [linear(m, 4096, 4096) for m in (1, 64, 2048)] + [
@@ -182,3 +184,14 @@ def cuda_cases(quick):
     cases += [attention(1, 32, 8, t, t, 128) for t in (512, 2048, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
     return cases
+
+
+def cases_for(device_type: str, quick: bool) -> list[Case]:
+    """The cases run on a device of this type (building a case allocates nothing)."""
+    return cuda_cases(quick) if device_type == "cuda" else cpu_cases(quick)
+
+
+def all_ops() -> list[str]:
+    """Every op some case list times, in first-seen order (what ``--ops`` accepts)."""
+    lists = (cases_for(kind, quick) for kind in ("cpu", "cuda") for quick in (True, False))
+    return list(dict.fromkeys(case.op for cases in lists for case in cases))
