@@ -7,7 +7,9 @@ as "bik". Then the log-probs of tokens sampled by ``model.generate`` (KV cache, 
 batches) equal those of one full forward of the finished sequences, bit for bit.
 
 What bik cannot compute is never ignored: attention keywords it does not implement (soft-
-capping, sinks, an active sliding window, dropout...) raise when the model runs.
+capping, sinks, an active sliding window, dropout...) raise when the model runs. Under
+``torch.autocast`` each patched module returns the dtype the unpatched one would, and the
+kernels run on the cast inputs with autocast off, so results stay batch-invariant.
 """
 
 import dataclasses
@@ -55,8 +57,33 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _run(backend, fn, *args, **kwargs):
-    """``fn`` under ``backend`` ("auto": the caller's selection)."""
+# -- autocast ------------------------------------------------------------------------------
+
+
+def _autocast_dtype(device_type):
+    """The dtype torch.autocast casts a matmul's inputs to on ``device_type``, or None."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+    except RuntimeError:  # a device type autocast does not know (meta...)
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast_cast(t, dtype):
+    # torch's own eligibility rule: floating tensors other than fp64 are cast.
+    if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
+def _run(backend, autocast_on, fn, *args, **kwargs):
+    """``fn`` under ``backend`` ("auto": the caller's selection). ``autocast_on``: the device
+    type of an active autocast, switched off around ``fn``: the patched forwards cast their
+    inputs themselves, and bik's kernels keep their own dtypes."""
+    if autocast_on is not None:
+        with torch.autocast(autocast_on, enabled=False):
+            return _run(backend, None, fn, *args, **kwargs)
     if backend == "auto":
         return fn(*args, **kwargs)
     with backends.use_backend(backend):
@@ -74,10 +101,21 @@ class _PatchedForward:
         self.module, self.kind, self.backend = module, kind, backend
 
     def __call__(self, x):
-        m = self.module
+        m, weight = self.module, self.module.weight
+        device_type = x.device.type
+        autocast_dtype = _autocast_dtype(device_type)
+        autocast_on = None if autocast_dtype is None else device_type
         if self.kind == "linear":
-            return _run(self.backend, linear, x, m.weight, m.bias)
-        return _run(self.backend, rms_norm, x, m.weight, m.variance_epsilon)
+            bias = m.bias
+            if autocast_on:  # what torch.autocast does for F.linear
+                x, weight, bias = (_autocast_cast(t, autocast_dtype) for t in (x, weight, bias))
+            return _run(self.backend, autocast_on, linear, x, weight, bias)
+        # transformers' RMSNorm returns ``weight * normed.to(x.dtype)``: x's dtype promoted with
+        # the weight's (fp32 for bf16 activations under autocast). bik computes in that dtype.
+        if x.dtype != weight.dtype:
+            dtype = torch.promote_types(x.dtype, weight.dtype)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return _run(self.backend, autocast_on, rms_norm, x, weight, m.variance_epsilon)
 
 
 def _is_rms_norm(module):
@@ -390,8 +428,14 @@ def _attention_forward(
     except _WindowActive:
         raise _unsupported(module, "sliding_window", window) from None
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
+    device_type = query.device.type
+    autocast_dtype = _autocast_dtype(device_type)
+    autocast_on = None if autocast_dtype is None else device_type
+    if autocast_on:  # like F.scaled_dot_product_attention under autocast
+        query, key, value = (_autocast_cast(t, autocast_dtype) for t in (query, key, value))
     out = _run(
         settings.backend,
+        autocast_on,
         attention,
         query,
         key[:, :, :kv_len],
