@@ -1,5 +1,8 @@
 """Input validation shared by the ops: every error names the argument and what was expected."""
 
+import numbers
+
+import numpy
 import torch
 
 from .contract import FLOAT_DTYPES
@@ -54,10 +57,43 @@ def dim_size(name, value, dim, expected, what):
         )
 
 
-def positive_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def real_number(name, value):
+    """``value`` as a Python float: any real scalar (int, float, numpy scalar, a one-element
+    0-d tensor), never a bool, a string or a tensor with several elements."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
     return float(value)
+
+
+def positive_number(name, value):
+    """A real number > 0 that stays finite in fp32 (the kernels compute with it in fp32)."""
+    number = real_number(name, value)
+    if not 0 < number <= FP32_MAX:
+        raise ValueError(
+            f"{name}: expected a positive number that is finite in float32 (at most "
+            f"{FP32_MAX:.4g}), got {value!r}"
+        )
+    return number
+
+
+def non_negative_number(name, value):
+    """A real number >= 0 that stays finite in fp32."""
+    number = real_number(name, value)
+    if not 0 <= number <= FP32_MAX:
+        raise ValueError(f"{name}: expected a number >= 0 that is finite in float32, got {value!r}")
+    return number
+
+
+def flag(name, value):
+    """``value`` as a bool: True/False (or a numpy bool), never a string or a number."""
+    if isinstance(value, bool | numpy.bool_):
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
 
 
 def values_in_range(name, values, low, high, what):
@@ -67,12 +103,13 @@ def values_in_range(name, values, low, high, what):
     Device tensors: the same test runs on the device, queued without a host sync (a decode
     step calls this once per layer); a bad value stops the program with this message when the
     device reaches it (a device-side assert via torch._assert_async, carrying this message
-    where torch can report it), instead of reading out of bounds.
+    where torch can report it), instead of reading out of bounds. Under torch.compile the
+    device form is used on every device, so the check does not break the graph.
     """
     if values.numel() == 0:
         return
     expected = f"{name}: expected values in [{low}, {high}] ({what})"
-    if values.device.type != "cpu":
+    if values.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(((values >= low) & (values <= high)).all(), expected)
         return
     smallest, largest = int(values.min()), int(values.max())

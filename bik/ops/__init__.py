@@ -1,34 +1,43 @@
-"""Public ops: validate inputs, then dispatch to the selected backend (see bik.backends)."""
+"""Public ops: validate inputs, then dispatch to the selected backend (see bik.backends).
+
+Every op is also a ``torch.library`` custom op (``torch.ops.bik.<name>``) with a fake kernel
+and a registered autograd formula. :func:`run` picks the path:
+  * eager inference (no input needs a graph): the kernel is called directly, without the
+    dispatcher's per-call cost, which dominates small decode-time calls;
+  * a graph to record, ``torch.compile`` tracing, or meta / fake tensors: the custom op, so
+    autograd, Dynamo and fake-tensor propagation see one opaque op.
+Both paths run the same kernel on the same inputs, so compiled and eager graphs give the
+same bits.
+"""
 
 import math
+from collections.abc import Callable
 
 import torch
 
 
-def as_rows(x):
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., D]`` viewed (or copied) as ``[R, D]``; works when D or R is 0."""
     return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def shaped(out, shape):
+def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``out`` reshaped to ``shape`` (skipping the reshape call, which costs more than the
     kernel of a one-row op, when it already has that shape)."""
     return out if out.shape == shape else out.reshape(shape)
 
 
-class _NoGraph:
-    """Stands in for autograd's ctx when no graph is recorded: forward's saves go nowhere."""
+def _needs_custom_op(args: tuple) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and ((grad and a.requires_grad) or a.is_meta):
+            return True
+    return False
 
-    def save_for_backward(self, *tensors):
-        pass
 
-
-def run(function, *args):
-    """``function.apply(*args)``, or just its forward when autograd would record nothing
-    (grad disabled, or no input requires grad): same result, without autograd's per-call cost,
-    which dominates small decode-time calls."""
-    if torch.is_grad_enabled():
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                return function.apply(*args)
-    return function.forward(_NoGraph(), *args)
+def run(op: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor], *args):
+    """``op(*args)`` (the custom op) when a graph is recorded, traced or faked; else
+    ``kernel(*args)``, the function the custom op itself runs: same bits either way."""
+    return op(*args) if _needs_custom_op(args) else kernel(*args)

@@ -39,10 +39,14 @@ def attention(
     _validate_qkv(q, k, v)
     batch, _, _, dim = q.shape
     tk = k.shape[2]
-    scale = 1.0 / math.sqrt(dim) if scale is None else _checks.positive_number("scale", scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim) if dim else 1.0  # D = 0: an empty result, scale unused
+    else:
+        scale = _checks.positive_number("scale", scale)
+    causal = _checks.flag("causal", causal)
     kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
     split_size = contract.check_split_size(split_size)
-    return run(_Attention, q, k, v, bool(causal), scale, kv_start, split_size)
+    return run(_attention_op, _attention, q, k, v, causal, scale, kv_start, split_size)
 
 
 def _validate_qkv(q, k, v):
@@ -81,22 +85,52 @@ def _validate_kv_start(kv_start, batch, tk, device):
     return kv_start.to(torch.int32)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, kv_start, split_size):
-        ctx.save_for_backward(q, k, v, kv_start)
-        ctx.causal, ctx.scale = causal, scale
-        if q.numel() == 0:
-            return torch.empty_like(q)
-        backend = backends.resolve(q.device)
-        return backend.attention(q, k, v, causal, scale, kv_start, split_size)
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kv_start: torch.Tensor,
+    split_size: int,
+) -> torch.Tensor:
+    if q.numel() == 0:
+        return q.new_empty(q.shape)
+    backend = backends.resolve(q.device)
+    return backend.attention(q, k, v, causal, scale, kv_start, split_size)
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, kv_start = ctx.saved_tensors
 
-        def formula(q_, k_, v_):
-            return reference.attention(q_, k_, v_, ctx.causal, ctx.scale, kv_start, None)
+@torch.library.custom_op("bik::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    kv_start: torch.Tensor,
+    split_size: int,
+) -> torch.Tensor:
+    return _attention(q, k, v, causal, scale, kv_start, split_size)
 
-        grads = _recompute.grads(formula, (q, k, v), ctx.needs_input_grad[:3], grad)
-        return (*grads, None, None, None, None)
+
+@_attention_op.register_fake
+def _(q, k, v, causal, scale, kv_start, split_size):
+    return q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ctx.causal, ctx.scale, kv_start, _ = inputs
+    ctx.save_for_backward(q, k, v, kv_start)
+
+
+def _backward(ctx, grad):
+    q, k, v, kv_start = ctx.saved_tensors
+
+    def formula(q_, k_, v_):
+        return reference.attention(q_, k_, v_, ctx.causal, ctx.scale, kv_start, None)
+
+    grads = _recompute.grads(formula, (q, k, v), ctx.needs_input_grad[:3], grad)
+    return (*grads, None, None, None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)

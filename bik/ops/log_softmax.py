@@ -16,11 +16,11 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
     """``torch.log_softmax`` over the last dim with fp32 math; output dtype ``dtype`` or x's."""
     _checks.floating("x", x)
     _checks.rank("x", x, (1,))
-    if dim not in (-1, x.dim() - 1):
+    if isinstance(dim, bool) or dim not in (-1, x.dim() - 1):
         raise ValueError(f"dim: expected the last dim (-1 or {x.dim() - 1}), got {dim!r}")
     if dtype is not None and dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"dtype: expected None, float32, bfloat16 or float16, got {dtype}")
-    return run(_LogSoftmax, x, dtype or x.dtype)
+    return run(_log_softmax_op, _log_softmax, x, dtype or x.dtype)
 
 
 def token_logprobs(
@@ -44,42 +44,71 @@ def token_logprobs(
     vocab = logits.shape[-1]
     _checks.values_in_range("tokens", tokens, 0, vocab - 1, "ids of the vocabulary of logits")
     temperature = _checks.positive_number("temperature", temperature)
-    return run(_TokenLogprobs, logits, tokens, temperature)
+    return run(_token_logprobs_op, _token_logprobs, logits, tokens, temperature)
 
 
-class _LogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_dtype):
-        ctx.save_for_backward(x)
-        rows = as_rows(x)
-        if rows.numel() == 0:
-            return torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        out = backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype)
-        return shaped(out, x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        formula = lambda x_: reference.log_softmax(x_, 1.0, torch.float32)
-        (grad_x,) = _recompute.grads(formula, (x,), (True,), grad)
-        return grad_x, None
+def _log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    rows = as_rows(x)
+    if rows.numel() == 0:
+        return x.new_empty(x.shape, dtype=out_dtype)
+    return shaped(backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype), x.shape)
 
 
-class _TokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, tokens, temperature):
-        ctx.save_for_backward(logits, tokens)
-        ctx.temperature = temperature
-        rows = as_rows(logits)
-        if tokens.numel() == 0:
-            return torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
-        backend = backends.resolve(logits.device)
-        return shaped(backend.token_logprobs(rows, tokens.reshape(-1), temperature), tokens.shape)
+@torch.library.custom_op("bik::log_softmax", mutates_args=())
+def _log_softmax_op(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _log_softmax(x, out_dtype)
 
-    @staticmethod
-    def backward(ctx, grad):
-        logits, tokens = ctx.saved_tensors
-        rows, flat_tokens = as_rows(logits), tokens.reshape(-1)
-        formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)
-        (grad_rows,) = _recompute.grads(formula, (rows,), (True,), grad.reshape(-1))
-        return grad_rows.reshape(logits.shape), None, None
+
+@_log_softmax_op.register_fake
+def _(x, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _log_softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _log_softmax_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    formula = lambda x_: reference.log_softmax(x_, 1.0, torch.float32)
+    (grad_x,) = _recompute.grads(formula, (x,), (True,), grad)
+    return grad_x, None
+
+
+_log_softmax_op.register_autograd(_log_softmax_backward, setup_context=_log_softmax_setup)
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    if tokens.numel() == 0:
+        return logits.new_empty(tokens.shape, dtype=torch.float32)
+    backend = backends.resolve(logits.device)
+    out = backend.token_logprobs(as_rows(logits), tokens.reshape(-1), temperature)
+    return shaped(out, tokens.shape)
+
+
+@torch.library.custom_op("bik::token_logprobs", mutates_args=())
+def _token_logprobs_op(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    return _token_logprobs(logits, tokens, temperature)
+
+
+@_token_logprobs_op.register_fake
+def _(logits, tokens, temperature):
+    return logits.new_empty(tokens.shape, dtype=torch.float32)
+
+
+def _token_logprobs_setup(ctx, inputs, output):
+    logits, tokens, ctx.temperature = inputs
+    ctx.save_for_backward(logits, tokens)
+
+
+def _token_logprobs_backward(ctx, grad):
+    logits, tokens = ctx.saved_tensors
+    rows, flat_tokens = as_rows(logits), tokens.reshape(-1)
+    formula = lambda x_: reference.token_logprobs(x_, flat_tokens, ctx.temperature)
+    (grad_rows,) = _recompute.grads(formula, (rows,), (True,), grad.reshape(-1))
+    return grad_rows.reshape(logits.shape), None, None
+
+
+_token_logprobs_op.register_autograd(_token_logprobs_backward, setup_context=_token_logprobs_setup)

@@ -31,7 +31,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     _checks.dim_size("b", b, 0, a.shape[-1], "K, the last dim of a")
     if bias is not None:
         _checks.dim_size("bias", bias, 0, b.shape[1], "N, the last dim of b")
-    return run(_Matmul, a, b, bias)
+    return run(_matmul_op, _matmul, a, b, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,10 +40,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
     if bias is not None:
         _checks.dim_size("bias", bias, 0, weight.shape[0], "N, the first dim of weight")
-    return run(_Matmul, x, weight.t(), bias)
+    return run(_matmul_op, _matmul, x, weight.t(), bias)
 
 
-def _forward(a, b, bias):
+def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Validated ``a [..., K] @ b [K, N]`` through the backend's batched kernel."""
     n = b.shape[1]
     rows = as_rows(a)
@@ -53,26 +53,37 @@ def _forward(a, b, bias):
     return out.reshape(*a.shape[:-1], n)
 
 
-class _Matmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, bias):
-        ctx.save_for_backward(a, b)
-        ctx.has_bias = bias is not None
-        return _forward(a, b, bias)
+@torch.library.custom_op("bik::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _matmul(a, b, bias)
 
-    @staticmethod
-    def backward(ctx, grad):
-        # Each gradient is itself a bik matmul, so it has a fixed reduction order too:
-        # grad_b and grad_bias reduce over the rows M in ascending tiles (deterministic).
-        a, b = ctx.saved_tensors
-        n = b.shape[1]
-        rows, grad_rows = as_rows(a), as_rows(grad).to(a.dtype)
-        grad_a = grad_b = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_a = _forward(grad_rows, b.t(), None).reshape(a.shape)
-        if ctx.needs_input_grad[1]:
-            grad_b = _forward(rows.t(), grad_rows, None)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            ones = grad_rows.new_ones(1, grad_rows.shape[0])
-            grad_bias = _forward(ones, grad_rows, None).reshape(n)
-        return grad_a, grad_b, grad_bias
+
+@_matmul_op.register_fake
+def _(a, b, bias):
+    return a.new_empty(*a.shape[:-1], b.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, bias = inputs
+    ctx.save_for_backward(a, b)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    # Each gradient is itself a bik matmul, so it has a fixed reduction order too:
+    # grad_b and grad_bias reduce over the rows M in ascending tiles (deterministic). Going
+    # through run() keeps them differentiable under backward(create_graph=True).
+    a, b = ctx.saved_tensors
+    rows, grad_rows = as_rows(a), as_rows(grad).to(a.dtype)
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_a = run(_matmul_op, _matmul, grad_rows, b.t(), None).reshape(a.shape)
+    if ctx.needs_input_grad[1]:
+        grad_b = run(_matmul_op, _matmul, rows.t(), grad_rows, None)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        ones = grad_rows.new_ones(1, grad_rows.shape[0])
+        grad_bias = run(_matmul_op, _matmul, ones, grad_rows, None).reshape(b.shape[1])
+    return grad_a, grad_b, grad_bias
+
+
+_matmul_op.register_autograd(_backward, setup_context=_setup_context)

@@ -19,24 +19,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     _checks.rank("weight", weight, 1)
     _checks.same_device("weight", weight, "x", x)
     _checks.dim_size("weight", weight, 0, x.shape[-1], "D, the last dim of x")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps: expected a number >= 0, got {eps!r}")
-    return run(_RMSNorm, x, weight, float(eps))
+    eps = _checks.non_negative_number("eps", eps)
+    return run(_rms_norm_op, _rms_norm, x, weight, eps)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        rows = as_rows(x)
-        if rows.numel() == 0:
-            return torch.empty_like(x)
-        return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = as_rows(x)
+    if rows.numel() == 0:
+        return x.new_empty(x.shape)
+    return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        formula = lambda x_, w_: reference.rms_norm(x_, w_, ctx.eps)
-        grad_x, grad_w = _recompute.grads(formula, (x, weight), ctx.needs_input_grad[:2], grad)
-        return grad_x, grad_w, None
+
+@torch.library.custom_op("bik::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, ctx.eps = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    formula = lambda x_, w_: reference.rms_norm(x_, w_, ctx.eps)
+    grad_x, grad_w = _recompute.grads(formula, (x, weight), ctx.needs_input_grad[:2], grad)
+    return grad_x, grad_w, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,124 @@
+"""Second derivatives, torch.compile and meta tensors: every op is a torch.library custom op
+whose compiled, eager and fake paths agree."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import DEVICE, randn
+
+import bik
+from bik.backends import reference
+
+
+def _linear(x, w, b):
+    return bik.linear(x, w, b)
+
+
+def _attention(q, k, v):
+    return bik.attention(q, k, v, split_size=32)
+
+
+def _reference_attention(q, k, v):
+    kv_start = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
+    return reference.attention(q, k, v, True, q.shape[-1] ** -0.5, kv_start, None)
+
+
+TOKENS = torch.tensor([3, 0, 7, 5, 1], device=DEVICE)
+# op under test, its float64 oracle, input shapes
+CASES = {
+    "linear": (_linear, F.linear, [(5, 12), (7, 12), (7,)]),
+    "rms_norm": (
+        lambda x, w: bik.rms_norm(x, w),
+        lambda x, w: reference.rms_norm(x, w, 1e-6),
+        [(5, 12), (12,)],
+    ),
+    "log_softmax": (bik.log_softmax, lambda x: torch.log_softmax(x, -1), [(5, 9)]),
+    "token_logprobs": (
+        lambda x: bik.token_logprobs(x, TOKENS, 0.7),
+        lambda x: reference.token_logprobs(x, TOKENS, 0.7),
+        [(5, 9)],
+    ),
+    "attention": (_attention, _reference_attention, [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)]),
+}
+
+
+def _second_derivatives(fn, inputs):
+    """d/d(inputs) of sum(grad_0 ** 2), where grad_0 = d sum(fn(inputs) ** 2) / d inputs[0]."""
+    (first,) = torch.autograd.grad(fn(*inputs).pow(2).sum(), inputs[0], create_graph=True)
+    assert first.requires_grad, "the gradient lost its graph under create_graph=True"
+    return torch.autograd.grad(first.pow(2).sum(), inputs, allow_unused=True)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_double_backward_matches_float64(backend, name):
+    fn, oracle, shapes = CASES[name]
+    inputs = [randn(s, torch.float32, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    for got, want in zip(_second_derivatives(fn, inputs), _second_derivatives(oracle, wide)):
+        if want is None:
+            continue
+        assert got is not None
+        torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=2e-4)
+
+
+def _every_op(x, w, b, norm_w, q, k, v, tokens):
+    h = bik.rms_norm(bik.linear(x, w, b), norm_w)
+    return (
+        bik.log_softmax(h),
+        bik.token_logprobs(h, tokens, 0.7),
+        bik.matmul(x, w.t()),
+        bik.attention(q, k, v, split_size=32),
+    )
+
+
+def _every_op_inputs():
+    return (
+        randn((6, 40), torch.float32, 1),
+        randn((33, 40), torch.float32, 2),
+        randn((33,), torch.float32, 3),
+        randn((33,), torch.float32, 4),
+        randn((2, 4, 37, 16), torch.float32, 5),
+        randn((2, 2, 37, 16), torch.float32, 6),
+        randn((2, 2, 37, 16), torch.float32, 7),
+        torch.arange(6, device=DEVICE) * 5,
+    )
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_ops_equal_eager_bitwise_in_one_graph(backend, compiler):
+    if backend == "triton" and DEVICE.type == "cpu":
+        pytest.skip("Triton under the interpreter is already covered by the cpu backend case")
+    inputs = _every_op_inputs()
+    torch._dynamo.reset()
+    # fullgraph: every op traces as one custom op, with no graph break
+    compiled = torch.compile(_every_op, backend=compiler, fullgraph=True)
+    for eager, traced in zip(_every_op(*inputs), compiled(*inputs)):
+        assert torch.equal(eager, traced)
+
+
+def test_compiled_training_step_runs_the_custom_ops_backward():
+    x, w = randn((4, 12), torch.float32, 1), randn((5, 12), torch.float32, 2)
+    x.requires_grad_()
+
+    def loss(x_):
+        return bik.log_softmax(bik.linear(x_, w)).pow(2).sum()
+
+    torch._dynamo.reset()
+    (compiled_grad,) = torch.autograd.grad(
+        torch.compile(loss, backend="aot_eager", fullgraph=True)(x), x
+    )
+    (eager_grad,) = torch.autograd.grad(loss(x), x)
+    assert torch.equal(compiled_grad, eager_grad)
+
+
+def test_meta_tensors_get_shapes_and_dtypes_without_running_a_kernel():
+    meta = torch.device("meta")
+    x, w = torch.empty(3, 5, 8, device=meta), torch.empty(6, 8, device=meta)
+    assert bik.linear(x, w).shape == (3, 5, 6)
+    assert bik.rms_norm(x, torch.empty(8, device=meta)).shape == x.shape
+    assert bik.log_softmax(x, dtype=torch.bfloat16).dtype == torch.bfloat16
+    tokens = torch.zeros(3, 5, dtype=torch.int64, device=meta)
+    out = bik.token_logprobs(x, tokens)
+    assert (out.shape, out.dtype, out.device) == ((3, 5), torch.float32, meta)
+    q, kv = torch.empty(2, 4, 3, 8, device=meta), torch.empty(2, 2, 9, 8, device=meta)
+    assert bik.attention(q, kv, kv).shape == q.shape
