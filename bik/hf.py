@@ -387,14 +387,15 @@ _UNSUPPORTED = {
 
 def _unsupported(module, keyword, value):
     family = getattr(getattr(module, "config", None), "model_type", "unknown")
-    if isinstance(value, torch.Tensor):
-        value = f"<tensor of shape {list(value.shape)}>"
+    shown = (
+        f"<tensor of shape {list(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+    )
     what, advice = _UNSUPPORTED.get(
         keyword, ("an attention keyword bik does not know", _UNPATCH_ADVICE)
     )
     return NotImplementedError(
         f"bik attention: {type(module).__name__} (model family {family!r}) was called with "
-        f"{keyword}={value!r}: {what}. bik's attention does not implement it, and ignoring it "
+        f"{keyword}={shown}: {what}. bik's attention does not implement it, and ignoring it "
         f"could silently change the output. To fix: {advice}."
     )
 
