@@ -63,6 +63,8 @@ FP32_MAX = torch.finfo(torch.float32).max
 def real_number(name, value):
     """``value`` as a Python float: any real scalar (int, float, numpy scalar, a one-element
     0-d tensor), never a bool, a string or a tensor with several elements."""
+    if type(value) is float:  # the common case, without the costlier ABC check below
+        return value
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
