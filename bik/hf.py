@@ -118,6 +118,24 @@ class _PatchedForward:
         return _run(self.backend, autocast_on, rms_norm, x, weight, m.variance_epsilon)
 
 
+class _EagerRotary:
+    """A rotary embedding's forward, run eagerly even inside torch.compile. Its cos/sin are
+    the one step of the model whose bits a compiler changes (inductor's vectorised cos/sin
+    differ from eager's); the rest of the forward compiles to eager's bits, so compiled
+    rollouts and eager training agree. Costs one graph break per forward."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _eager_forward(self.module, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _eager_forward(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
+
+
 def _is_rms_norm(module):
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
@@ -169,6 +187,8 @@ def _kind(module):
     name = type(module).__name__
     if name.endswith("Attention") and hasattr(module, "config"):
         return "attention"
+    if name.endswith("RotaryEmbedding"):
+        return "rotary"
     if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
         return None
     owns_weights = next(module.parameters(recurse=False), None) is not None
@@ -243,6 +263,9 @@ def patch_model(
         elif kind == "attention":
             module._bik_attention = settings
             patched[name] = "bik.attention"
+        elif kind == "rotary":
+            module.forward = _EagerRotary(module)
+            patched[name] = "eager rotary (same cos/sin bits under torch.compile)"
     attention_was = model.config._attn_implementation
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -296,6 +319,7 @@ def _register_attention():
 _last_bounds = {"mask": None, "key": None, "bounds": None}  # every layer gets the same mask
 
 
+@torch.compiler.disable  # reads the mask's values: one graph break per layer under compile
 def _cached_kv_bounds(mask, batch, tq, tk, window):
     """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
     if mask is None:
