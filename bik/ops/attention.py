@@ -100,17 +100,7 @@ def _attention(
     return backend.attention(q, k, v, causal, scale, kv_start, split_size)
 
 
-@torch.library.custom_op("bik::attention", mutates_args=())
-def _attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    kv_start: torch.Tensor,
-    split_size: int,
-) -> torch.Tensor:
-    return _attention(q, k, v, causal, scale, kv_start, split_size)
+_attention_op = torch.library.custom_op("bik::attention", _attention, mutates_args=())
 
 
 @_attention_op.register_fake

@@ -54,9 +54,7 @@ def _log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return shaped(backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype), x.shape)
 
 
-@torch.library.custom_op("bik::log_softmax", mutates_args=())
-def _log_softmax_op(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return _log_softmax(x, out_dtype)
+_log_softmax_op = torch.library.custom_op("bik::log_softmax", _log_softmax, mutates_args=())
 
 
 @_log_softmax_op.register_fake
@@ -86,11 +84,9 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return shaped(out, tokens.shape)
 
 
-@torch.library.custom_op("bik::token_logprobs", mutates_args=())
-def _token_logprobs_op(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    return _token_logprobs(logits, tokens, temperature)
+_token_logprobs_op = torch.library.custom_op(
+    "bik::token_logprobs", _token_logprobs, mutates_args=()
+)
 
 
 @_token_logprobs_op.register_fake

@@ -53,9 +53,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     return out.reshape(*a.shape[:-1], n)
 
 
-@torch.library.custom_op("bik::matmul", mutates_args=())
-def _matmul_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _matmul(a, b, bias)
+_matmul_op = torch.library.custom_op("bik::matmul", _matmul, mutates_args=())
 
 
 @_matmul_op.register_fake

@@ -30,9 +30,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
 
 
-@torch.library.custom_op("bik::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps)
+_rms_norm_op = torch.library.custom_op("bik::rms_norm", _rms_norm, mutates_args=())
 
 
 @_rms_norm_op.register_fake
