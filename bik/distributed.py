@@ -1,0 +1,124 @@
+"""Prototype of a tensor-parallel-invariant linear: the K reduction defined in chunks.
+
+A row-parallel linear (the attention output and MLP down projections under tensor
+parallelism) splits K across the TP ranks: each rank reduces its slice of K and an all-reduce
+sums the partials. Its bits then depend on the TP degree, because the sum has a different
+shape for every degree. They stop depending on it when the order is defined for a fixed
+number of chunks C (the largest TP degree to support) instead:
+
+  * K is cut into C equal, contiguous chunks; each chunk is one bik matmul into fp32 (for
+    bf16/fp16 inputs: on their exact fp32 casts, so no partial is rounded to 16 bits);
+  * the C chunk partials are summed by a balanced pairwise tree (chunks 0..C/2-1 on the left),
+    then the bias is added and the result rounded once to the input dtype.
+
+With C and the TP degree T powers of two, rank r holds chunks r*C/T ... (r+1)*C/T - 1, which is
+exactly one subtree: the rank computes its subtree locally (``chunked_linear`` of its K slice
+with C/T chunks) and the ranks' partials are summed by the top T leaves of the same tree, in
+rank order. T = 1, 2, 4 ... C then give the same bits. ``row_parallel_linear`` does this across
+processes by gathering the fp32 partials and summing them in that order on every rank (an
+all-reduce does not promise an order for more than two ranks). See docs/design.md, "Across
+processes", for what this costs and what else tensor parallelism would need.
+
+Forward only: the gather is not differentiated.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import _checks
+from .ops.matmul import linear
+
+
+def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Balanced pairwise sum: left half + right half, recursively (a power-of-two count)."""
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return _tree_sum(parts[:half]) + _tree_sum(parts[half:])
+
+
+def _check_chunks(name: str, chunks: int, k: int) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{name}: expected a positive int, got {chunks!r}")
+    if chunks & (chunks - 1):
+        raise ValueError(f"{name}: expected a power of two (1, 2, 4, ...), got {chunks}")
+    if k % chunks:
+        raise ValueError(f"{name}: K = {k} (the last dim of x) is not divisible by {chunks}")
+
+
+def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
+    if bias is not None:
+        _checks.floating("bias", bias)
+        _checks.rank("bias", bias, 1)
+        _checks.same_dtype("bias", bias, "x", x)
+        _checks.dim_size("bias", bias, 0, n, "N, the first dim of weight")
+
+
+def _partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``."""
+    step = x.shape[-1] // chunks
+    x32, w32 = x.float(), weight.float()  # exact casts: the order is the fp32 kernel's
+    parts = [
+        linear(x32[..., i * step : (i + 1) * step], w32[:, i * step : (i + 1) * step])
+        for i in range(chunks)
+    ]
+    return _tree_sum(parts)
+
+
+def _finish(total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(dtype)
+
+
+def chunked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, chunks: int
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with K reduced in ``chunks`` equal chunks, tree-summed.
+
+    The single-process form of the order ``row_parallel_linear`` computes at any TP degree
+    that divides ``chunks``. ``chunks`` must be a power of two dividing K. Rows stay
+    independent (each chunk is a batch-invariant bik matmul). fp32 gives IEEE fp32 results;
+    bf16/fp16 inputs return their dtype after one rounding of the fp32 sum.
+    """
+    _checks.floating("x", x)
+    _checks.floating("weight", weight)
+    _checks.rank("weight", weight, 2)
+    _checks.same_dtype("weight", weight, "x", x)
+    _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
+    _check_bias(bias, x, weight.shape[0])
+    _check_chunks("chunks", chunks, x.shape[-1])
+    return _finish(_partial(x, weight, chunks), bias, x.dtype)
+
+
+def row_parallel_linear(
+    x_shard: torch.Tensor,
+    weight_shard: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunks_per_rank: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """A row-parallel linear whose bits equal ``chunked_linear(x, weight, bias,
+    chunks=world * chunks_per_rank)`` on the unsplit tensors.
+
+    Rank r passes its contiguous K slice: ``x[..., r*Ks:(r+1)*Ks]`` and
+    ``weight[:, r*Ks:(r+1)*Ks]`` with Ks = K / world. The fp32 partials are all-gathered and
+    summed in rank order by the tree, then the bias (the full bias, on every rank) is added
+    once. Every rank returns the same full output. The world size must be a power of two.
+    Forward only.
+    """
+    _checks.floating("x_shard", x_shard)
+    _checks.floating("weight_shard", weight_shard)
+    _checks.rank("weight_shard", weight_shard, 2)
+    _checks.same_dtype("weight_shard", weight_shard, "x_shard", x_shard)
+    _checks.dim_size("weight_shard", weight_shard, 1, x_shard.shape[-1], "the K slice of x")
+    _check_bias(bias, x_shard, weight_shard.shape[0])
+    _check_chunks("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
+    world = dist.get_world_size(group)
+    if world & (world - 1):
+        raise ValueError(f"group: expected a power-of-two world size, got {world}")
+    partial = _partial(x_shard, weight_shard, chunks_per_rank).contiguous()
+    gathered = [torch.empty_like(partial) for _ in range(world)]
+    dist.all_gather(gathered, partial, group=group)
+    return _finish(_tree_sum(gathered), bias, x_shard.dtype)

@@ -1,0 +1,235 @@
+"""Rank processes for tests/test_distributed.py: a patched tiny model under FSDP2 or DDP.
+
+``spawn(world, out_dir, configs)`` starts ``world`` gloo processes, which run each (wrapper,
+dtype) config in turn. Each rank takes its share of ROWS (rank r: rows r, r + world, ...),
+left-pads it on its own, and writes to ``out_dir/rank{r}.pt``, per config:
+  forward      token log-probs of its rows (no grad), one 1-D tensor per row
+  weights      the weights each patched module saw inside the forward (FSDP: all-gathered)
+  grads        full gradients after one backward of ``loss`` over its rows, twice (reruns)
+  after_step   FSDP only: log-probs of its rows after one AdamW step; the model state is then
+               saved with torch.distributed.checkpoint to ``checkpoint_dir(out_dir, ...)``
+The parent compares all of it with the unsharded model in one process
+(``single_process_model``, ``emulate_step``).
+
+``spawn_tp(world, out_dir)`` runs ``run_tp_rank``: the row-parallel linear prototype of
+``bik.distributed`` on each rank's K slice of ``tp_inputs``, and the plain tensor-parallel form
+(each rank's bik.linear partial, summed by an all-reduce) for comparison.
+"""
+
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import bik
+from bik.tools import verify
+
+MODEL = "tiny-qwen3"
+PAD = 0
+# Four rows of 3 to 11 tokens: rank 0 of 2 pads its rows to 6 tokens, the full batch to 11.
+ROWS = [torch.arange(5 + 7 * i, 5 + 7 * i + n) % 250 + 3 for i, n in enumerate((6, 11, 3, 9))]
+LR = 1e-2
+
+
+def rows_of(rank: int, world: int) -> list[torch.Tensor]:
+    return ROWS[rank::world]
+
+
+def single_process_model(dtype: torch.dtype) -> torch.nn.Module:
+    """The unsharded single-process model, patched. For bf16 only the parameters are cast, as
+    FSDP's MixedPrecisionPolicy does; buffers (RoPE's inv_freq) stay fp32. ``model.to(bf16)``
+    would also round inv_freq, and that changes the bits."""
+    model = verify.load_model(MODEL)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    bik.patch_model(model)
+    return model
+
+
+def logprobs(model: torch.nn.Module, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Token log-probs of each row (every token after the first) from one left-padded batch."""
+    ids, mask = verify.left_pad(rows, PAD)
+    out = bik.sequence_logprobs(model, ids, mask, mask)
+    return [out[i, out.shape[1] - len(row) + 1 :] for i, row in enumerate(rows)]
+
+
+# The log-probs the loss averages over: every token after each row's first.
+TOKENS = sum(len(row) - 1 for row in ROWS)
+
+
+def loss(model: torch.nn.Module, rows: list[torch.Tensor], world: int = 1) -> torch.Tensor:
+    """Minus the summed token log-prob of ``rows`` over TOKENS / ``world``: one rank's loss,
+    such that the ranks' mean (what DDP and FSDP average) is the full batch's mean token
+    loss. Scaling by a power of two is exact, so the objective is the same at every world
+    size and only the reduction order differs."""
+    return -torch.cat(logprobs(model, rows)).sum() / (TOKENS / world)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _full(p.grad).detach().clone() for name, p in model.named_parameters()}
+
+
+def _record_weights(model: torch.nn.Module, seen: dict[str, torch.Tensor]) -> None:
+    """Record, by parameter name, the weight each module reads when its forward runs (under
+    FSDP: after the all-gather, what reaches bik's kernels and the embedding lookup)."""
+
+    def hook(name):
+        def record(module, _args):
+            seen.setdefault(f"{name}.weight", module.weight.detach().clone())
+
+        return record
+
+    for name, module in model.named_modules():
+        if "weight" in dict(module.named_parameters(recurse=False)):
+            module.register_forward_pre_hook(hook(name))
+
+
+def emulate_step(
+    dtype: torch.dtype, world: int, reduce_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """What data parallelism over ``world`` ranks computes, in one process: each rank's local
+    gradient on the unsharded model, cast to ``reduce_dtype``, divided by the world size and
+    summed in rank order (for two ranks any order: a sum of two is commutative)."""
+    model = single_process_model(dtype)
+    total = {}
+    for rank in range(world):
+        model.zero_grad(set_to_none=True)
+        loss(model, rows_of(rank, world), world).backward()
+        for name, p in model.named_parameters():
+            part = p.grad.to(reduce_dtype) / world
+            total[name] = part if rank == 0 else total[name] + part
+    return total
+
+
+def _wrap(model, wrapper, dtype):
+    if wrapper == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def _init(rank: int, world: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # one core per rank; bik's bits do not depend on it
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'store')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
+def checkpoint_dir(out_dir: str, wrapper: str, dtype: torch.dtype) -> str:
+    return os.path.join(out_dir, f"ckpt-{wrapper}-{str(dtype).removeprefix('torch.')}")
+
+
+def _run_config(rank: int, world: int, out_dir: str, wrapper: str, dtype: torch.dtype) -> dict:
+    # DDP runs the model in the compute dtype; FSDP keeps fp32 master weights and casts them to
+    # ``dtype`` when it gathers them.
+    model = single_process_model(dtype if wrapper == "ddp" else torch.float32)
+    seen = {}
+    _record_weights(model, seen)
+    wrapped = _wrap(model, wrapper, dtype)
+    rows = rows_of(rank, world)
+    result = {}
+    with torch.no_grad():
+        result["forward"] = logprobs(wrapped, rows)
+    result["weights"] = seen
+    result["grads"] = []
+    for _ in range(2):  # the same step twice: a rerun must give the same gradient bits
+        model.zero_grad(set_to_none=True)
+        loss(wrapped, rows, world).backward()
+        result["grads"].append(_grads(model))
+    if wrapper == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        torch.optim.AdamW(model.parameters(), lr=LR).step()
+        with torch.no_grad():
+            result["after_step"] = logprobs(wrapped, rows)
+        dcp.save(get_model_state_dict(model), checkpoint_id=checkpoint_dir(out_dir, wrapper, dtype))
+    return result
+
+
+def run_rank(rank: int, world: int, out_dir: str, configs: list[tuple[str, torch.dtype]]) -> None:
+    _init(rank, world, out_dir)
+    try:
+        results = {config: _run_config(rank, world, out_dir, *config) for config in configs}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, out_dir: str, configs: list[tuple[str, torch.dtype]]) -> list[dict]:
+    """Run every (wrapper, dtype) config on ``world`` processes (one process group: the
+    imports are the slow part); returns each rank's results, keyed by config."""
+    mp.spawn(run_rank, args=(world, out_dir, configs), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def load_checkpoint(path: str) -> torch.nn.Module:
+    """A fresh single-process fp32 model holding the checkpoint saved at any world size."""
+    import torch.distributed.checkpoint as dcp
+
+    model = verify.load_model(MODEL)
+    state = model.state_dict()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state)
+    return model
+
+
+# -- tensor parallelism --------------------------------------------------------------------
+
+
+def tp_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [6, 256], weight [48, 256], bias [48]: a row-parallel linear's full operands."""
+    gen = torch.Generator().manual_seed(7)
+    x, weight, bias = (torch.randn(shape, generator=gen) for shape in ((6, 256), (48, 256), (48,)))
+    return x.to(dtype), weight.to(dtype), bias.to(dtype)
+
+
+def k_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous slice of the last dim (K)."""
+    step = t.shape[-1] // world
+    return t[..., rank * step : (rank + 1) * step]
+
+
+def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
+    from bik.distributed import row_parallel_linear
+
+    _init(rank, world, out_dir)
+    try:
+        result = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, weight, bias = tp_inputs(dtype)
+            xs, ws = k_slice(x, rank, world), k_slice(weight, rank, world)
+            for per_rank in (1, 2):
+                result[dtype, per_rank] = row_parallel_linear(
+                    xs, ws, bias, chunks_per_rank=per_rank
+                )
+        # Plain tensor parallelism: the rank's partial, summed by the all-reduce, plus bias.
+        x, weight, bias = tp_inputs(torch.float32)
+        partial = bik.linear(k_slice(x, rank, world), k_slice(weight, rank, world))
+        dist.all_reduce(partial)
+        result["plain"] = partial + bias
+        torch.save(result, os.path.join(out_dir, f"tp{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_tp(world: int, out_dir: str) -> list[dict]:
+    mp.spawn(run_tp_rank, args=(world, out_dir), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"tp{r}.pt")) for r in range(world)]
