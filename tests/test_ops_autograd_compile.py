@@ -122,3 +122,28 @@ def test_meta_tensors_get_shapes_and_dtypes_without_running_a_kernel():
     assert (out.shape, out.dtype, out.device) == ((3, 5), torch.float32, meta)
     q, kv = torch.empty(2, 4, 3, 8, device=meta), torch.empty(2, 2, 9, 8, device=meta)
     assert bik.attention(q, kv, kv).shape == q.shape
+
+
+IN_PLACE_CASES = {  # 3-D inputs: the kernels see rows, the result is reshaped back
+    "linear": (lambda x: bik.linear(x, torch.ones(7, 12)), (2, 3, 12)),
+    "matmul": (lambda x: bik.matmul(x, torch.ones(7, 12).t()), (2, 3, 12)),
+    "rms_norm": (lambda x: bik.rms_norm(x, torch.ones(12)), (2, 3, 12)),
+    "log_softmax": (bik.log_softmax, (2, 3, 12)),
+    "token_logprobs": (
+        lambda x: bik.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long)),
+        (2, 3, 12),
+    ),
+    "attention": (lambda x: bik.attention(x, x, x), (1, 2, 3, 12)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE_CASES))
+def test_outputs_can_be_modified_in_place_under_autograd(backend, name):
+    """As with torch's own ops (e.g. verl's ``logits.div_(temperature)``): the output of a
+    custom op must not be a view, or autograd refuses the in-place change."""
+    fn, shape = IN_PLACE_CASES[name]
+    x = randn(shape, torch.float32, 0).requires_grad_()
+    out = fn(x)
+    out.mul_(2.0)
+    out.sum().backward()
+    assert x.grad is not None

@@ -21,10 +21,15 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+_unsafe_view = torch.ops.aten._unsafe_view.default
+
+
 def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``out`` reshaped to ``shape`` (skipping the reshape call, which costs more than the
-    kernel of a one-row op, when it already has that shape)."""
-    return out if out.shape == shape else out.reshape(shape)
+    """A freshly computed, contiguous ``out`` given ``shape``. Not a view (aten's
+    ``_unsafe_view``, as torch's own ops return), so callers may modify the result in place
+    under autograd. The call is skipped, as it costs more than the kernel of a one-row op,
+    when ``out`` already has that shape."""
+    return out if out.shape == shape else _unsafe_view(out, shape)
 
 
 def _needs_custom_op(args: tuple) -> bool:

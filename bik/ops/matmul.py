@@ -8,7 +8,7 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 import torch
 
 from .. import _checks, backends
-from . import as_rows, run
+from . import as_rows, run, shaped
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -50,7 +50,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     if rows.shape[0] == 0 or n == 0:
         return a.new_zeros(*a.shape[:-1], n)
     out = backends.resolve(a.device).matmul(rows.unsqueeze(0), b.unsqueeze(0), bias)
-    return out.reshape(*a.shape[:-1], n)
+    return shaped(out, (*a.shape[:-1], n))
 
 
 _matmul_op = torch.library.custom_op("bik::matmul", _matmul, mutates_args=())
