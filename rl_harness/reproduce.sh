@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Runs every recipe into rl_harness/results/<recipe>/ and writes the comparison tables.
+# Runs every recipe into results/rl/<recipe>/ and writes the comparison tables there
+# (results/rl/RESULTS.md, written by hand, says what reproduced).
 # Usage: bash rl_harness/reproduce.sh [PYTHON]   (from the repository root)
 set -euo pipefail
 PY=${1:-.venv/bin/python}
-OUT=rl_harness/results
-rm -rf "$OUT"
+OUT=results/rl
+mkdir -p "$OUT"
 for recipe in $($PY -c "from rl_harness.recipes import RECIPES; print(' '.join(RECIPES))"); do
+  rm -rf "${OUT:?}/$recipe"
   $PY -m rl_harness run --recipe "$recipe" --out "$OUT/$recipe" > /dev/null 2>&1 || echo "FAILED: $recipe"
 done
 $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
