@@ -1,1 +1,8 @@
-"""RL harness: rollout and policy update through identical bik kernels (to be built)."""
+"""RL harness: rollout and policy update through identical bik kernels, with the mismatch
+between the two sides measured every step (see README, "RL harness").
+
+Modules: config (frozen per-section configs), tasks, policy, logits (the logits processing
+both sides share), rollout, trainer, metrics, remedies (IS weights, rejection, fp16), schedule
+(LR), collapse, rundir (run directory files), runner, report (summary, compare, plots),
+recipes.
+"""

@@ -1,75 +1,77 @@
 """python -m rl_harness run | recipes | compare  (see README)."""
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import plots, recipes, runner
+from . import recipes, report, rundir, runner
+from .errors import HarnessError, RunDirError
+
+EXIT_ERROR = 2
 
 
-def _run(args):
+def _run(args: argparse.Namespace) -> int:
     if args.resume:
-        summary = runner.run(
-            None, args.resume, resume=True, cache_dir=args.cache_dir, name=Path(args.resume).name
-        )
+        refused = [
+            flag
+            for flag, given in (("--set", args.set), ("--recipe", args.recipe), ("--out", args.out))
+            if given
+        ]
+        if refused:
+            raise RunDirError(
+                f"{', '.join(refused)} cannot be combined with --resume: a resumed run keeps "
+                f"{Path(args.resume) / rundir.CONFIG} (only --steps may give it a new total); "
+                "start a new run with --out to change the config"
+            )
+        summary = runner.resume(args.resume, steps=args.steps, cache_dir=args.cache_dir)
     else:
-        sets = list(args.set or []) + ([f"steps={args.steps}"] if args.steps else [])
-        try:
-            cfg = config_lib.build(recipes.overrides(args.recipe), sets)
-        except (config_lib.ConfigError, KeyError) as error:
-            raise SystemExit(f"config error: {error}") from None
-        out = args.out or f"runs/{args.recipe}"
-        summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=args.recipe)
-    print(runner.summary_markdown(summary))
+        recipe = args.recipe or recipes.DEFAULT
+        sets = list(args.set or [])
+        if args.steps is not None:
+            sets.append(f"steps={args.steps}")
+        cfg = config_lib.build(recipes.overrides(recipe), sets)
+        out = args.out or f"runs/{recipe}"
+        summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=recipe)
+    print(report.summary_markdown(summary))
     return 0
 
 
-def _compare(args):
-    runs = {Path(d).name: runner.read_metrics(d) for d in args.dirs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plots.plot_runs(runs, out / "compare.png")
-    rows = [
-        "| run | steps | reward first 5 | reward last 5 | k3 max | unequal tokens (mean) | "
-        "first collapse step |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+def _compare(args: argparse.Namespace) -> int:
     for d in args.dirs:
-        history = runner.read_metrics(d)
-        collapse = next(
-            (
-                m["step"]
-                for m in history
-                if any(
-                    m.get(f"collapse/{f}")
-                    for f in ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
-                )
-            ),
-            None,
-        )
-        first5 = sum(m["reward/mean"] for m in history[:5]) / max(len(history[:5]), 1)
-        last5 = sum(m["reward/mean"] for m in history[-5:]) / max(len(history[-5:]), 1)
-        rows.append(
-            f"| {Path(d).name} | {len(history)} | {first5:.3f} | {last5:.3f} | "
-            f"{max(m['mismatch/k3_kl'] for m in history):.2e} | "
-            f"{sum(m['mismatch/tokens_unequal_frac'] for m in history) / len(history):.3f} | "
-            f"{collapse if collapse is not None else 'none'} |"
-        )
-    table = "\n".join(rows) + "\n\n![compare](compare.png)\n"
-    (out / "compare.md").write_text(table)
-    print(table)
+        if not Path(d).is_dir():
+            raise RunDirError(f"compare: no run directory at {d}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"compare --out: {out} is a file; pass a directory for the table")
+    labels = report.unique_labels(args.dirs)
+    runs = {label: runner.read_metrics(d) for label, d in zip(labels, args.dirs)}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RunDirError(f"compare --out: cannot create {out} ({error})") from None
+    print(report.write_compare(runs, out))
     return 0
 
 
-def main(argv=None):
+def _recipes(args: argparse.Namespace) -> int:
+    for name, (description, overrides) in recipes.RECIPES.items():
+        print(f"{name:22s} {description}\n{'':22s} {json.dumps(overrides) if overrides else '{}'}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m rl_harness", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a recipe (default: zero_mismatch)")
-    run.add_argument("--recipe", default=recipes.DEFAULT)
-    run.add_argument("--steps", type=int)
-    run.add_argument("--out", help="run directory (default runs/<recipe>)")
+    run = commands.add_parser("run", help=f"run a recipe (default: {recipes.DEFAULT})")
+    run.add_argument("--recipe", help=f"a recipe name (default {recipes.DEFAULT})")
+    run.add_argument("--steps", type=int, help="number of RL steps (with --resume: the new total)")
+    run.add_argument("--out", help="run directory, new or empty (default runs/<recipe>)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR")
     run.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
@@ -77,14 +79,25 @@ def main(argv=None):
     compare = commands.add_parser("compare", help="plots and a markdown table of several runs")
     compare.add_argument("dirs", nargs="+")
     compare.add_argument("--out", default="runs/compare")
-    args = parser.parse_args(argv)
-    if args.command == "recipes":
-        for name, (description, overrides) in recipes.RECIPES.items():
-            print(
-                f"{name:22s} {description}\n{'':22s} {json.dumps(overrides) if overrides else '{}'}"
-            )
-        return 0
-    return _run(args) if args.command == "run" else _compare(args)
+    return parser
+
+
+def _warning_line(message: Warning | str, *args: object, **kwargs: object) -> str:
+    return f"warning: {message}\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; a HarnessError ends it with a one-line message and status 2."""
+    args = parser().parse_args(argv)
+    command = {"run": _run, "recipes": _recipes, "compare": _compare}[args.command]
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _warning_line
+    try:
+        return command(args)
+    except HarnessError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR) from None
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":

@@ -1,239 +1,458 @@
-"""Run configuration: nested defaults, ``--set section.key=value`` overrides, validation.
+"""Run configuration: one frozen dataclass per section, validated once, at construction.
 
-Every knob of a run lives here with its default; recipes are sets of overrides. A bad key,
-value or combination raises ``ConfigError`` before any work starts.
+Every knob of a run lives here with its default; recipes are sets of overrides. ``build``
+applies a recipe's overrides and ``--set section.key=value`` strings to the defaults and
+returns a :class:`Config`; a bad key, value or combination raises :class:`ConfigError`
+naming the dotted key and what was expected, before any work starts. ``config.json`` in a
+run directory is :meth:`Config.to_json` (nested, one object per section); :func:`load` reads
+it back, filling keys an older file lacks with their defaults.
 """
 
-import copy
+from __future__ import annotations
+
+import dataclasses
 import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
-DEFAULTS = {
-    "seed": 0,
-    "steps": 200,
-    "checkpoint_every": 20,
-    "model": {  # a tiny random-init Qwen3-style policy, or a local model directory
-        "path": None,
-        "family": "qwen3",
-        "hidden_size": 64,
-        "layers": 2,
-        "heads": 4,
-        "kv_heads": 2,
-        "head_dim": 16,
-    },
-    "task": {"name": "addition", "min_digits": 1, "max_digits": 2},
-    "warmup": {"steps": 600, "lr": 3e-3, "batch_size": 64},  # supervised, cached, before RL
-    "rollout": {
-        "prompts": 32,
-        "samples_per_prompt": 4,
-        "max_new_tokens": 10,
-        "temperature": 1.0,
-        "top_k": 0,
-        "top_p": 1.0,
-        # mismatch sources, all on the rollout side; defaults give zero mismatch
-        "kernels": "bik",
-        "dtype": "float32",
-        "split_size": 0,
-        "logit_noise_std": 0.0,
-        "logit_noise_bias": 0.0,
-        "logit_round_bits": 0,
-    },
-    "train": {
-        "advantage": "grpo",
-        "loss": "ppo",
-        "lr": 2e-4,
-        "weight_decay": 0.0,
-        "grad_clip": 1.0,
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "dtype": "float32",
-        "kernels": "bik",
-        "micro_batch_size": 0,  # 0: the whole batch in one forward
-    },
-    "remedy": {
-        "name": "none",
-        "clip": 2.0,
-        "low": 0.5,
-        "high": 2.0,
-        "geo_low": 0.999,
-        "geo_high": 1.001,
-        "k_threshold": 0.01,
-        "veto": 1e-4,
-        "self_normalize": False,
-        "bypass": False,
-    },
-    "lr_schedule": {
-        "name": "constant",
-        "min_ratio": 0.1,
-        "period_factor": 1.8,
-        "surge_ratio": 1.5,
-        "surge_window": 5,
-        "decay_period": 0,
-    },
-    "collapse": {
-        "window": 5,
-        "reward_drop": 0.5,
-        "grad_norm_factor": 10.0,
-        "grad_norm_floor": 0.01,
-        "k3_max": 0.05,
-        "ess_min": 0.5,
-        "length_surge": 2.0,
-    },
-    "assert_zero_mismatch": True,  # a run whose config injects nothing must measure exactly 0
-}
+from bik.contract import check_split_size
 
-CHOICES = {
-    "model.family": ("llama", "mistral", "qwen2", "qwen3"),
-    "task.name": ("addition", "sorting", "counting"),
-    "rollout.kernels": ("bik", "native"),
-    "train.kernels": ("bik", "native"),
-    "rollout.dtype": ("float32", "bfloat16", "float16"),
-    "train.dtype": ("float32", "bfloat16", "float16"),
-    "train.advantage": ("grpo", "rloo"),
-    "train.loss": ("ppo", "reinforce"),
-    "remedy.name": (
-        "none",
-        "token_tis",
-        "seq_tis",
-        "geo_is",
-        "geo_rs",
-        "token_mis",
-        "k1_rs",
-        "k3_rs",
-        "token_veto",
-        "fp16",
-    ),
-    "lr_schedule.name": ("constant", "length_surge"),
+from .errors import ConfigError
+from .remedies import Precision, precision
+
+__all__ = [
+    "CollapseConfig",
+    "Config",
+    "ConfigError",
+    "LRScheduleConfig",
+    "ModelConfig",
+    "RemedyConfig",
+    "RolloutConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "WarmupConfig",
+    "build",
+    "flatten",
+    "load",
+]
+
+KERNELS = ("bik", "native")
+DTYPES = ("float32", "bfloat16", "float16")
+REMEDIES = (
+    "none",
+    "token_tis",
+    "seq_tis",
+    "geo_is",
+    "geo_rs",
+    "token_mis",
+    "k1_rs",
+    "k3_rs",
+    "token_veto",
+    "fp16",
+)
+MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
+
+
+def spec(default: Any, **check: Any) -> Any:
+    """A field with constraints (``ge``, ``gt``, ``le``, ``lt``, ``choices``, ``multiple_of``)
+    that ``_Section`` checks; a float must also be finite."""
+    return field(default=default, metadata={"check": check})
+
+
+def _expected(kind: type) -> str:
+    return {bool: "true or false", int: "an integer", float: "a finite number"}.get(
+        kind, "a string"
+    )
+
+
+def _coerce(key: str, kind: type, optional: bool, value: Any) -> Any:
+    """``value`` (a Python value, or a ``--set`` string) as ``kind``, or ConfigError."""
+    if optional and (
+        value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+    ):
+        return None
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        try:
+            if kind is bool:
+                if text not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return text in ("true", "1")
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected {_expected(kind)}, got {value!r}") from None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+_KINDS = {
+    "int": (int, False),
+    "float": (float, False),
+    "bool": (bool, False),
+    "str": (str, False),
+    "str | None": (str, True),
 }
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run, reported before any work starts."""
+def _bounds(check: Mapping[str, Any]) -> str:
+    parts = []
+    for op, text in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if op in check:
+            parts.append(f"{text} {check[op]:g}")
+    return " and ".join(parts)
 
 
-def _coerce(key, text, default):
-    if isinstance(default, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ConfigError(f"{key}: expected true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    if isinstance(default, int) and not isinstance(default, bool):
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {text!r}") from None
-    if isinstance(default, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{key}: expected a number, got {text!r}") from None
-    return None if text.lower() in ("none", "null") else text
+class _Section:
+    """Coerces and checks every field of a frozen dataclass against its metadata, then runs
+    the section's own cross-field checks (``_validate``)."""
+
+    SECTION: ClassVar[str] = ""
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}" if self.SECTION else name
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.type not in _KINDS:
+                continue  # a nested section: already constructed and checked
+            kind, optional = _KINDS[f.type]
+            key = self._key(f.name)
+            value = _coerce(key, kind, optional, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            check = f.metadata.get("check")
+            if check is None or value is None:
+                continue
+            if "choices" in check and value not in check["choices"]:
+                raise ConfigError(f"{key}: expected one of {check['choices']}, got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            if kind in (int, float):
+                ok = (
+                    value >= check.get("ge", -math.inf)
+                    and value > check.get("gt", -math.inf)
+                    and value <= check.get("le", math.inf)
+                    and value < check.get("lt", math.inf)
+                )
+                if not ok:
+                    noun = "an integer" if kind is int else "a number"
+                    raise ConfigError(f"{key}: expected {noun} {_bounds(check)}, got {value!r}")
+                if kind is int and value % check.get("multiple_of", 1):
+                    raise ConfigError(
+                        f"{key}: expected a multiple of {check['multiple_of']}, got {value!r}"
+                    )
+        self._validate()
+
+    def _validate(self) -> None:
+        """Checks that involve several fields of the section."""
 
 
-def apply(config, key, value):
-    """Set ``section.key`` (a string value is converted to the default's type)."""
-    section, _, name = key.rpartition(".")
-    node = config
-    for part in filter(None, section.split(".")):
-        if not isinstance(node.get(part), dict):
-            raise ConfigError(f"unknown config key {key!r}")
-        node = node[part]
-    if name not in node or isinstance(node[name], dict):
-        raise ConfigError(
-            f"unknown config key {key!r}; known: {', '.join(sorted(flatten(config)))}"
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """A tiny random-init policy of ``family``, or a local model directory (``path``)."""
+
+    SECTION: ClassVar[str] = "model"
+    path: str | None = None
+    family: str = spec("qwen3", choices=("llama", "mistral", "qwen2", "qwen3"))
+    hidden_size: int = spec(64, ge=1)
+    layers: int = spec(2, ge=1)
+    heads: int = spec(4, ge=1)
+    kv_heads: int = spec(2, ge=1)
+    head_dim: int = spec(16, ge=2, multiple_of=2)  # RoPE rotates pairs of dimensions
+
+    def _validate(self) -> None:
+        if self.hidden_size % self.heads:
+            raise ConfigError(
+                f"model.heads: expected a divisor of model.hidden_size ({self.hidden_size}), "
+                f"got {self.heads}"
+            )
+        if self.heads % self.kv_heads:
+            raise ConfigError(
+                f"model.kv_heads: expected a divisor of model.heads ({self.heads}), "
+                f"got {self.kv_heads}"
+            )
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ConfigError(f"model.path: no model directory at {self.path!r}")
+
+
+@dataclass(frozen=True)
+class TaskConfig(_Section):
+    """The shipped synthetic task (rl_harness.tasks) and its size range."""
+
+    SECTION: ClassVar[str] = "task"
+    name: str = spec("addition", choices=("addition", "sorting", "counting"))
+    # at most 20: the longest warm-up sequence (sorting 60 digits) fits the 256 positions
+    min_digits: int = spec(1, ge=1, le=20)
+    max_digits: int = spec(2, ge=1, le=20)
+
+    def _validate(self) -> None:
+        if self.max_digits < self.min_digits:
+            raise ConfigError(
+                f"task.max_digits: expected at least task.min_digits ({self.min_digits}), "
+                f"got {self.max_digits}"
+            )
+
+
+@dataclass(frozen=True)
+class WarmupConfig(_Section):
+    """Supervised warm-up on the task before RL (cached, see policy.warmup)."""
+
+    SECTION: ClassVar[str] = "warmup"
+    steps: int = spec(600, ge=0)
+    lr: float = spec(3e-3, gt=0)
+    batch_size: int = spec(64, ge=1)
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    """Sampling, and every rollout-side mismatch source (defaults inject none)."""
+
+    SECTION: ClassVar[str] = "rollout"
+    prompts: int = spec(32, ge=1)
+    samples_per_prompt: int = spec(4, ge=2)  # grpo and rloo compare samples of one prompt
+    max_new_tokens: int = spec(10, ge=1)
+    temperature: float = spec(1.0, ge=MIN_TEMPERATURE)
+    top_k: int = spec(0, ge=0)  # 0: off
+    top_p: float = spec(1.0, gt=0, le=1)
+    kernels: str = spec("bik", choices=KERNELS)
+    dtype: str = spec("float32", choices=DTYPES)
+    split_size: int = spec(0, ge=0)  # 0: bik's default attention split
+    logit_noise_std: float = spec(0.0, ge=0)
+    logit_noise_bias: float = spec(0.0)
+    logit_round_bits: int = spec(0, ge=0, le=23)  # 0: off
+
+    def _validate(self) -> None:
+        if self.split_size:
+            try:
+                check_split_size(self.split_size)
+            except ValueError as error:
+                raise ConfigError(
+                    f"rollout.split_size: expected 0 (bik's default) or a split size bik "
+                    f"accepts ({error})"
+                ) from None
+            if self.kernels != "bik":
+                raise ConfigError("rollout.split_size only applies to rollout.kernels=bik")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    """Advantages, loss, optimiser and the trainer side's kernels."""
+
+    SECTION: ClassVar[str] = "train"
+    advantage: str = spec("grpo", choices=("grpo", "rloo"))
+    loss: str = spec("ppo", choices=("ppo", "reinforce"))
+    lr: float = spec(2e-4, gt=0)
+    weight_decay: float = spec(0.0, ge=0)
+    grad_clip: float = spec(1.0, gt=0)  # max global grad norm
+    clip_low: float = spec(0.2, ge=0, lt=1)
+    clip_high: float = spec(0.28, ge=0)
+    dtype: str = spec("float32", choices=DTYPES)
+    kernels: str = spec("bik", choices=KERNELS)
+    micro_batch_size: int = spec(0, ge=0)  # 0: the whole batch in one forward
+
+
+@dataclass(frozen=True)
+class RemedyConfig(_Section):
+    """The mismatch remedy (rl_harness.remedies) and its thresholds."""
+
+    SECTION: ClassVar[str] = "remedy"
+    name: str = spec("none", choices=REMEDIES)
+    clip: float = spec(2.0, ge=1)  # C of the truncated IS remedies and the IS metrics
+    low: float = spec(0.5, gt=0)
+    high: float = spec(2.0, gt=0)
+    geo_low: float = spec(0.999, gt=0)
+    geo_high: float = spec(1.001, gt=0)
+    k_threshold: float = spec(0.01, ge=0)
+    veto: float = spec(1e-4, ge=0)
+    self_normalize: bool = False
+    bypass: bool = False
+
+    def _validate(self) -> None:
+        for low, high in (("low", "high"), ("geo_low", "geo_high")):
+            if getattr(self, high) < getattr(self, low):
+                raise ConfigError(
+                    f"remedy.{high}: expected at least remedy.{low} ({getattr(self, low)}), "
+                    f"got {getattr(self, high)}"
+                )
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig(_Section):
+    """The learning-rate schedule (rl_harness.schedule)."""
+
+    SECTION: ClassVar[str] = "lr_schedule"
+    name: str = spec("constant", choices=("constant", "length_surge"))
+    min_ratio: float = spec(0.1, gt=0, le=1)
+    period_factor: float = spec(1.8, gt=0)
+    surge_ratio: float = spec(1.5, gt=0)
+    surge_window: int = spec(5, ge=1)
+    decay_period: int = spec(0, ge=0)  # 0: period_factor x the surge step
+
+
+@dataclass(frozen=True)
+class CollapseConfig(_Section):
+    """Thresholds of the per-step collapse flags (rl_harness.collapse)."""
+
+    SECTION: ClassVar[str] = "collapse"
+    window: int = spec(5, ge=1)
+    reward_drop: float = spec(0.5, ge=0, le=1)
+    grad_norm_factor: float = spec(10.0, ge=1)
+    grad_norm_floor: float = spec(0.01, ge=0)
+    k3_max: float = spec(0.05, ge=0)
+    ess_min: float = spec(0.5, ge=0, le=1)
+    length_surge: float = spec(2.0, gt=0)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "warmup": WarmupConfig,
+    "rollout": RolloutConfig,
+    "train": TrainConfig,
+    "remedy": RemedyConfig,
+    "lr_schedule": LRScheduleConfig,
+    "collapse": CollapseConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config(_Section):
+    """A whole run. Construct it through :func:`build` or :func:`load`."""
+
+    seed: int = spec(0, ge=0)
+    steps: int = spec(200, ge=1)
+    checkpoint_every: int = spec(20, ge=1)
+    assert_zero_mismatch: bool = True  # a run whose config injects nothing must measure 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    remedy: RemedyConfig = field(default_factory=RemedyConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+
+    def _validate(self) -> None:
+        for name, kind in SECTIONS.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name}: expected a {kind.__name__}")
+        precision(self.remedy.name, self.train.dtype, self.rollout.dtype)  # fp16's own check
+
+    @property
+    def precision(self) -> Precision:
+        """The dtype each side runs in and the trainer's loss scale (remedies.precision)."""
+        return precision(self.remedy.name, self.train.dtype, self.rollout.dtype)
+
+    @property
+    def zero_mismatch(self) -> bool:
+        """True when nothing in the config makes the rollout differ from the trainer."""
+        r, t, p = self.rollout, self.train, self.precision
+        return (
+            r.kernels == "bik"
+            and t.kernels == "bik"
+            and p.rollout_dtype == p.train_dtype
+            and r.split_size == 0
+            and r.logit_noise_std == 0
+            and r.logit_noise_bias == 0
+            and r.logit_round_bits == 0
         )
-    default = DEFAULTS_FLAT.get(key, node[name])
-    node[name] = _coerce(key, value, default) if isinstance(value, str) else value
+
+    def to_json(self) -> str:
+        """The text of config.json."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain values, one object per section (the layout of config.json)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Config:
+        """A Config from nested values (config.json); missing keys keep their defaults."""
+        return _construct(flatten(values))
+
+    def replace(self, **flat: Any) -> Config:
+        """A copy with dotted keys replaced (``replace(**{"rollout.top_k": 8})``), validated."""
+        values = flatten(self.to_dict())
+        for key, value in flat.items():
+            _known(key)
+            values[key] = value
+        return _construct(values)
 
 
-def flatten(config, prefix=""):
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'section.key': value} of nested values."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[prefix + key] = value
     return flat
 
 
-DEFAULTS_FLAT = flatten(DEFAULTS)
+DEFAULTS: dict[str, Any] = flatten(dataclasses.asdict(Config()))
+"""Every dotted key with its default value."""
 
 
-def build(overrides=(), sets=()):
-    """DEFAULTS + a recipe's ``overrides`` (dict) + ``--set key=value`` strings, validated."""
-    config = copy.deepcopy(DEFAULTS)
-    for key, value in dict(overrides).items():
-        apply(config, key, value)
+def _known(key: str) -> None:
+    if key not in DEFAULTS:
+        raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(DEFAULTS))}")
+
+
+def _construct(flat: Mapping[str, Any]) -> Config:
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in flat.items():
+        _known(key)
+        section, _, name = key.rpartition(".")
+        (sections[section] if section else top)[name] = value
+    try:
+        built = {name: kind(**sections[name]) for name, kind in SECTIONS.items()}
+        return Config(**top, **built)
+    except TypeError as error:  # a dataclass refusing an argument: report it as config
+        raise ConfigError(str(error)) from None
+
+
+def build(overrides: Mapping[str, Any] | None = None, sets: Iterable[str] = ()) -> Config:
+    """Defaults + a recipe's ``overrides`` ({'section.key': value}) + ``--set key=value``
+    strings (later ones win), validated."""
+    flat = dict(DEFAULTS)
+    for key, value in dict(overrides or {}).items():
+        _known(key)
+        flat[key] = value
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set: expected key=value, got {item!r}")
-        apply(config, key.strip(), value.strip())
-    validate(config)
-    return config
+        _known(key.strip())
+        flat[key.strip()] = value.strip()
+    return _construct(flat)
 
 
-def validate(config):
-    flat = flatten(config)
-    for key, allowed in CHOICES.items():
-        if flat[key] not in allowed:
-            raise ConfigError(f"{key}: expected one of {allowed}, got {flat[key]!r}")
-    positive = [
-        "steps",
-        "rollout.prompts",
-        "rollout.samples_per_prompt",
-        "rollout.max_new_tokens",
-        "rollout.temperature",
-        "train.lr",
-        "remedy.clip",
-        "warmup.batch_size",
-    ]
-    for key in positive:
-        if not flat[key] > 0:
-            raise ConfigError(f"{key}: expected a positive value, got {flat[key]!r}")
-    if flat["train.advantage"] in ("grpo", "rloo") and flat["rollout.samples_per_prompt"] < 2:
-        raise ConfigError(
-            "rollout.samples_per_prompt: grpo/rloo advantages need at least 2 samples per prompt"
-        )
-    if not 0 < flat["rollout.top_p"] <= 1:
-        raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {flat['rollout.top_p']}")
-    if flat["rollout.split_size"] % 32:
-        raise ConfigError("rollout.split_size: expected 0 (bik's default) or a multiple of 32")
-    if flat["rollout.split_size"] and flat["rollout.kernels"] != "bik":
-        raise ConfigError("rollout.split_size only applies to rollout.kernels=bik")
-    if not 0 <= flat["rollout.logit_round_bits"] <= 23:
-        raise ConfigError("rollout.logit_round_bits: expected 0 (off) to 23 mantissa bits")
-    if flat["remedy.name"] == "fp16" and (flat["train.dtype"], flat["rollout.dtype"]) != (
-        "float32",
-        "float32",
-    ):
-        raise ConfigError(
-            "remedy.name=fp16 sets both dtypes itself; leave train.dtype and "
-            "rollout.dtype at float32"
-        )
-    path = flat["model.path"]
-    if path is not None and not Path(path).is_dir():
-        raise ConfigError(f"model.path: no model directory at {path!r}")
-
-
-def is_zero_mismatch(config):
-    """True when nothing in the config makes the rollout differ from the trainer."""
-    r, t = config["rollout"], config["train"]
-    return (
-        r["kernels"] == "bik"
-        and t["kernels"] == "bik"
-        and r["dtype"] == t["dtype"]
-        and r["split_size"] == 0
-        and r["logit_noise_std"] == 0
-        and r["logit_noise_bias"] == 0
-        and r["logit_round_bits"] == 0
-    )
-
-
-def save(config, path):
-    Path(path).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
-
-
-def load(path):
-    config = json.loads(Path(path).read_text())
-    validate(config)
-    return config
+def load(path: str | Path) -> Config:
+    """The Config saved at ``path`` (config.json); ConfigError naming the file otherwise."""
+    try:
+        values = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path}: not a readable config ({error})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a JSON object of config sections")
+    try:
+        return Config.from_dict(values)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None

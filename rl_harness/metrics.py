@@ -3,22 +3,44 @@
 Notation (per valid token): r = l_train - l_rollout, rho = exp(r). All statistics are computed
 in float64 over the tokens where ``mask`` is set, before any remedy masks tokens (a rejection
 remedy must not be able to drive the mismatch it reacts to to zero).
+
+Where the conventions deliberately differ from verl's (rollout_corr_helper):
+
+- Sequence-level statistics (``log_ppl_abs_diff``, ``chi2_seq``, ``seq_is_weight_*``) skip
+  rows without a response token, where verl averages over every row of the batch. In the
+  harness every row has at least one response token, so this never changes its figures.
+- Log ratios are not clamped: exp(r) is taken of the float64 r as it is, so a huge mismatch
+  shows as a huge (or infinite) chi2 / IS weight rather than a capped one. verl clamps the
+  log ratio to [-20, 20] (its SAFETY_BOUND) before exponentiating; ``clamp_log_ratio=20.0``
+  does the same here, per token and for the per-sequence sum, in every statistic that
+  exponentiates (k3, chi2, IS weights, ESS, fractions beyond C). The abs diffs, the unequal
+  count, k1 and k2 always use the raw r.
 """
+
+from __future__ import annotations
 
 import torch
 
 PREFIX = "mismatch/"
 
 
-def _masked_mean(x, mask):
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
+def mismatch_metrics(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float = 2.0,
+    clamp_log_ratio: float | None = None,
+) -> dict[str, float]:
     """Every mismatch metric of one batch as a dict of floats (keys prefixed 'mismatch/').
 
     train_logp, rollout_logp: ``[B, T]`` log-probs of the sampled tokens; mask: ``[B, T]``
     (1 = response token). ``clip`` is C of the IS-weight fraction and ESS statistics.
+    ``clamp_log_ratio``: None (the harness's convention) or verl's bound (20.0) on the log
+    ratios that are exponentiated (see the module docstring).
     """
     if train_logp.shape != rollout_logp.shape or mask.shape != train_logp.shape:
         raise ValueError(
@@ -28,10 +50,14 @@ def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
     m = mask.to(torch.float64)
     valid = m.bool()
     r = torch.where(valid, train_logp.double() - rollout_logp.double(), 0.0)
-    rho = torch.exp(r)
     tokens_per_seq = m.sum(-1)
     has_tokens = tokens_per_seq > 0
     seq_log_ratio = r.sum(-1)  # log of the sequence IS weight prod_t rho_t
+    r_exp = r
+    if clamp_log_ratio is not None:
+        r_exp = r.clamp(-clamp_log_ratio, clamp_log_ratio)
+        seq_log_ratio = seq_log_ratio.clamp(-clamp_log_ratio, clamp_log_ratio)
+    rho = torch.exp(r_exp)
     seq_mean = lambda x: x[has_tokens].mean() if bool(has_tokens.any()) else x.new_zeros(())
     weights = rho[valid]
     clamped = weights.clamp(1.0 / clip, clip)
@@ -44,7 +70,7 @@ def mismatch_metrics(train_logp, rollout_logp, mask, clip=2.0):
         "tokens_unequal_count": ((r != 0) & valid).sum().double(),
         "k1_kl": _masked_mean(-r, m),
         "k2_kl": _masked_mean(0.5 * r * r, m),
-        "k3_kl": _masked_mean(rho - r - 1.0, m),
+        "k3_kl": _masked_mean(rho - r_exp - 1.0, m),
         "log_ppl_abs_diff": seq_mean(
             (per_seq_mean(train_logp.double()) - per_seq_mean(rollout_logp.double())).abs()
         ),

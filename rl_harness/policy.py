@@ -6,11 +6,16 @@ the master before every step, so the only difference between the sides is what t
 injects.
 """
 
+from __future__ import annotations
+
 import copy
+import dataclasses
 import hashlib
 import json
 import random
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,31 +23,42 @@ import bik
 from bik.hf import generation_position_ids
 
 from . import tasks
+from .errors import ConfigError
+from .rundir import write_atomic
+
+if TYPE_CHECKING:
+    from .config import Config, ModelConfig, TaskConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_master(model_cfg, seed):
+def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
+    """The fp32 master policy: ``model.path`` loaded, or a random-init ``model.family``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model_cfg["path"]:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg["path"], torch_dtype=torch.float32)
+    if model_cfg.path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
+        except (OSError, ValueError) as error:
+            raise ConfigError(
+                f"model.path: cannot load a causal LM from {model_cfg.path!r} ({error})"
+            ) from None
         if model.config.vocab_size < tasks.VOCAB_SIZE:
-            raise ValueError(
+            raise ConfigError(
                 f"model.path: vocabulary of {model.config.vocab_size} is smaller than "
                 f"the task alphabet ({tasks.VOCAB_SIZE})"
             )
         return model.train()
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
-        model_cfg["family"],
+        model_cfg.family,
         vocab_size=tasks.VOCAB_SIZE,
-        hidden_size=model_cfg["hidden_size"],
-        intermediate_size=4 * model_cfg["hidden_size"],
-        num_hidden_layers=model_cfg["layers"],
-        num_attention_heads=model_cfg["heads"],
-        num_key_value_heads=model_cfg["kv_heads"],
-        head_dim=model_cfg["head_dim"],
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=4 * model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.layers,
+        num_attention_heads=model_cfg.heads,
+        num_key_value_heads=model_cfg.kv_heads,
+        head_dim=model_cfg.head_dim,
         max_position_embeddings=256,
         pad_token_id=tasks.PAD,
         bos_token_id=tasks.BOS,
@@ -52,7 +68,9 @@ def build_master(model_cfg, seed):
     return AutoModelForCausalLM.from_config(config).train()
 
 
-def working_copy(master, dtype, kernels, split_size=0):
+def working_copy(
+    master: torch.nn.Module, dtype: str, kernels: str, split_size: int = 0
+) -> torch.nn.Module:
     """A copy of ``master`` in ``dtype`` running bik's kernels or native torch."""
     work = copy.deepcopy(master).to(DTYPES[dtype])
     if kernels == "bik":
@@ -61,18 +79,18 @@ def working_copy(master, dtype, kernels, split_size=0):
 
 
 @torch.no_grad()
-def refresh(work, master):
+def refresh(work: torch.nn.Module, master: torch.nn.Module) -> None:
     for w, m in zip(work.parameters(), master.parameters()):
         w.copy_(m)
 
 
-def sft_batch(task_cfg, rng, size):
+def sft_batch(
+    task_cfg: TaskConfig, rng: random.Random, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded BOS+prompt+answer+EOS sequences and a mask of the answer+EOS tokens."""
     rows = []
     for _ in range(size):
-        prompt, answer = tasks.sample(
-            task_cfg["name"], rng, task_cfg["min_digits"], task_cfg["max_digits"]
-        )
+        prompt, answer = tasks.sample(task_cfg.name, rng, task_cfg.min_digits, task_cfg.max_digits)
         rows.append(([tasks.BOS] + tasks.encode(prompt), tasks.encode(answer) + [tasks.EOS]))
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((size, width), tasks.PAD, dtype=torch.long)
@@ -85,17 +103,49 @@ def sft_batch(task_cfg, rng, size):
     return ids, attention, target
 
 
-def warmup(master, config, cache_dir):
-    """Supervised warm-up on the task so RL starts from partial competence; cached by config."""
-    key = json.dumps({k: config[k] for k in ("seed", "model", "task", "warmup")}, sort_keys=True)
-    path = Path(cache_dir) / f"warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+def model_files_digest(path: str | Path) -> str:
+    """sha256 over the names and contents of every file under a model directory."""
+    digest = hashlib.sha256()
+    root = Path(path)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode() + b"\0")
+        with file.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
+    """Where the warm-up of ``config`` is cached: keyed by the seed, the model, task and
+    warm-up sections and, for ``model.path``, the content of the model's files (new weights
+    written to the same directory get a new warm-up)."""
+    key: dict[str, Any] = {
+        "seed": config.seed,
+        **{k: dataclasses.asdict(getattr(config, k)) for k in ("model", "task", "warmup")},
+    }
+    if config.model.path:
+        key["model_files"] = model_files_digest(config.model.path)
+    text = json.dumps(key, sort_keys=True)
+    return Path(cache_dir) / f"warmup-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
+
+
+def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Path:
+    """Supervised warm-up on the task so RL starts from partial competence; cached (see
+    :func:`warmup_cache_path`), written atomically."""
+    path = warmup_cache_path(config, cache_dir)
     if path.exists():
-        master.load_state_dict(torch.load(path))
-        return path
-    rng = random.Random(f"warmup-{config['seed']}")
-    opt = torch.optim.AdamW(master.parameters(), lr=config["warmup"]["lr"])
-    for _ in range(config["warmup"]["steps"]):
-        ids, attention, target = sft_batch(config["task"], rng, config["warmup"]["batch_size"])
+        try:
+            master.load_state_dict(torch.load(path))
+            return path
+        except Exception as error:  # a damaged cache entry is recomputed, not fatal
+            warnings.warn(
+                f"{path}: unreadable warm-up cache ({error}); recomputing it", stacklevel=2
+            )
+    rng = random.Random(f"warmup-{config.seed}")
+    opt = torch.optim.AdamW(master.parameters(), lr=config.warmup.lr)
+    for _ in range(config.warmup.steps):
+        ids, attention, target = sft_batch(config.task, rng, config.warmup.batch_size)
         logits = master(
             input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
         ).logits[:, :-1]
@@ -106,6 +156,5 @@ def warmup(master, config, cache_dir):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(master.state_dict(), path)
+    write_atomic(path, lambda tmp: torch.save(master.state_dict(), tmp))
     return path

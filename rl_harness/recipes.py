@@ -1,9 +1,15 @@
 """Named recipes: a description and config overrides on top of rl_harness.config.DEFAULTS."""
 
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigError
+
 # A run that mismatch visibly hurts: a strong biased rollout-side logit drift at a high LR.
 _DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
 
-RECIPES = {
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
     "kernel_swap": (
         "rollout on native torch kernels, trainer on bik",
@@ -57,7 +63,8 @@ for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drif
 DEFAULT = "zero_mismatch"
 
 
-def overrides(name):
+def overrides(name: str) -> dict[str, Any]:
+    """The config overrides of recipe ``name``."""
     if name not in RECIPES:
-        raise KeyError(f"--recipe: unknown recipe {name!r}; see `python -m rl_harness recipes`")
+        raise ConfigError(f"--recipe: unknown recipe {name!r}; see `python -m rl_harness recipes`")
     return RECIPES[name][1]

@@ -1,15 +1,21 @@
 """Trainer: full forward over finished sequences, advantages, policy loss with remedies."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import torch
 
-import bik
 from bik.hf import generation_position_ids
 
 from . import remedies
-from .rollout import process_logits
+from .logits import LogitsProcessor
+
+if TYPE_CHECKING:
+    from .config import Config
 
 
-def advantages(rewards, group_size, kind):
+def advantages(rewards: torch.Tensor, group_size: int, kind: str) -> torch.Tensor:
     """Per-sequence advantages; sequences of one prompt are ``group_size`` consecutive rows.
 
     grpo: (r - group mean) / (group std + 1e-6); rloo: r - mean of the other samples.
@@ -23,9 +29,14 @@ def advantages(rewards, group_size, kind):
     return adv.reshape(-1)
 
 
-def token_logprobs_and_entropy(model, batch, rollout_cfg, micro_batch_size):
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    processor: LogitsProcessor,
+    micro_batch_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs of the sampled tokens ``[B, L]`` (0 at position 0), with grad, plus the
-    mean policy entropy over response tokens. The logits get the rollout's processing."""
+    policy entropy per position. The logits go through the rollout's ``processor``."""
     ids, attention = batch["sequences"], batch["attention_mask"]
     size = micro_batch_size or ids.shape[0]
     logps, entropies = [], []
@@ -36,29 +47,30 @@ def token_logprobs_and_entropy(model, batch, rollout_cfg, micro_batch_size):
             attention_mask=attention[part],
             position_ids=generation_position_ids(attention[part]),
         ).logits[:, :-1]
-        logits = process_logits(logits, rollout_cfg["top_k"], rollout_cfg["top_p"])
-        temperature = rollout_cfg["temperature"]
-        logps.append(bik.token_logprobs(logits, ids[part, 1:], temperature))
+        logits = processor.filter(logits)
+        logps.append(processor.token_logprobs(logits, ids[part, 1:]))
         with torch.no_grad():
-            logp_all = bik.log_softmax(logits / temperature, dtype=torch.float32)
+            logp_all = processor.log_probs(logits)
             entropies.append(-(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1))
     logp = torch.cat(logps)
     zeros = torch.zeros_like(logp[:, :1])
     return torch.cat([zeros, logp], 1), torch.cat([zeros, torch.cat(entropies)], 1)
 
 
-def policy_loss(train_logp, batch, adv, cfg):
+def policy_loss(
+    train_logp: torch.Tensor, batch: dict[str, Any], adv: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean policy loss and its stats. PPO-clip (asymmetric) or REINFORCE, weighted by
     the remedy; ``remedy.bypass`` uses the rollout log-probs as pi_old."""
     mask = batch["response_mask"].float()
     rollout_logp = batch["rollout_logp"]
-    old = rollout_logp if cfg["remedy"]["bypass"] else train_logp.detach()
-    w, _, stats = remedies.weights(cfg["remedy"], train_logp.detach(), rollout_logp, mask)
+    old = rollout_logp if cfg.remedy.bypass else train_logp.detach()
+    w, _, stats = remedies.weights(cfg.remedy, train_logp.detach(), rollout_logp, mask)
     a = adv[:, None].expand_as(train_logp)
-    t = cfg["train"]
-    if t["loss"] == "ppo":
+    t = cfg.train
+    if t.loss == "ppo":
         ratio = torch.exp(train_logp - old)
-        clipped = ratio.clamp(1 - t["clip_low"], 1 + t["clip_high"])
+        clipped = ratio.clamp(1 - t.clip_low, 1 + t.clip_high)
         per_token = -torch.minimum(ratio * a, clipped * a)
         with torch.no_grad():
             stats["ppo/clip_frac"] = float(

@@ -1,11 +1,11 @@
-"""rl_harness end to end on tiny configs: zero mismatch, every source, determinism, resume, CLI."""
+"""rl_harness end to end on tiny configs: zero mismatch, every source, determinism, resume."""
 
 import json
 
 import pytest
+import torch
 
-from rl_harness import config, runner
-from rl_harness.__main__ import main
+from rl_harness import config, policy, runner
 
 TINY = [
     "model.hidden_size=32",
@@ -19,25 +19,30 @@ TINY = [
 ]
 
 
-def _run(tmp_path, name, sets=(), **kwargs):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One warm-up cache for the module: warm-ups are keyed by their config, so runs share."""
+    return tmp_path_factory.mktemp("warmup-cache")
+
+
+def _run(tmp_path, cache, name, sets=()):
     cfg = config.build({}, TINY + list(sets))
-    runner.run(
-        cfg, tmp_path / name, cache_dir=tmp_path / "cache", progress=False, name=name, **kwargs
-    )
+    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
     return runner.read_metrics(tmp_path / name)
 
 
-def test_zero_mismatch_holds_with_top_k_top_p_and_temperature(tmp_path):
+def test_zero_mismatch_holds_with_top_k_top_p_and_temperature(tmp_path, cache):
     history = _run(
         tmp_path,
+        cache,
         "filtered",
         ["rollout.top_k=8", "rollout.top_p=0.9", "rollout.temperature=0.7", "steps=2"],
     )
     assert all(m["mismatch/tokens_unequal_count"] == 0 for m in history)
 
 
-def test_zero_mismatch_is_exactly_zero_every_step(tmp_path):
-    history = _run(tmp_path, "zero")
+def test_zero_mismatch_is_exactly_zero_every_step(tmp_path, cache):
+    history = _run(tmp_path, cache, "zero")
     assert [m["step"] for m in history] == [0, 1, 2]
     for m in history:
         assert m["mismatch/tokens_unequal_frac"] == 0.0 and m["mismatch/k3_kl"] == 0.0
@@ -82,21 +87,21 @@ def test_zero_mismatch_is_exactly_zero_every_step(tmp_path):
         ["rollout.logit_round_bits=7"],
     ],
 )
-def test_each_mismatch_source_gives_nonzero_mismatch(tmp_path, source):
-    history = _run(tmp_path, "source", source + ["steps=1"])
+def test_each_mismatch_source_gives_nonzero_mismatch(tmp_path, cache, source):
+    history = _run(tmp_path, cache, "source", source + ["steps=1"])
     assert history[0]["mismatch/tokens_unequal_frac"] > 0
     assert history[0]["mismatch/logprob_abs_diff_max"] > 0
 
 
-def test_same_seed_gives_identical_metrics(tmp_path):
-    assert _run(tmp_path, "a", ["rollout.logit_noise_std=0.1"]) == _run(
-        tmp_path, "b", ["rollout.logit_noise_std=0.1"]
+def test_same_seed_gives_identical_metrics(tmp_path, cache):
+    assert _run(tmp_path, cache, "a", ["rollout.logit_noise_std=0.1"]) == _run(
+        tmp_path, cache, "b", ["rollout.logit_noise_std=0.1"]
     )
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     sets = ["steps=5", "rollout.logit_noise_bias=0.3", "lr_schedule.name=length_surge"]
-    full = _run(tmp_path, "full", sets)
+    full = _run(tmp_path, cache, "full", sets)
     original = runner.Run.step
 
     def crash_at_3(self, step):
@@ -106,41 +111,77 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner.Run, "step", crash_at_3)
     with pytest.raises(KeyboardInterrupt):
-        _run(tmp_path, "cut", sets)
+        _run(tmp_path, cache, "cut", sets)
     monkeypatch.setattr(runner.Run, "step", original)
     assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1, 2]
-    runner.run(None, tmp_path / "cut", resume=True, cache_dir=tmp_path / "cache", progress=False)
+    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
     assert runner.read_metrics(tmp_path / "cut") == full
 
 
-def test_existing_run_directory_needs_resume(tmp_path):
-    _run(tmp_path, "once", ["steps=1"])
-    with pytest.raises(FileExistsError, match="--resume"):
-        _run(tmp_path, "once", ["steps=1"])
+def test_resume_with_steps_extends_the_run_to_the_new_total(tmp_path, cache):
+    """Issue 11, item 10: ``--resume DIR --steps N`` used to be silently ignored."""
+    sets = ["rollout.logit_noise_bias=0.3"]
+    full = _run(tmp_path, cache, "full", sets + ["steps=4"])
+    _run(tmp_path, cache, "short", sets + ["steps=2"])
+    runner.resume(tmp_path / "short", steps=4, cache_dir=cache, progress=False)
+    assert runner.read_metrics(tmp_path / "short") == full
+    assert config.load(tmp_path / "short" / "config.json").steps == 4
 
 
-def test_cli_recipes_run_and_compare(tmp_path, capsys):
-    assert main(["recipes"]) == 0
-    assert "zero_mismatch" in capsys.readouterr().out
-    cache = str(tmp_path / "cache")
-    for recipe in ("zero_mismatch", "kernel_swap"):
-        args = ["run", "--recipe", recipe, "--out", str(tmp_path / recipe), "--cache-dir", cache]
-        assert main(args + [arg for s in TINY for arg in ("--set", s)]) == 0
-    assert (
-        main(
-            [
-                "compare",
-                str(tmp_path / "zero_mismatch"),
-                str(tmp_path / "kernel_swap"),
-                "--out",
-                str(tmp_path / "cmp"),
-            ]
-        )
-        == 0
+def test_resume_drops_a_torn_last_line(tmp_path, cache):
+    """Issue 11, item 13: a crash in the middle of a metrics line must not break resume."""
+    full = _run(tmp_path, cache, "full", ["steps=3"])
+    _run(tmp_path, cache, "torn", ["steps=2"])
+    with (tmp_path / "torn" / "metrics.jsonl").open("a") as log:
+        log.write(json.dumps(full[2])[:40])  # step 2's line, cut off by a crash
+    with pytest.warns(UserWarning, match="torn last line"):
+        runner.resume(tmp_path / "torn", steps=3, cache_dir=cache, progress=False)
+    assert runner.read_metrics(tmp_path / "torn") == full
+
+
+def _model_dir(path, seed):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
     )
-    table = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "| zero_mismatch | 3 |" in table and (tmp_path / "cmp" / "compare.png").exists()
-    with pytest.raises(SystemExit, match="unknown config key"):
-        main(["run", "--set", "nope=1", "--out", str(tmp_path / "bad")])
-    with pytest.raises(SystemExit, match="unknown recipe"):
-        main(["run", "--recipe", "nope", "--out", str(tmp_path / "bad")])
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+
+
+def test_warmup_cache_is_keyed_by_the_model_files_not_the_path(tmp_path):
+    """Issue 11, item 10: new weights written to the same directory reused a stale warm-up."""
+    _model_dir(tmp_path / "model", seed=1)
+    cfg = config.build({}, TINY + ["warmup.steps=1", f"model.path={tmp_path / 'model'}"])
+    first = policy.warmup_cache_path(cfg, tmp_path / "cache")
+    assert policy.warmup_cache_path(cfg, tmp_path / "cache") == first
+    _model_dir(tmp_path / "model", seed=2)  # new weights, same directory
+    assert policy.warmup_cache_path(cfg, tmp_path / "cache") != first
+    default = config.build({}, TINY)
+    assert policy.warmup_cache_path(default, "c") == policy.warmup_cache_path(default, "c")
+
+
+def test_warmup_cache_is_written_atomically(tmp_path, monkeypatch):
+    """Issue 11, item 13: a crash while saving the warm-up left a truncated cache file."""
+    cfg = config.build({}, TINY + ["warmup.steps=1"])
+    master = policy.build_master(cfg.model, cfg.seed)
+    save = torch.save
+
+    def crash_half_way(obj, path):
+        save({"half": torch.zeros(1)}, path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        policy.warmup(master, cfg, tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(torch, "save", save)
+    path = policy.warmup(master, cfg, tmp_path / "cache")
+    assert set(torch.load(path)) == set(master.state_dict())

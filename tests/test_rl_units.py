@@ -1,12 +1,19 @@
-"""rl_harness units: mismatch metrics (hand-computed), remedies, advantages, LR schedule, config."""
+"""rl_harness units: mismatch metrics (hand-computed), remedies, advantages, LR schedule, logits
+processing, run-directory files and reports."""
 
+import json
 import math
 
 import pytest
 import torch
 
-from rl_harness import config, remedies, trainer
+import bik
+from rl_harness import config, remedies, report, rundir, trainer
+from rl_harness.config import LRScheduleConfig, RemedyConfig
+from rl_harness.errors import RunDirError
+from rl_harness.logits import LogitsProcessor
 from rl_harness.metrics import mismatch_metrics
+from rl_harness.schedule import LengthSurgeLR
 
 
 def test_zero_mismatch_gives_exact_zeros():
@@ -64,10 +71,29 @@ def test_metrics_reject_mismatched_shapes():
         mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
 
 
+def test_clamp_log_ratio_follows_verl_when_asked():
+    train = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    rollout = torch.tensor([[-30.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    raw = mismatch_metrics(train, rollout, mask)
+    assert raw["mismatch/is_weight_max"] == pytest.approx(math.exp(30.0))  # default: no clamp
+    verl = mismatch_metrics(train, rollout, mask, clamp_log_ratio=20.0)
+    assert verl["mismatch/is_weight_max"] == pytest.approx(math.exp(20.0))
+    assert verl["mismatch/seq_is_weight_max"] == pytest.approx(math.exp(20.0))
+    assert verl["mismatch/k3_kl"] == pytest.approx((math.exp(20.0) - 20.0 - 1.0) / 2)
+    assert verl["mismatch/logprob_abs_diff_max"] == 30.0 and verl["mismatch/k1_kl"] == -15.0
+
+
+def test_rows_without_response_tokens_are_skipped_by_sequence_metrics():
+    train = torch.tensor([[-1.0, -1.0], [0.0, 0.0]])
+    rollout = torch.tensor([[-1.5, -1.5], [0.0, 0.0]])
+    m = mismatch_metrics(train, rollout, torch.tensor([[1, 1], [0, 0]]))
+    assert m["mismatch/seq_is_weight_mean"] == pytest.approx(math.exp(1.0))
+    assert m["mismatch/log_ppl_abs_diff"] == pytest.approx(0.5)
+
+
 def _remedy(name, **extra):
-    cfg = dict(config.DEFAULTS["remedy"], name=name)
-    cfg.update(extra)
-    return cfg
+    return RemedyConfig(name=name, **extra)
 
 
 def test_remedy_weights():
@@ -108,30 +134,81 @@ def test_advantages():
 
 
 def test_length_surge_lr_schedule():
-    cfg = dict(config.DEFAULTS["lr_schedule"], name="length_surge", surge_window=2)
-    schedule = remedies.LengthSurgeLR(cfg, 1.0)
+    cfg = LRScheduleConfig(name="length_surge", surge_window=2)
+    schedule = LengthSurgeLR(cfg, 1.0)
     lrs = [schedule.step(step, 3.0 if step < 10 else 9.0) for step in range(100)]
     assert schedule.surge_step == 10  # the first window whose mean is >= 1.5 x the first one's
     period = round(1.8 * 10)
     assert lrs[period - 1] == 1.0 and lrs[period] == 0.5 and lrs[2 * period] == 0.25
     assert min(lrs) == pytest.approx(0.1)  # floor: min_ratio x lr0
-    assert remedies.LengthSurgeLR(dict(cfg, name="constant"), 1.0).step(40, 100.0) == 1.0
+    assert LengthSurgeLR(LRScheduleConfig(), 1.0).step(40, 100.0) == 1.0
+    fixed = LengthSurgeLR(LRScheduleConfig(name="length_surge", decay_period=5), 1.0)
+    assert [fixed.step(s, 3.0) for s in range(11)][4:] == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25]
 
 
-@pytest.mark.parametrize(
-    "sets, match",
-    [
-        (["rollout.nope=1"], "unknown config key 'rollout.nope'"),
-        (["rollout.kernels=fast"], "rollout.kernels: expected one of"),
-        (["train.lr=abc"], "train.lr: expected a number"),
-        (["rollout.split_size=32", "rollout.kernels=native"], "split_size only applies"),
-        (["rollout.split_size=40"], "multiple of 32"),
-        (["model.path=/no/such/model"], "model.path: no model directory"),
-        (["remedy.name=fp16", "rollout.dtype=bfloat16"], "remedy.name=fp16 sets both dtypes"),
-        (["rollout.samples_per_prompt=1"], "at least 2"),
-        (["steps"], "--set: expected key=value"),
-    ],
-)
-def test_bad_configs_raise_before_any_work(sets, match):
-    with pytest.raises(config.ConfigError, match=match):
-        config.build({}, sets)
+def test_rollout_and_trainer_share_one_logits_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    tokens = torch.randint(0, 11, (3, 5))
+    processor = LogitsProcessor(temperature=0.7, top_k=6, top_p=0.8)
+    filtered = processor.filter(logits)
+    kept = torch.isfinite(filtered)
+    assert (kept.sum(-1) <= 6).all() and (kept.sum(-1) >= 1).all()
+    full = processor.log_probs(filtered)
+    picked = processor.token_logprobs(filtered, tokens)
+    assert torch.equal(picked, full.gather(-1, tokens[..., None])[..., 0])
+    assert torch.equal(full, bik.log_softmax(filtered / 0.7, dtype=torch.float32))
+    assert torch.equal(LogitsProcessor(1.0).filter(logits), logits)  # all off: unchanged
+
+
+def test_write_atomic_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "state.txt"
+    rundir.write_atomic(path, "old\n")
+
+    def half_then_crash(tmp):
+        tmp.write_text("ha")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rundir.write_atomic(path, half_then_crash)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["state.txt"]
+
+
+def _write_metrics(tmp_path, text):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    return tmp_path
+
+
+def test_read_metrics_drops_a_torn_last_line_with_a_warning(tmp_path):
+    rows = [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}]
+    text = rundir.metrics_text(rows)
+    assert rundir.read_metrics(_write_metrics(tmp_path, text)) == rows
+    with pytest.warns(UserWarning, match="dropped a torn last line"):
+        got = rundir.read_metrics(_write_metrics(tmp_path, text + '{"step": 2, "x"'))
+    assert got == rows
+    with pytest.raises(RunDirError, match="line 2 is not a metrics record"):
+        rundir.read_metrics(_write_metrics(tmp_path, text.replace('{"step": 1', '{"step: 1')))
+
+
+def test_compare_labels_are_unique(tmp_path):
+    dirs = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c" / "other"]
+    assert report.unique_labels(dirs) == ["a/run", "b/run", "other"]
+    assert report.unique_labels([dirs[0], dirs[0]]) == ["run", "run#2"]
+
+
+def test_summary_and_compare_read_collapse_flags_from_the_metrics():
+    row = {
+        "reward/mean": 0.5,
+        "mismatch/k3_kl": 0.0,
+        "mismatch/tokens_unequal_frac": 0.0,
+        "mismatch/logprob_abs_diff_max": 0.0,
+    }
+    history = [dict(row, step=s, **{"collapse/k3_growth": int(s >= 1)}) for s in range(3)]
+    history[2]["collapse/reward_drop"] = 1
+    summary = report.summarize(history, config.build(), "x")
+    assert summary["first_flags"] == {"k3_growth": 1, "reward_drop": 2}
+    assert summary["collapse_step"] == 2
+    table = report.compare_markdown({"x": history, "empty": []})
+    assert "| x | 3 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 2 |" in table
+    assert "| empty | 0 |" in table
+    assert json.dumps(summary["first_flags"], sort_keys=True) in report.summary_markdown(summary)

@@ -1,0 +1,148 @@
+"""rl_harness config: frozen per-section dataclasses, validated once, errors naming the key."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from rl_harness import config, recipes
+from rl_harness.config import Config, ConfigError
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "rl"
+
+
+def test_sections_are_frozen_dataclasses_with_the_defaults():
+    cfg = config.build()
+    assert cfg == Config() and cfg.rollout.top_k == 0 and cfg.train.lr == 2e-4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.top_k = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3
+
+
+def test_set_strings_and_recipe_values_are_typed():
+    cfg = config.build(
+        {"train.lr": 1e-3, "rollout.temperature": 1},
+        ["rollout.top_k=8", "remedy.bypass=true", "model.path=none", "train.lr=5e-4"],
+    )
+    assert cfg.rollout.top_k == 8 and cfg.remedy.bypass is True and cfg.model.path is None
+    assert cfg.train.lr == 5e-4  # --set wins over the recipe
+    assert isinstance(cfg.rollout.temperature, float)
+
+
+@pytest.mark.parametrize("name", sorted(recipes.RECIPES))
+def test_shipped_config_json_reads_back_unchanged(name):
+    """Every committed run's config.json is what its recipe builds today, byte for byte."""
+    path = RESULTS / name / "config.json"
+    cfg = config.load(path)
+    assert cfg == config.build(recipes.overrides(name))
+    assert cfg.to_json() == path.read_text()
+
+
+def test_older_config_json_without_a_section_loads_with_defaults(tmp_path):
+    values = Config().to_dict()
+    del values["collapse"], values["train"]["micro_batch_size"]
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    assert config.load(tmp_path / "config.json") == Config()
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "not a readable config"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"train": {"lr": -1}}', "train.lr: expected a number > 0"),
+        ('{"nope": 1}', "unknown config key 'nope'"),
+    ],
+)
+def test_unreadable_config_json_names_the_file(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=match) as error:
+        config.load(tmp_path / "config.json")
+    assert str(tmp_path / "config.json") in str(error.value)
+
+
+def test_replace_revalidates():
+    assert Config().replace(**{"rollout.top_k": 4}).rollout.top_k == 4
+    with pytest.raises(ConfigError, match=r"rollout\.top_k"):
+        Config().replace(**{"rollout.top_k": -4})
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["rollout.nope=1"], "unknown config key 'rollout.nope'"),
+        (["rollout.kernels=fast"], "rollout.kernels: expected one of"),
+        (["train.lr=abc"], "train.lr: expected a finite number"),
+        (["rollout.split_size=32", "rollout.kernels=native"], "split_size only applies"),
+        (["rollout.split_size=40"], "rollout.split_size: .*multiple of 32"),
+        (["model.path=/no/such/model"], "model.path: no model directory"),
+        (["remedy.name=fp16", "rollout.dtype=bfloat16"], "remedy.name=fp16 sets both dtypes"),
+        (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt: expected an integer >= 2"),
+        (["steps"], "--set: expected key=value"),
+        (["remedy.bypass=maybe"], "remedy.bypass: expected true or false"),
+        (["rollout.top_k=2.5"], "rollout.top_k: expected an integer"),
+        # issue 11: values that used to crash mid-run, after the warm-up
+        (["train.grad_clip=-1"], "train.grad_clip: expected a number > 0"),
+        (["steps=0"], "steps: expected an integer >= 1"),
+        (["checkpoint_every=0"], "checkpoint_every: expected an integer >= 1"),
+        (["collapse.window=0"], "collapse.window: expected an integer >= 1"),
+        (["rollout.top_k=-1"], "rollout.top_k: expected an integer >= 0"),
+        (["train.micro_batch_size=-2"], "train.micro_batch_size: expected an integer >= 0"),
+        (["model.heads=3"], r"model.heads: expected a divisor of model.hidden_size \(64\)"),
+        (["model.kv_heads=3"], r"model.kv_heads: expected a divisor of model.heads \(4\)"),
+        (["model.head_dim=7"], "model.head_dim: expected a multiple of 2"),
+        (["train.lr=inf"], "train.lr: expected a finite number, got inf"),
+        (["train.lr=nan"], "train.lr: expected a finite number, got nan"),
+        (["rollout.temperature=1e-39"], "rollout.temperature: expected a number >= 0.001"),
+        (["rollout.temperature=0"], "rollout.temperature: expected a number >= 0.001"),
+        (["rollout.top_p=0"], "rollout.top_p: expected a number > 0 and <= 1"),
+        (["rollout.top_p=1.5"], "rollout.top_p: expected a number > 0 and <= 1"),
+        (["rollout.logit_round_bits=24"], "rollout.logit_round_bits: expected an integer"),
+        (["rollout.logit_noise_bias=-inf"], "rollout.logit_noise_bias: expected a finite"),
+        (["remedy.clip=0.5"], "remedy.clip: expected a number >= 1"),
+        (["remedy.high=0.1"], r"remedy.high: expected at least remedy.low \(0.5\)"),
+        (["task.min_digits=3"], r"task.max_digits: expected at least task.min_digits \(3\)"),
+        (["seed=-1"], "seed: expected an integer >= 0"),
+        (["collapse.ess_min=2"], "collapse.ess_min: expected a number >= 0 and <= 1"),
+        (["lr_schedule.min_ratio=0"], "lr_schedule.min_ratio: expected a number > 0"),
+    ],
+)
+def test_bad_configs_raise_at_construction(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        config.build({}, sets)
+
+
+@pytest.mark.parametrize("key", [k for k, v in config.DEFAULTS.items() if type(v) is float])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=f"^{key}: expected a finite number"):
+        config.build({}, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", [k for k, v in config.DEFAULTS.items() if type(v) is int])
+def test_every_integer_key_has_a_range(key):
+    with pytest.raises(ConfigError, match=f"^{key}: expected an integer >="):
+        config.build({}, [f"{key}=-1"])
+
+
+def test_wrongly_typed_recipe_values_are_refused():
+    with pytest.raises(ConfigError, match=r"remedy\.bypass: expected true or false, got 1"):
+        config.build({"remedy.bypass": 1})
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a finite number, got None"):
+        config.build({"train.lr": None})
+
+
+def test_unknown_recipe_is_a_config_error():
+    with pytest.raises(ConfigError, match="--recipe: unknown recipe 'nope'"):
+        recipes.overrides("nope")
+
+
+def test_fp16_remedy_sets_both_sides_and_the_loss_scale():
+    p = config.build({"remedy.name": "fp16"}).precision
+    assert (p.train_dtype, p.rollout_dtype, p.loss_scale) == ("float16", "float16", 1024.0)
+    assert config.build({"remedy.name": "fp16"}).zero_mismatch
+    p = config.build({}, ["rollout.dtype=bfloat16"]).precision
+    assert (p.train_dtype, p.rollout_dtype, p.loss_scale) == ("float32", "bfloat16", 1.0)
+    assert not config.build({}, ["rollout.dtype=bfloat16"]).zero_mismatch
