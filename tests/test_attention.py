@@ -28,7 +28,9 @@ def chunk_bounds(length, draw):
     return list(zip([0, *cuts], [*cuts, length]))
 
 
-@settings(max_examples=10)  # every decode step is a kernel launch in the interpreter
+# Every decode step is a kernel launch in the interpreter: at most 10 cases (fewer when the
+# profile asks for fewer, as make test-fast does).
+@settings(max_examples=min(10, settings.default.max_examples))
 @given(
     dtype=st.sampled_from(DTYPES),
     batch=st.integers(1, 2),

@@ -103,6 +103,7 @@ def test_first_divergent_module_is_named_for_plain_torch():
     assert culprit is not None and "model.layers.0" in culprit
 
 
+@pytest.mark.slow  # the same checks run in test_patched_model_passes_every_check...[tiny-qwen3]
 def test_verify_cli_passes_and_prints_the_table(capsys):
     assert main(["verify", "--model", "tiny-qwen3"]) == 0
     printed = capsys.readouterr().out
