@@ -35,8 +35,10 @@ def token_logprobs_and_entropy(
     processor: LogitsProcessor,
     micro_batch_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer log-probs of the sampled tokens ``[B, L]`` (0 at position 0), with grad, plus the
-    policy entropy per position. The logits go through the rollout's ``processor``."""
+    """Trainer log-probs of the sampled tokens ``[B, L]``, with grad, plus the policy entropy
+    per position. The logits go through the rollout's ``processor``. Off the response the
+    log-probs are 0, as the rollout's are: a finished row's PAD tokens may lie outside the
+    top-k / top-p set (log-prob -inf), and -inf there would make the masked loss NaN."""
     ids, attention = batch["sequences"], batch["attention_mask"]
     size = micro_batch_size or ids.shape[0]
     logps, entropies = [], []
@@ -54,7 +56,8 @@ def token_logprobs_and_entropy(
             entropies.append(-(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1))
     logp = torch.cat(logps)
     zeros = torch.zeros_like(logp[:, :1])
-    return torch.cat([zeros, logp], 1), torch.cat([zeros, torch.cat(entropies)], 1)
+    logp = torch.where(batch["response_mask"].bool(), torch.cat([zeros, logp], 1), 0.0)
+    return logp, torch.cat([zeros, torch.cat(entropies)], 1)
 
 
 def policy_loss(

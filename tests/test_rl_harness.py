@@ -1,6 +1,7 @@
 """rl_harness end to end on tiny configs: zero mismatch, every source, determinism, resume."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -39,6 +40,11 @@ def test_zero_mismatch_holds_with_top_k_top_p_and_temperature(tmp_path, cache):
         ["rollout.top_k=8", "rollout.top_p=0.9", "rollout.temperature=0.7", "steps=2"],
     )
     assert all(m["mismatch/tokens_unequal_count"] == 0 for m in history)
+    # A finished row's PAD tokens can fall outside the top-k set (log-prob -inf); that used
+    # to make the masked loss NaN, so no update was ever applied.
+    for m in history:
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        assert m["update_applied"] == 1 and math.isfinite(m["mismatch/log_ppl_abs_diff"])
 
 
 def test_zero_mismatch_is_exactly_zero_every_step(tmp_path, cache):
