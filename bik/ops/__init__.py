@@ -10,6 +10,7 @@ Both paths run the same kernel on the same inputs, so compiled and eager graphs 
 same bits.
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -21,15 +22,26 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
+def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``out`` reshaped to ``shape`` (skipping the reshape call, which costs more than the
+    kernel of a one-row op, when it already has that shape)."""
+    return out if out.shape == shape else out.reshape(shape)
+
+
 _unsafe_view = torch.ops.aten._unsafe_view.default
 
 
-def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A freshly computed, contiguous ``out`` given ``shape``. Not a view (aten's
-    ``_unsafe_view``, as torch's own ops return), so callers may modify the result in place
-    under autograd. The call is skipped, as it costs more than the kernel of a one-row op,
-    when ``out`` already has that shape."""
-    return out if out.shape == shape else _unsafe_view(out, shape)
+def custom_op(name: str, kernel: Callable[..., torch.Tensor]):
+    """``kernel`` (annotated) registered as the torch.library custom op ``name``. Its result
+    is never a view (aten's ``_unsafe_view``, as torch's own ops return), so callers may
+    modify it in place under autograd (e.g. ``logits.div_(temperature)``)."""
+
+    @functools.wraps(kernel)  # the schema is read from kernel's signature
+    def fresh_output(*args):
+        out = kernel(*args)
+        return _unsafe_view(out, out.shape) if out._is_view() else out
+
+    return torch.library.custom_op(name, fresh_output, mutates_args=())
 
 
 def _needs_custom_op(args: tuple) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from .. import _checks, backends, contract
 from ..backends import reference
-from . import _recompute, run
+from . import _recompute, custom_op, run
 
 
 def attention(
@@ -100,7 +100,7 @@ def _attention(
     return backend.attention(q, k, v, causal, scale, kv_start, split_size)
 
 
-_attention_op = torch.library.custom_op("bik::attention", _attention, mutates_args=())
+_attention_op = custom_op("bik::attention", _attention)
 
 
 @_attention_op.register_fake

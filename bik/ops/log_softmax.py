@@ -9,7 +9,7 @@ import torch
 
 from .. import _checks, backends
 from ..backends import reference
-from . import _recompute, as_rows, run, shaped
+from . import _recompute, as_rows, custom_op, run, shaped
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -54,7 +54,7 @@ def _log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return shaped(backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype), x.shape)
 
 
-_log_softmax_op = torch.library.custom_op("bik::log_softmax", _log_softmax, mutates_args=())
+_log_softmax_op = custom_op("bik::log_softmax", _log_softmax)
 
 
 @_log_softmax_op.register_fake
@@ -84,9 +84,7 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return shaped(out, tokens.shape)
 
 
-_token_logprobs_op = torch.library.custom_op(
-    "bik::token_logprobs", _token_logprobs, mutates_args=()
-)
+_token_logprobs_op = custom_op("bik::token_logprobs", _token_logprobs)
 
 
 @_token_logprobs_op.register_fake

@@ -8,7 +8,7 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 import torch
 
 from .. import _checks, backends
-from . import as_rows, run, shaped
+from . import as_rows, custom_op, run, shaped
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -53,7 +53,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     return shaped(out, (*a.shape[:-1], n))
 
 
-_matmul_op = torch.library.custom_op("bik::matmul", _matmul, mutates_args=())
+_matmul_op = custom_op("bik::matmul", _matmul)
 
 
 @_matmul_op.register_fake

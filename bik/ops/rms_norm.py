@@ -8,7 +8,7 @@ import torch
 
 from .. import _checks, backends
 from ..backends import reference
-from . import _recompute, as_rows, run, shaped
+from . import _recompute, as_rows, custom_op, run, shaped
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
 
 
-_rms_norm_op = torch.library.custom_op("bik::rms_norm", _rms_norm, mutates_args=())
+_rms_norm_op = custom_op("bik::rms_norm", _rms_norm)
 
 
 @_rms_norm_op.register_fake
