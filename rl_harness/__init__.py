@@ -3,6 +3,7 @@ between the two sides measured every step (see README, "RL harness").
 
 Modules: config (frozen per-section configs), tasks, policy, logits (the logits processing
 both sides share), rollout, trainer, metrics, remedies (IS weights, rejection, fp16), schedule
-(LR), collapse, rundir (run directory files), runner, report (summary, compare, plots),
-recipes.
+(LR), collapse, rundir (run directory files), runner, distributed (data parallelism under
+torchrun), report (summary, compare, plots), recipes, world_size (world size 1 vs N, step by
+step).
 """

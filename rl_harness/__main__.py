@@ -1,16 +1,18 @@
-"""python -m rl_harness run | recipes | compare  (see README)."""
+"""python -m rl_harness run | recipes | compare  (see README). ``run`` under
+``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import recipes, report, rundir, runner
+from . import distributed, recipes, report, rundir, runner
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -29,16 +31,19 @@ def _run(args: argparse.Namespace) -> int:
                 f"{Path(args.resume) / rundir.CONFIG} (only --steps may give it a new total); "
                 "start a new run with --out to change the config"
             )
-        summary = runner.resume(args.resume, steps=args.steps, cache_dir=args.cache_dir)
-    else:
-        recipe = args.recipe or recipes.DEFAULT
-        sets = list(args.set or [])
-        if args.steps is not None:
-            sets.append(f"steps={args.steps}")
-        cfg = config_lib.build(recipes.overrides(recipe), sets)
-        out = args.out or f"runs/{recipe}"
-        summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=recipe)
-    print(report.summary_markdown(summary))
+    with distributed.from_environment() as world:  # torchrun: one rank per process
+        if args.resume:
+            summary = runner.resume(args.resume, steps=args.steps, cache_dir=args.cache_dir)
+        else:
+            recipe = args.recipe or recipes.DEFAULT
+            sets = list(args.set or [])
+            if args.steps is not None:
+                sets.append(f"steps={args.steps}")
+            cfg = config_lib.build(recipes.overrides(recipe), sets)
+            out = args.out or f"runs/{recipe}"
+            summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=recipe)
+    if world.main:
+        print(report.summary_markdown(summary))
     return 0
 
 
@@ -94,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command(args)
     except HarnessError as error:
-        print(f"error: {error}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every torchrun rank stops with this error
+            print(f"error: {error}", file=sys.stderr)
         raise SystemExit(EXIT_ERROR) from None
     finally:
         warnings.formatwarning = formatwarning

@@ -62,14 +62,24 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def perturb(
-    logits: torch.Tensor, cfg: RolloutConfig, drift: torch.Tensor, generator: torch.Generator
+    logits: torch.Tensor,
+    cfg: RolloutConfig,
+    drift: torch.Tensor,
+    generator: torch.Generator,
+    rows: slice | None = None,
+    total: int | None = None,
 ) -> torch.Tensor:
     """The synthetic rollout-side mismatch sources: fresh noise (``logit_noise_std``), a fixed
     per-token drift (``logit_noise_bias`` x ``drift``: a systematic, biased error) and
-    mantissa rounding (``logit_round_bits``). With all three off, ``logits`` in fp32."""
+    mantissa rounding (``logit_round_bits``). With all three off, ``logits`` in fp32.
+
+    ``logits`` may be the rows ``rows`` of a ``total``-row batch (a data-parallel share): the
+    noise is then drawn for the whole batch and sliced, so each row gets the noise it gets
+    in the whole batch (torch.randn's values depend on the shape drawn, not only the order)."""
     out = logits.float()
     if cfg.logit_noise_std:
-        noise = torch.randn(out.shape, generator=generator).to(out.device)
+        shape = out.shape if total is None else (total, *out.shape[1:])
+        noise = torch.randn(shape, generator=generator)[rows or slice(None)].to(out.device)
         out = out + cfg.logit_noise_std * noise
     if cfg.logit_noise_bias:
         out = out + cfg.logit_noise_bias * drift.to(out.device)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every recipe into results/rl/<recipe>/ and writes the comparison tables there
-# (results/rl/RESULTS.md, written by hand, says what reproduced).
+# Runs every recipe into results/rl/<recipe>/, zero_mismatch on 2 processes into
+# results/rl/zero_mismatch_world2/ and the world-size comparisons into results/rl/world_size/,
+# and writes the comparison tables there (results/rl/RESULTS.md, written by hand, says what
+# reproduced).
 # Usage: bash rl_harness/reproduce.sh [PYTHON]   (from the repository root)
 set -euo pipefail
 PY=${1:-.venv/bin/python}
@@ -9,6 +11,14 @@ mkdir -p "$OUT"
 for recipe in $($PY -c "from rl_harness.recipes import RECIPES; print(' '.join(RECIPES))"); do
   rm -rf "${OUT:?}/$recipe"
   $PY -m rl_harness run --recipe "$recipe" --out "$OUT/$recipe" > /dev/null 2>&1 || echo "FAILED: $recipe"
+done
+# Data parallelism: zero_mismatch on 2 gloo processes, and world size 1 vs 2 step by step
+rm -rf "${OUT:?}/zero_mismatch_world2"
+$PY -m torch.distributed.run --standalone --nproc-per-node 2 -m rl_harness run \
+  --recipe zero_mismatch --out "$OUT/zero_mismatch_world2" > /dev/null 2>&1 || echo "FAILED: world2"
+mkdir -p "$OUT/world_size"
+for recipe in zero_mismatch high_lr drifting; do
+  $PY -m rl_harness.world_size --recipe "$recipe" --out "$OUT/world_size/$recipe.md" > /dev/null
 done
 $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding --out $OUT/compare_sources

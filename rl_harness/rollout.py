@@ -29,24 +29,33 @@ def sample(
     cfg: RolloutConfig,
     drift: torch.Tensor,
     generator: torch.Generator,
+    rows: slice | None = None,
 ) -> dict[str, Any]:
-    """Sample a response for every prompt (lists of token ids, BOS included).
+    """Sample a response for every prompt (lists of token ids, BOS included), or for the
+    prompts ``rows`` (a contiguous range: one rank's share under data parallelism).
+
+    The prompts are left-padded to the whole batch's width, and every random number is drawn
+    for the whole batch, each row using its own: a row's tokens and log-probs do not depend on
+    which rows are sampled with it (bik's kernels make the forward independent of the rest).
 
     Returns dict: ``sequences``, ``attention_mask`` (left padding, then ones), ``response_mask``
     (response tokens up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response)
-    and ``prompt_width``.
+    and ``prompt_width``, for the rows sampled.
     """
     processor = LogitsProcessor.of(cfg)
+    total = len(prompts)
+    first, last, _ = (rows or slice(None)).indices(total)
+    rows = slice(first, last)
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tasks.PAD, dtype=torch.long)
+    ids = torch.full((last - first, width), tasks.PAD, dtype=torch.long)
     attention = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[rows]):
         ids[i, width - len(p) :] = torch.tensor(p)
         attention[i, width - len(p) :] = 1
     cache = DynamicCache()
     step_ids, positions = ids, generation_position_ids(attention)
     tokens, logps, in_response = [], [], []
-    alive = torch.ones(len(prompts), dtype=torch.bool)
+    alive = torch.ones(last - first, dtype=torch.bool)
     for _ in range(cfg.max_new_tokens):
         logits = model(
             input_ids=step_ids,
@@ -56,9 +65,9 @@ def sample(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        logits = processor.filter(perturb(logits, cfg, drift, generator))
+        logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
         probs = processor.log_probs(logits).exp()
-        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        token = _draw(probs, generator, rows, total)
         token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD
         logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
         tokens.append(token)
@@ -79,4 +88,37 @@ def sample(
         "response_mask": torch.cat([pad_prompt, response_mask], dim=1),
         "rollout_logp": torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
         "prompt_width": width,
+    }
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator, rows: slice, total: int) -> torch.Tensor:
+    """One token per row of ``probs``, rows ``rows`` of a ``total``-row batch, drawn as
+    ``torch.multinomial`` draws the whole batch: it takes random numbers for every element of
+    its input at once (a row's token is argmax p / q, q ~ Exp(1)), so a share draws the whole
+    batch's numbers, other rows standing in as uniform, and keeps its own rows."""
+    if probs.shape[0] == total:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    whole = probs.new_ones(total, probs.shape[1])
+    whole[rows] = probs
+    return torch.multinomial(whole, 1, generator=generator)[rows, 0]
+
+
+def pad_responses(batch: dict[str, Any], length: int) -> dict[str, Any]:
+    """``batch`` (from :func:`sample`) extended to ``length`` columns as a finished row goes on
+    in :func:`sample` while other rows still generate: PAD tokens, attended, off the response,
+    log-prob 0. Data-parallel ranks pad their shares to the batch's longest response, so each
+    rank's rows equal the single-process batch's rows, columns included."""
+    extra = length - batch["sequences"].shape[1]
+    if extra == 0:
+        return batch
+
+    def extend(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+
+    return {
+        **batch,
+        "sequences": extend(batch["sequences"], tasks.PAD),
+        "attention_mask": extend(batch["attention_mask"], 1),
+        "response_mask": extend(batch["response_mask"], 0),
+        "rollout_logp": extend(batch["rollout_logp"], 0.0),
     }

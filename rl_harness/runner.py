@@ -1,11 +1,14 @@
 """One RL run: rollout -> trainer -> metrics -> update, with checkpoints, resume and outputs.
 
 :func:`run` starts a run in a new directory, :func:`resume` continues one from its last
-checkpoint; the directory's files are described in rl_harness.rundir.
+checkpoint; the directory's files are described in rl_harness.rundir. In a process group
+(torchrun) the ranks share each step's batch as rl_harness.distributed describes; rank 0
+alone touches the run directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import random
@@ -18,7 +21,8 @@ import torch
 
 from . import collapse, policy, report, rollout, rundir, tasks, trainer
 from .config import Config
-from .errors import RunDirError
+from .distributed import World
+from .errors import ConfigError, RunDirError
 from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
 from .schedule import LengthSurgeLR
@@ -36,17 +40,35 @@ def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[str
     return rows, answers
 
 
+def check_world(cfg: Config, world: World) -> None:
+    """Every rank needs at least one prompt of each step's batch."""
+    if cfg.rollout.prompts < world.size:
+        raise ConfigError(
+            f"rollout.prompts: expected at least the number of processes ({world.size}), "
+            f"got {cfg.rollout.prompts}"
+        )
+
+
 class Run:
     """The state of one run: fp32 master, the two working copies, optimiser, LR schedule and
-    collapse detector; ``state`` is a checkpoint to continue from (None: warm up, step 0)."""
+    collapse detector; ``state`` is a checkpoint to continue from (None: warm up, step 0).
+    ``world``: the data-parallel processes (default: the current process group, if any)."""
 
     def __init__(
-        self, cfg: Config, cache_dir: str | Path, state: dict[str, Any] | None = None
+        self,
+        cfg: Config,
+        cache_dir: str | Path,
+        state: dict[str, Any] | None = None,
+        world: World | None = None,
     ) -> None:
         self.cfg = cfg
+        self.world = world or World.current()
+        check_world(cfg, self.world)
         self.master = policy.build_master(cfg.model, cfg.seed)
+        self.batch: dict[str, torch.Tensor] = {}  # the last step's whole batch, for inspection
         if state is None:
-            policy.warmup(self.master, cfg, cache_dir)
+            self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
+            self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
         else:
             self.master.load_state_dict(state["master"])
         self.precision = cfg.precision
@@ -72,22 +94,33 @@ class Run:
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
 
     def step(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, world = self.cfg, self.world
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         prompts, answers = _prompts(cfg, random.Random(f"{cfg.seed}-{step}"))
+        rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.rollout_model, self.master)
         policy.refresh(self.train_model, self.master)
-        batch = rollout.sample(self.rollout_model, prompts, cfg.rollout, self.drift, generator)
-        width = batch["prompt_width"]
+        share = rollout.sample(
+            self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
+        )
+        share = rollout.pad_responses(share, world.max(share["sequences"].shape[1]))
+        train_logp, entropy = trainer.token_logprobs_and_entropy(
+            self.train_model, share, self.processor, cfg.train.micro_batch_size
+        )
+        # Every rank's rows, in order: the single-process batch. Everything below but the
+        # backward of this rank's share is computed from it, identically on every rank.
+        keys = ("sequences", "attention_mask", "response_mask", "rollout_logp")
+        batch = world.gather_rows(
+            {**{k: share[k] for k in keys}, "train_logp": train_logp.detach(), "entropy": entropy}
+        )
+        self.batch = batch
+        width = share["prompt_width"]
         responses = batch["sequences"][:, width:].tolist()
         rewards = torch.tensor([tasks.reward(a, r) for a, r in zip(answers, responses)])
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-        train_logp, entropy = trainer.token_logprobs_and_entropy(
-            self.train_model, batch, self.processor, cfg.train.micro_batch_size
-        )
         mask = batch["response_mask"]
         metrics = mismatch_metrics(
-            train_logp.detach(), batch["rollout_logp"], mask, cfg.remedy.clip
+            batch["train_logp"], batch["rollout_logp"], mask, cfg.remedy.clip
         )
         if (
             cfg.zero_mismatch
@@ -96,8 +129,12 @@ class Run:
                 metrics["mismatch/tokens_unequal_count"] or metrics["mismatch/logprob_abs_diff_max"]
             )
         ):
-            raise RuntimeError(f"step {step}: a zero-mismatch run measured a mismatch: {metrics}")
-        loss, stats = trainer.policy_loss(train_logp, batch, adv, cfg)
+            where = f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
+            raise RuntimeError(
+                f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
+            )
+        loss, stats = trainer.policy_loss(train_logp, batch, adv, cfg, rows)
+        batch_loss = stats.pop("loss")
         grad_norm, applied = self._update(loss)
         lengths = mask.sum(-1).float()
         metrics.update(stats)
@@ -109,8 +146,8 @@ class Run:
                 "response_length/max": float(lengths.max()),
                 "grad_norm": grad_norm,
                 "update_applied": applied,
-                "entropy": float((entropy * mask).sum() / mask.sum().clamp(min=1)),
-                "loss": float(loss.detach()),
+                "entropy": float((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
+                "loss": batch_loss,
                 "lr": self.optimizer.param_groups[0]["lr"],
             }
         )
@@ -122,12 +159,14 @@ class Run:
         return metrics
 
     def _update(self, loss: torch.Tensor) -> tuple[float, int]:
-        """Backward on the trainer copy, fp32 grads into the master, clip, AdamW step."""
+        """Backward on the trainer copy, fp32 grads into the master, summed over the ranks,
+        clip, AdamW step (every rank steps on the same gradients)."""
         scale = self.precision.loss_scale
         self.train_model.zero_grad(set_to_none=True)
         (loss * scale).backward()
         for m, w in zip(self.master.parameters(), self.train_model.parameters()):
             m.grad = None if w.grad is None else w.grad.float() / scale
+        self.world.sum_gradients(self.master.parameters())
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.train.grad_clip)
         )
@@ -166,10 +205,17 @@ def run(
     progress: bool = True,
     name: str = "run",
 ) -> dict[str, Any]:
-    """Run ``cfg`` into ``out_dir`` (new or empty); returns the summary dict."""
-    out = rundir.check_new(out_dir)
-    rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
-    return _loop(cfg, out, None, cache_dir, progress, name)
+    """Run ``cfg`` into ``out_dir`` (new or empty); returns the summary dict (on every
+    rank of a process group)."""
+    world = World.current()
+    check_world(cfg, world)
+
+    def create() -> Path:
+        out = rundir.check_new(out_dir)
+        rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
+        return out
+
+    return _loop(cfg, world.on_main(create), None, cache_dir, progress, name)
 
 
 def resume(
@@ -183,18 +229,26 @@ def resume(
     """Continue the run in ``run_dir`` from its last checkpoint (from step 0 without one),
     with its own config.json; ``steps`` sets a new total number of steps. Steps recorded
     after the checkpoint are dropped and run again, so the result equals an uninterrupted
-    run."""
-    out = rundir.check_resume(run_dir)
-    cfg = rundir.load_config(out)
-    state = rundir.load_checkpoint(out)
-    done = 0 if state is None else state["step"] + 1
-    if steps is not None:
-        if steps < done:
-            raise RunDirError(
-                f"--steps: {out} already holds {done} checkpointed steps; pass at least {done}"
-            )
-        cfg = cfg.replace(steps=steps)
-        rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
+    run. In a process group rank 0 reads the directory and hands config and checkpoint to
+    the other ranks."""
+    world = World.current()
+
+    def load() -> tuple[Path, Config, dict[str, Any] | None]:
+        out = rundir.check_resume(run_dir)
+        cfg = rundir.load_config(out)
+        state = rundir.load_checkpoint(out)
+        done = 0 if state is None else state["step"] + 1
+        if steps is not None:
+            if steps < done:
+                raise RunDirError(
+                    f"--steps: {out} already holds {done} checkpointed steps; pass at least {done}"
+                )
+            cfg = cfg.replace(steps=steps)
+            rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
+        return out, cfg, state
+
+    out, cfg, state = world.on_main(load)
+    check_world(cfg, world)
     return _loop(cfg, out, state, cache_dir, progress, name or out.name)
 
 
@@ -207,13 +261,18 @@ def _loop(
     name: str,
 ) -> dict[str, Any]:
     job = Run(cfg, cache_dir, state)
+    main = job.world.main  # rank 0 alone writes metrics, checkpoints and the report
     metrics_path = out / rundir.METRICS
-    kept = [m for m in read_metrics(out) if m["step"] < job.start] if metrics_path.exists() else []
-    rundir.write_atomic(metrics_path, rundir.metrics_text(kept))  # drop uncheckpointed steps
+    if main:
+        kept = read_metrics(out) if metrics_path.exists() else []
+        kept = [m for m in kept if m["step"] < job.start]
+        rundir.write_atomic(metrics_path, rundir.metrics_text(kept))  # drop uncheckpointed steps
     started = time.time()
-    with metrics_path.open("a") as log:
+    with metrics_path.open("a") if main else contextlib.nullcontext() as log:
         for step in range(job.start, cfg.steps):
             metrics = job.step(step)
+            if not main:
+                continue
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -221,6 +280,6 @@ def _loop(
                 rundir.write_atomic(out / rundir.CHECKPOINT, save)
             if progress:
                 _progress(step, cfg.steps, metrics, started, job.start)
-    if progress:
+    if progress and main:
         sys.stderr.write("\n")
-    return report.write_run_report(out, read_metrics(out), cfg, name)
+    return job.world.on_main(lambda: report.write_run_report(out, read_metrics(out), cfg, name))

@@ -60,27 +60,45 @@ def token_logprobs_and_entropy(
     return logp, torch.cat([zeros, torch.cat(entropies)], 1)
 
 
-def policy_loss(
-    train_logp: torch.Tensor, batch: dict[str, Any], adv: torch.Tensor, cfg: Config
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean policy loss and its stats. PPO-clip (asymmetric) or REINFORCE, weighted by
-    the remedy; ``remedy.bypass`` uses the rollout log-probs as pi_old."""
-    mask = batch["response_mask"].float()
-    rollout_logp = batch["rollout_logp"]
-    old = rollout_logp if cfg.remedy.bypass else train_logp.detach()
-    w, _, stats = remedies.weights(cfg.remedy, train_logp.detach(), rollout_logp, mask)
-    a = adv[:, None].expand_as(train_logp)
+def _per_token(
+    logp: torch.Tensor, old: torch.Tensor, a: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-token loss before weighting, and PPO's clipped-or-not mask (None: REINFORCE)."""
     t = cfg.train
     if t.loss == "ppo":
-        ratio = torch.exp(train_logp - old)
+        ratio = torch.exp(logp - old)
         clipped = ratio.clamp(1 - t.clip_low, 1 + t.clip_high)
-        per_token = -torch.minimum(ratio * a, clipped * a)
-        with torch.no_grad():
-            stats["ppo/clip_frac"] = float(
-                ((ratio != clipped).float() * mask).sum() / mask.sum().clamp(min=1)
-            )
-    else:
-        per_token = -a * train_logp
-        stats["ppo/clip_frac"] = 0.0
-    loss = (per_token * w * mask).sum() / mask.sum().clamp(min=1)
-    return loss, stats
+        return -torch.minimum(ratio * a, clipped * a), ratio != clipped
+    return -a * logp, None
+
+
+def policy_loss(
+    train_logp: torch.Tensor,
+    batch: dict[str, Any],
+    adv: torch.Tensor,
+    cfg: Config,
+    rows: slice | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean policy loss and its stats. PPO-clip (asymmetric) or REINFORCE, weighted by
+    the remedy; ``remedy.bypass`` uses the rollout log-probs as pi_old.
+
+    ``batch`` (with ``train_logp``, the trainer log-probs, detached) and ``adv`` are the whole
+    batch; ``train_logp`` is its rows ``rows`` (default all) with grad: a data-parallel rank's
+    share. The loss returned is that share's part of the whole batch's loss (its tokens' sum
+    over the batch's token count: the shares' losses add up to the batch's); remedy weights
+    and the stats (``loss``: the batch's loss) are the whole batch's."""
+    rows = rows or slice(None)
+    mask = batch["response_mask"].float()
+    rollout_logp, batch_logp = batch["rollout_logp"], batch["train_logp"]
+    old = rollout_logp if cfg.remedy.bypass else batch_logp
+    w, _, stats = remedies.weights(cfg.remedy, batch_logp, rollout_logp, mask)
+    a = adv[:, None].expand_as(batch_logp)
+    tokens = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        per_token, clipped = _per_token(batch_logp, old, a, cfg)
+        stats["ppo/clip_frac"] = (
+            0.0 if clipped is None else float((clipped.float() * mask).sum() / tokens)
+        )
+        stats["loss"] = float((per_token * w * mask).sum() / tokens)
+    share, _ = _per_token(train_logp, old[rows], a[rows], cfg)
+    return (share * w[rows] * mask[rows]).sum() / tokens, stats
