@@ -62,6 +62,7 @@ def test_a_copy_keeps_backend_and_split_size(calls, how):
     assert (report.backend, report.split_size) == ("reference", 64)
 
 
+@pytest.mark.slow  # test_a_copy_keeps_backend_and_split_size[pickle] checks the same settings
 def test_a_pickled_patched_model_runs_in_a_fresh_process(tmp_path):
     model = verify.load_model("tiny-llama")
     bik.patch_model(model, backend="reference", split_size=32)

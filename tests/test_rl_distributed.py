@@ -212,6 +212,7 @@ def _torchrun(*args):
     return done.stdout
 
 
+@pytest.mark.slow  # the spawned 2-rank tests check the same data-parallel bits
 def test_torchrun_command_line_and_resume(ranks, cache, tmp_path):
     """The command line under torchrun gives the spawned ranks' run; ``--resume`` continues
     it with torchrun too, as an uninterrupted run."""
