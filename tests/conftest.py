@@ -52,3 +52,10 @@ def backend(request):
 def reference_backend():
     with bik.use_backend("reference"):
         yield "reference"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """rl_harness tests: one warm-up cache per module (warm-ups are keyed by their config,
+    so a module's runs share them). Shadows pytest's cache fixture, which no test uses."""
+    return tmp_path_factory.mktemp("warmup-cache")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rl_helpers import TINY as RL_TINY
 from test_rl_harness import _model_dir
 
 from rl_harness import runner
@@ -13,22 +14,7 @@ from rl_harness.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "rl"
-TINY = [
-    "model.hidden_size=32",
-    "model.head_dim=8",
-    "warmup.steps=20",
-    "rollout.prompts=4",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=6",
-    "steps=2",
-    "checkpoint_every=2",
-]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm-up cache for the module: warm-ups are keyed by their config, so runs share."""
-    return tmp_path_factory.mktemp("warmup-cache")
+TINY = [*RL_TINY, "steps=2"]
 
 
 def _sets(sets):

@@ -23,22 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rl_helpers import TINY as RL_TINY
 
 from rl_harness import config, policy, report, rundir, runner, trainer, world_size
 from rl_harness.distributed import World
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-TINY = [
-    "model.hidden_size=32",
-    "model.head_dim=8",
-    "warmup.steps=20",
-    "rollout.prompts=4",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=6",
-    "steps=2",
-    "checkpoint_every=2",
-]
+TINY = [*RL_TINY, "steps=2"]
 CONFIGS = {
     # bik on both sides: every step asserts zero mismatch; filtered sampling leaves zeros in
     # the probabilities the shares draw from.
@@ -125,11 +117,6 @@ def _rank(rank, world, tmp, cache):
         torch.save(results, f"{tmp}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("warmup-cache")
 
 
 @pytest.fixture(scope="module")

@@ -5,25 +5,11 @@ import math
 
 import pytest
 import torch
+from rl_helpers import TINY as RL_TINY
 
 from rl_harness import config, policy, runner
 
-TINY = [
-    "model.hidden_size=32",
-    "model.head_dim=8",
-    "warmup.steps=20",
-    "rollout.prompts=4",
-    "rollout.samples_per_prompt=2",
-    "rollout.max_new_tokens=6",
-    "steps=3",
-    "checkpoint_every=2",
-]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One warm-up cache for the module: warm-ups are keyed by their config, so runs share."""
-    return tmp_path_factory.mktemp("warmup-cache")
+TINY = [*RL_TINY, "steps=3"]
 
 
 def _run(tmp_path, cache, name, sets=()):
