@@ -28,7 +28,9 @@ with open("csrc/cpu/flags.txt") as flags_file:
 
 
 class OptionalBuildExt(build_ext):
-    """Build the extensions, but let the install go on without them on failure.
+    """Build the extensions, but let the install go on without them on failure, unless
+    BIK_REQUIRE_CPU=1 (the Makefile and CI set it): then a failed cpu build fails the install,
+    so the tests never run a stale or missing extension.
 
     .cu sources are compiled by nvcc into objects first, then linked with the C++ ones.
     """
@@ -37,6 +39,8 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as error:
+            if os.environ.get("BIK_REQUIRE_CPU") == "1":
+                raise
             self._skip("extensions", error)
 
     def build_extension(self, ext):
@@ -44,6 +48,8 @@ class OptionalBuildExt(build_ext):
             self._compile_cuda(ext)
             super().build_extension(ext)
         except Exception as error:
+            if ext.name == "bik._cpu" and os.environ.get("BIK_REQUIRE_CPU") == "1":
+                raise
             self._skip(ext.name, error)
 
     def _compile_cuda(self, ext):

@@ -58,6 +58,7 @@ def dim_size(name, value, dim, expected, what):
 
 
 FP32_MAX = torch.finfo(torch.float32).max
+FP32_TINY = torch.finfo(torch.float32).tiny  # smaller positive values are 0 or subnormal
 
 
 def real_number(name, value):
@@ -75,10 +76,10 @@ def real_number(name, value):
 def positive_number(name, value):
     """A real number > 0 that stays finite in fp32 (the kernels compute with it in fp32)."""
     number = real_number(name, value)
-    if not 0 < number <= FP32_MAX:
+    if not FP32_TINY <= number <= FP32_MAX:
         raise ValueError(
-            f"{name}: expected a positive number that is finite in float32 (at most "
-            f"{FP32_MAX:.4g}), got {value!r}"
+            f"{name}: expected a positive number that is finite and not 0 in float32 (in "
+            f"[{FP32_TINY:.4g}, {FP32_MAX:.4g}]), got {value!r}"
         )
     return number
 

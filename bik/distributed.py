@@ -115,6 +115,13 @@ def row_parallel_linear(
     _checks.dim_size("weight_shard", weight_shard, 1, x_shard.shape[-1], "the K slice of x")
     _check_bias(bias, x_shard, weight_shard.shape[0])
     _check_chunks("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_shard, weight_shard, bias)
+    ):  # all_gather records no graph: gradients would silently be missing
+        raise RuntimeError(
+            "row_parallel_linear: forward only; call it under torch.no_grad() or with inputs "
+            "that do not require grad"
+        )
     world = dist.get_world_size(group)
     if world & (world - 1):
         raise ValueError(f"group: expected a power-of-two world size, got {world}")

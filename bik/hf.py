@@ -84,8 +84,16 @@ def _run(backend, autocast_on, fn, *args, **kwargs):
     if autocast_on is not None:
         with torch.autocast(autocast_on, enabled=False):
             return _run(backend, None, fn, *args, **kwargs)
-    if backend == "auto":
+    if backend == "auto" or backend == backends.get_backend():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # A compiled graph's bik ops resolve their backend when they run, from the global
+        # selection: a per-module backend would silently not apply.
+        raise RuntimeError(
+            f"bik: this model was patched with backend={backend!r}, which torch.compile "
+            f"cannot apply per module; call bik.set_backend({backend!r}) before running the "
+            "compiled model (or patch with backend='auto')"
+        )
     with backends.use_backend(backend):
         return fn(*args, **kwargs)
 
@@ -316,7 +324,7 @@ def _register_attention():
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean [B, 1, Tq, Tk] or None
 
 
-_last_bounds = {"mask": None, "key": None, "bounds": None}  # every layer gets the same mask
+_last_bounds = [None]  # (weakref to the mask, key, bounds): every layer gets the same mask
 
 
 @torch.compiler.disable  # reads the mask's values: one graph break per layer under compile
@@ -324,15 +332,14 @@ def _cached_kv_bounds(mask, batch, tq, tk, window):
     """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
     if mask is None:
         return _kv_bounds(None, batch, tq, tk, window)
-    key = (batch, tq, tk, mask.shape, mask.dtype, window)
-    if (
-        _last_bounds["mask"] is None
-        or _last_bounds["mask"]() is not mask
-        or _last_bounds["key"] != key
-    ):
-        bounds = _kv_bounds(mask, batch, tq, tk, window)
-        _last_bounds.update(mask=weakref.ref(mask), key=key, bounds=bounds)
-    return _last_bounds["bounds"]
+    # mask._version changes with every in-place edit of the mask
+    key = (batch, tq, tk, mask.shape, mask.dtype, mask._version, window)
+    cached = _last_bounds[0]  # one read: the entry is replaced whole, never edited
+    if cached is not None and cached[0]() is mask and cached[1] == key:
+        return cached[2]
+    bounds = _kv_bounds(mask, batch, tq, tk, window)
+    _last_bounds[0] = (weakref.ref(mask), key, bounds)
+    return bounds
 
 
 class _WindowActive(Exception):
@@ -382,7 +389,16 @@ def _windowed(visible, tq, tk, window):
 # Keywords transformers passes for bookkeeping: RoPE is applied and the cache updated before
 # the attention function runs, so they do not change what it computes.
 _BOOKKEEPING = frozenset(
-    {"position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value"}
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "output_hidden_states",  # the model collects hidden states; attention is unchanged
+        "return_dict",
+        "num_items_in_batch",  # a loss normaliser the HF Trainer passes through
+    }
 )
 # What an attention keyword asks for, and what the caller can do instead.
 _UNSUPPORTED = {

@@ -323,6 +323,13 @@ def _reduced_dims(op: str, dim, ndim: int) -> list[int]:
 
 def _mean_dim(op, self, dim, keepdim=False, *, dtype=None):
     _covered(op, "self", self)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        # a float64 mean would need float64 accumulation, which bik's kernels do not do
+        raise NotImplementedError(
+            f"{op} under batch_invariant_mode: dtype={dtype} is not covered (bik accumulates "
+            "in float32); compute the mean outside the mode, or pass a float32, bfloat16 or "
+            "float16 dtype"
+        )
     dims = _reduced_dims(op, dim, self.dim())
     if self.dim() == 0:
         return _mean_dim(op, self.reshape(1), [0], False, dtype=dtype).reshape(())

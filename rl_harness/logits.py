@@ -37,7 +37,7 @@ class LogitsProcessor:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
             probs = bik.log_softmax(sorted_logits).exp()
             drop = probs.cumsum(-1) - probs > self.top_p  # smallest prefix reaching top_p
             logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))

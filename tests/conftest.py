@@ -41,6 +41,13 @@ def invariant_backends(device=DEVICE):
     return usable
 
 
+if os.environ.get("BIK_REQUIRE_CPU") == "1" and "cpu" not in invariant_backends(
+    torch.device("cpu")
+):
+    # make test sets this: the cpu cases must run, never be skipped for a missing build
+    raise RuntimeError("BIK_REQUIRE_CPU=1 but the cpu backend cannot load: run make build")
+
+
 @pytest.fixture(params=invariant_backends())
 def backend(request):
     """Runs the test once per invariant backend, with that backend selected."""

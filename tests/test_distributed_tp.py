@@ -104,3 +104,9 @@ def test_row_parallel_linear_on_two_ranks(tmp_path):
     for result in results:
         assert_bitwise(result["plain"], chunked_linear(x, weight, bias, chunks=2), "plain TP")
         assert not torch.equal(result["plain"], bik.linear(x, weight, bias))
+
+
+def test_row_parallel_linear_refuses_inputs_that_need_gradients():
+    x, w = torch.randn(2, 8, requires_grad=True), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="row_parallel_linear: forward only"):
+        row_parallel_linear(x, w)

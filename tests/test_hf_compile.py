@@ -1,6 +1,8 @@
 """torch.compile(patched model) gives the eager model's bits, so a compiled rollout and an
 eager trainer agree; plain torch's compiled forward does not."""
 
+import copy
+
 import pytest
 import torch
 
@@ -42,3 +44,16 @@ def test_compiled_patched_model_equals_eager_bitwise_and_plain_torch_differs():
     # and each row compiled alone equals its row in the compiled batch
     alone = _logits(torch.compile(model), ids[1:2, -4:], mask[1:2, -4:])
     assert torch.equal(alone[0], eager[1, -4:])
+
+
+def test_a_per_module_backend_is_honoured_under_compile():
+    """patch_model(backend=...) must not be silently replaced by the global selection."""
+    model = verify.load_model("tiny-qwen3")
+    ids, mask = _left_padded_batch()
+    default = copy.deepcopy(model)
+    bik.patch_model(model, backend="reference")
+    bik.patch_model(default)
+    torch._dynamo.reset()
+    compiled = _logits(torch.compile(model, backend="aot_eager"), ids, mask)
+    assert torch.equal(compiled, _logits(model, ids, mask))
+    assert not torch.equal(compiled, _logits(default, ids, mask)), "control: backends differ"

@@ -85,6 +85,9 @@ def test_inactive_or_bookkeeping_keywords_do_not_change_the_output(patched_llama
         output_attentions=False,
         position_ids=torch.arange(9)[None],
         use_cache=True,
+        output_hidden_states=True,  # the HF Trainer and hidden-state users pass these through
+        return_dict=True,
+        num_items_in_batch=torch.tensor(18),
     )
     assert torch.equal(plain, same)
     decode = _call(patched_llama, Q[:, :, -1:], sliding_window=None)
@@ -175,3 +178,15 @@ def test_strict_accepts_unknown_elementwise_modules_and_rejects_unknown_weighted
     model.model.layers[1].mlp.act_fn = _Scale()
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.act_fn \(_Scale\).*strict=False"):
         bik.patch_model(model)
+
+
+def test_a_mask_edited_in_place_is_read_again(patched_llama):
+    """The per-forward cache of the mask's bounds must notice an in-place edit of the mask."""
+    mask = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    module = patched_llama.model.layers[0].self_attn
+    fn = ALL_ATTENTION_FUNCTIONS[bik.hf.ATTENTION_NAME]
+    fn(module, Q, K, V, mask, scaling=module.scaling)
+    mask[1, :, :, :3] = False  # row 1 becomes left-padded by 3
+    edited = fn(module, Q, K, V, mask, scaling=module.scaling)[0]
+    fresh = fn(module, Q, K, V, mask.clone(), scaling=module.scaling)[0]
+    assert torch.equal(edited, fresh)

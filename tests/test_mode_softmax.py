@@ -69,3 +69,8 @@ def test_mode_mean_handles_0d_inputs_and_bad_dims_like_torch():
             y.mean((0, -3))
         empty = torch.randn(0, 5).mean(0)  # a mean over no elements is NaN
         assert empty.shape == (5,) and empty.isnan().all()
+
+
+def test_mode_mean_refuses_a_float64_accumulation_it_cannot_do():
+    with batch_invariant_mode(), pytest.raises(NotImplementedError, match=r"dtype=torch\.float64"):
+        torch.ones(3, 4).mean(-1, dtype=torch.float64)

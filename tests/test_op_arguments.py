@@ -38,8 +38,9 @@ def test_real_scalars_of_any_kind_give_the_bits_of_a_float(backend):
             ValueError,
             "scale: expected a positive number that is finite",
         ),
-        (lambda q: bik.attention(q, q, q, scale=1e300), ValueError, "scale: .*finite in float32"),
+        (lambda q: bik.attention(q, q, q, scale=1e300), ValueError, "scale: .*finite and not 0"),
         (lambda q: bik.attention(q, q, q, scale=float("nan")), ValueError, "scale"),
+        (lambda q: bik.attention(q, q, q, scale=1e-50), ValueError, "scale: .*not 0 in float32"),
         (lambda q: bik.attention(q, q, q, scale="0.5"), TypeError, "scale: expected a real number"),
         (
             lambda q: bik.attention(q, q, q, scale=torch.ones(2)),

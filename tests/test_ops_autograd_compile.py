@@ -147,3 +147,18 @@ def test_outputs_can_be_modified_in_place_under_autograd(backend, name):
     out.mul_(2.0)
     out.sum().backward()
     assert x.grad is not None
+
+
+def test_fake_tensors_and_make_fx_go_through_the_custom_ops():
+    """A raw kernel would write through a fake tensor's pointer, or vanish from a traced graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    with FakeTensorMode() as mode:
+        out = bik.linear(mode.from_tensor(x), mode.from_tensor(w))
+    assert out.shape == (3, 5)
+    graph = make_fx(lambda a, b: bik.log_softmax(bik.linear(a, b)))(x, w)
+    targets = {str(node.target) for node in graph.graph.nodes}
+    assert {"bik.matmul.default", "bik.log_softmax.default"} <= targets
+    assert torch.equal(graph(x, w), bik.log_softmax(bik.linear(x, w)))

@@ -4,8 +4,9 @@ Every op is also a ``torch.library`` custom op (``torch.ops.bik.<name>``) with a
 and a registered autograd formula. :func:`run` picks the path:
   * eager inference (no input needs a graph): the kernel is called directly, without the
     dispatcher's per-call cost, which dominates small decode-time calls;
-  * a graph to record, ``torch.compile`` tracing, or meta / fake tensors: the custom op, so
-    autograd, Dynamo and fake-tensor propagation see one opaque op.
+  * a graph to record, ``torch.compile`` tracing, a dispatch mode (FakeTensorMode, make_fx),
+    meta tensors or tensor subclasses: the custom op, so autograd, Dynamo and fake-tensor
+    propagation see one opaque op.
 Both paths run the same kernel on the same inputs, so compiled and eager graphs give the
 same bits.
 """
@@ -44,12 +45,19 @@ def custom_op(name: str, kernel: Callable[..., torch.Tensor]):
     return torch.library.custom_op(name, fresh_output, mutates_args=())
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _needs_custom_op(args: tuple) -> bool:
-    if torch.compiler.is_compiling():
+    # Dynamo tracing, or a dispatch mode (FakeTensorMode, make_fx...): a raw kernel would
+    # write through a fake data pointer or vanish from the traced graph.
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return True
     grad = torch.is_grad_enabled()
     for a in args:
-        if isinstance(a, torch.Tensor) and ((grad and a.requires_grad) or a.is_meta):
+        if isinstance(a, torch.Tensor) and (
+            (grad and a.requires_grad) or a.is_meta or type(a) not in _PLAIN_TENSORS
+        ):
             return True
     return False
 
