@@ -57,6 +57,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torc
 FLOAT_DTYPES: tuple[torch.dtype, ...] = tuple(DTYPE_CODES)
 """The input dtypes every op accepts."""
 
+DTYPE_NAMES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in FLOAT_DTYPES}
+"""The same dtypes by name ("float32", "bfloat16", "float16"), as command lines take them."""
+
 
 def row_chunk(length: int, cap: int = ROW_CHUNK_CAP) -> int:
     """Chunk width for a row of ``length`` elements: the next power of two, at most ``cap``.

@@ -24,7 +24,8 @@ import torch
 PREFIX = "mismatch/"
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the tokens where ``mask`` is 1 (0 when there are none)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -64,17 +65,17 @@ def mismatch_metrics(
     normalised = clamped / clamped.mean() if weights.numel() else clamped
     per_seq_mean = lambda x: (x * m).sum(-1) / tokens_per_seq.clamp(min=1)
     stats = {
-        "logprob_abs_diff_mean": _masked_mean(r.abs(), m),
+        "logprob_abs_diff_mean": masked_mean(r.abs(), m),
         "logprob_abs_diff_max": r.abs().max() if r.numel() else r.new_zeros(()),
-        "tokens_unequal_frac": _masked_mean((r != 0).double(), m),
+        "tokens_unequal_frac": masked_mean((r != 0).double(), m),
         "tokens_unequal_count": ((r != 0) & valid).sum().double(),
-        "k1_kl": _masked_mean(-r, m),
-        "k2_kl": _masked_mean(0.5 * r * r, m),
-        "k3_kl": _masked_mean(rho - r_exp - 1.0, m),
+        "k1_kl": masked_mean(-r, m),
+        "k2_kl": masked_mean(0.5 * r * r, m),
+        "k3_kl": masked_mean(rho - r_exp - 1.0, m),
         "log_ppl_abs_diff": seq_mean(
             (per_seq_mean(train_logp.double()) - per_seq_mean(rollout_logp.double())).abs()
         ),
-        "chi2_token": _masked_mean(rho * rho, m) - 1.0,
+        "chi2_token": masked_mean(rho * rho, m) - 1.0,
         "chi2_seq": seq_mean(torch.exp(2.0 * seq_log_ratio)) - 1.0,
         "is_weight_mean": weights.mean() if weights.numel() else r.new_ones(()),
         "is_weight_min": weights.min() if weights.numel() else r.new_ones(()),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import ConfigError
+from .metrics import masked_mean
 
 if TYPE_CHECKING:
     from .config import RemedyConfig
@@ -53,10 +54,6 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return (x * m).sum() / m.sum().clamp(min=1)
-
-
 def weights(
     cfg: RemedyConfig, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -88,7 +85,7 @@ def weights(
         keep = (~vetoed).float().expand_as(rho)
     w = w * keep
     if cfg.self_normalize:
-        w = w / _masked_mean(w, m).clamp(min=1e-12)
+        w = w / masked_mean(w, m).clamp(min=1e-12)
     valid = m.sum().clamp(min=1)
     stats = {
         "remedy/masked_frac": float(((1 - keep) * m).sum() / valid),

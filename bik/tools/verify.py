@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import hf
+from ..contract import DTYPE_NAMES
 from ..ops.log_softmax import token_logprobs
 from .cli import UsageError, check_device
 from .cli import seed as seed_type
@@ -36,15 +37,13 @@ _TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = DTYPE_NAMES
 
 
 def load_model(
     name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> torch.nn.Module:
     """A preset (random-init tiny config, no download) or a local model directory."""
-    from pathlib import Path
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name in PRESETS:

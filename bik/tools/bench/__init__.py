@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ... import backends
+from ...contract import DTYPE_NAMES
 from ..cli import AllOf, UsageError, check_device, output_file, output_problem, positive_float
 from . import cases as case_lib
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = DTYPE_NAMES
 
 
 def device_name(device: torch.device) -> str:
