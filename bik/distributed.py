@@ -46,6 +46,15 @@ def _check_chunks(name: str, chunks: int, k: int) -> None:
         raise ValueError(f"{name}: K = {k} (the last dim of x) is not divisible by {chunks}")
 
 
+def _check_operands(x_name, x, w_name, weight, bias, k_what):
+    _checks.floating(x_name, x)
+    _checks.floating(w_name, weight)
+    _checks.rank(w_name, weight, 2)
+    _checks.same_dtype(w_name, weight, x_name, x)
+    _checks.dim_size(w_name, weight, 1, x.shape[-1], k_what)
+    _check_bias(bias, x, weight.shape[0])
+
+
 def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
     if bias is not None:
         _checks.floating("bias", bias)
@@ -81,12 +90,7 @@ def chunked_linear(
     independent (each chunk is a batch-invariant bik matmul). fp32 gives IEEE fp32 results;
     bf16/fp16 inputs return their dtype after one rounding of the fp32 sum.
     """
-    _checks.floating("x", x)
-    _checks.floating("weight", weight)
-    _checks.rank("weight", weight, 2)
-    _checks.same_dtype("weight", weight, "x", x)
-    _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
-    _check_bias(bias, x, weight.shape[0])
+    _check_operands("x", x, "weight", weight, bias, "K, the last dim of x")
     _check_chunks("chunks", chunks, x.shape[-1])
     return _finish(_partial(x, weight, chunks), bias, x.dtype)
 
@@ -108,12 +112,7 @@ def row_parallel_linear(
     once. Every rank returns the same full output. The world size must be a power of two.
     Forward only.
     """
-    _checks.floating("x_shard", x_shard)
-    _checks.floating("weight_shard", weight_shard)
-    _checks.rank("weight_shard", weight_shard, 2)
-    _checks.same_dtype("weight_shard", weight_shard, "x_shard", x_shard)
-    _checks.dim_size("weight_shard", weight_shard, 1, x_shard.shape[-1], "the K slice of x")
-    _check_bias(bias, x_shard, weight_shard.shape[0])
+    _check_operands("x_shard", x_shard, "weight_shard", weight_shard, bias, "the K slice of x")
     _check_chunks("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_shard, weight_shard, bias)

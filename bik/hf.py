@@ -62,6 +62,8 @@ class PatchReport:
 
 def _autocast_dtype(device_type):
     """The dtype torch.autocast casts a matmul's inputs to on ``device_type``, or None."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, checked cheaply first
+        return None
     try:
         if not torch.is_autocast_enabled(device_type):
             return None
