@@ -24,6 +24,8 @@ from .ops.attention import attention
 from .ops.log_softmax import token_logprobs
 from .ops.matmul import linear
 from .ops.rms_norm import rms_norm
+from .ops.rotary import rotary_cos_sin
+from .ops.silu import silu
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "bik"
@@ -132,7 +134,10 @@ class _EagerRotary:
     """A rotary embedding's forward, run eagerly even inside torch.compile. Its cos/sin are
     the one step of the model whose bits a compiler changes (inductor's vectorised cos/sin
     differ from eager's); the rest of the forward compiles to eager's bits, so compiled
-    rollouts and eager training agree. Costs one graph break per forward."""
+    rollouts and eager training agree. Costs one graph break per forward.
+
+    RoPE with fixed frequencies takes its cos/sin from bik.ops.rotary, the formula bik's
+    vLLM layer uses too; dynamic variants (recomputed per length) run transformers' code."""
 
     def __init__(self, module):
         self.module = module
@@ -142,8 +147,19 @@ class _EagerRotary:
 
 
 @torch.compiler.disable
-def _eager_forward(module, *args, **kwargs):
-    return type(module).forward(module, *args, **kwargs)
+def _eager_forward(module, x, position_ids, *args, **kwargs):
+    rope_type = getattr(module, "rope_type", "default")
+    if args or kwargs or "dynamic" in rope_type or "longrope" in rope_type:
+        return type(module).forward(module, x, position_ids, *args, **kwargs)
+    return rotary_cos_sin(module.inv_freq, position_ids, module.attention_scaling, x.dtype)
+
+
+class _Silu:
+    """A SiLU module's forward: bik.silu, whose bits do not depend on the tensor's layout
+    (torch's fp32 SiLU does), the function bik's vLLM layer calls too."""
+
+    def __call__(self, x):
+        return silu(x)
 
 
 def _is_rms_norm(module):
@@ -199,6 +215,8 @@ def _kind(module):
         return "attention"
     if name.endswith("RotaryEmbedding"):
         return "rotary"
+    if isinstance(module, torch.nn.SiLU) or name == "SiLUActivation":
+        return "silu"
     if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
         return None
     owns_weights = next(module.parameters(recurse=False), None) is not None
@@ -276,6 +294,9 @@ def patch_model(
         elif kind == "rotary":
             module.forward = _EagerRotary(module)
             patched[name] = "eager rotary (same cos/sin bits under torch.compile)"
+        elif kind == "silu":
+            module.forward = _Silu()
+            patched[name] = "bik.silu"
     attention_was = model.config._attn_implementation
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

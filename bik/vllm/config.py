@@ -1,0 +1,68 @@
+"""What bik refuses in a vLLM engine: features whose bits bik cannot make invariant.
+
+Checked when the engine builds its attention metadata (after the model is loaded) and on
+the loaded model; each refusal raises with the setting to change, never runs silently.
+"""
+
+import torch
+
+
+def check_engine(vllm_config) -> None:
+    """Raise ``ValueError`` listing every engine setting bik cannot run invariantly."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    problems = []
+    if not model.enforce_eager:
+        problems.append(
+            "enforce_eager=False (torch.compile and CUDA graphs fuse the elementwise steps "
+            "into code with other bits): pass enforce_eager=True"
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding: remove speculative_config")
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        problems.append(
+            "tensor/pipeline parallelism: use tensor_parallel_size=1, pipeline_parallel_size=1"
+        )
+    if model.quantization is not None:
+        problems.append(f"quantization={model.quantization!r}: load unquantized weights")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: use 'auto'")
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA adapters: merge them into the weights first")
+    if problems:
+        raise ValueError(
+            "bik.vllm cannot make this engine batch-invariant:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise if a loaded model has a layer vLLM would compute with its own numerics: a
+    custom op bik did not replace (a scaled RoPE variant, another norm or activation, MoE),
+    a quantized linear layer, or a logits soft-cap/scale."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from .layers import BIK_LAYERS
+
+    problems, bik_layers = [], []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if any(name.startswith(f"{owner}.") for owner in bik_layers):
+            continue  # a part of a bik layer that its forward does not call
+        if isinstance(module, BIK_LAYERS):
+            bik_layers.append(name)
+        elif isinstance(module, CustomOp) and not isinstance(module, BIK_LAYERS):
+            problems.append(f"{name} ({kind}): not computed by bik")
+        elif isinstance(module, LinearBase) and not isinstance(
+            module.quant_method, UnquantizedLinearMethod
+        ):
+            problems.append(f"{name} ({kind}): quantized ({type(module.quant_method).__name__})")
+        elif isinstance(module, LogitsProcessor) and (
+            module.soft_cap is not None or module.scale != 1.0
+        ):
+            problems.append(f"{name}: logits soft-cap or scale")
+    if problems:
+        raise NotImplementedError(
+            "bik.vllm: these layers would run vLLM's own numerics, so rollout log-probs "
+            "would differ from the trainer's:\n  - " + "\n  - ".join(problems)
+        )
