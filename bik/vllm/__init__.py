@@ -71,3 +71,12 @@ def _install():
         check_model(model)
 
     base_loader.process_weights_after_loading = process_then_check
+
+
+def update_weights(llm, named_tensors) -> None:
+    """Write new policy weights (``(name, tensor)`` pairs with Hugging Face parameter names,
+    e.g. ``model.named_parameters()``) into a running engine, then drop its prefix cache,
+    whose KV blocks were computed with the old weights."""
+    weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+    llm.apply_model(lambda model: model.load_weights(iter(weights)))
+    llm.reset_prefix_cache()
