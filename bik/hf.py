@@ -136,22 +136,31 @@ class _EagerRotary:
     differ from eager's); the rest of the forward compiles to eager's bits, so compiled
     rollouts and eager training agree. Costs one graph break per forward.
 
-    RoPE with fixed frequencies takes its cos/sin from bik.ops.rotary, the formula bik's
-    vLLM layer uses too; dynamic variants (recomputed per length) run transformers' code."""
+    In the families bik supports, RoPE with fixed frequencies takes its cos/sin from
+    bik.ops.rotary, the formula bik's vLLM layer uses too; dynamic variants (recomputed per
+    length) and other families run transformers' code."""
 
-    def __init__(self, module):
+    def __init__(self, module, bik_formula):
         self.module = module
+        rope_type = getattr(module, "rope_type", "default")
+        self.bik_formula = bik_formula and not any(
+            kind in rope_type for kind in ("dynamic", "longrope")
+        )
 
-    def __call__(self, *args, **kwargs):
-        return _eager_forward(self.module, *args, **kwargs)
+    def __call__(self, x, position_ids, *args, **kwargs):
+        if self.bik_formula and not (args or kwargs):
+            return _bik_cos_sin(self.module, x, position_ids)
+        return _eager_forward(self.module, x, position_ids, *args, **kwargs)
 
 
 @torch.compiler.disable
-def _eager_forward(module, x, position_ids, *args, **kwargs):
-    rope_type = getattr(module, "rope_type", "default")
-    if args or kwargs or "dynamic" in rope_type or "longrope" in rope_type:
-        return type(module).forward(module, x, position_ids, *args, **kwargs)
+def _bik_cos_sin(module, x, position_ids):
     return rotary_cos_sin(module.inv_freq, position_ids, module.attention_scaling, x.dtype)
+
+
+@torch.compiler.disable
+def _eager_forward(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
 
 
 class _Silu:
@@ -292,7 +301,7 @@ def patch_model(
             module._bik_attention = settings
             patched[name] = "bik.attention"
         elif kind == "rotary":
-            module.forward = _EagerRotary(module)
+            module.forward = _EagerRotary(module, family in SUPPORTED_FAMILIES)
             patched[name] = "eager rotary (same cos/sin bits under torch.compile)"
         elif kind == "silu":
             module.forward = _Silu()

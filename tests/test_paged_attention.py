@@ -1,0 +1,108 @@
+"""paged_attention: packed queries over a paged KV cache give bik.attention's bits for every
+sequence, whatever the page order, the mix of prefill, chunked-prefill and decode rows in the
+step, and the other sequences in the batch."""
+
+import pytest
+import torch
+from helpers import DTYPES, assert_bitwise, randn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bik
+from bik.ops.paged_attention import paged_attention, write_kv_cache
+
+
+def make_step(seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed):
+    """Contiguous keys/values per sequence, the same written into a shuffled paged cache, and
+    the packed queries of one engine step (the last ``query_lens[i]`` tokens of sequence i)."""
+    pages_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages_per_seq) + 3  # spare pages stay unused
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    key_cache = randn((num_blocks, hkv, block_size, dim), dtype, seed + 1)  # garbage elsewhere
+    value_cache = randn((num_blocks, hkv, block_size, dim), dtype, seed + 2)
+    table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
+    keys, values, queries, used = [], [], [], 0
+    for i, (n, tq) in enumerate(zip(seq_lens, query_lens)):
+        table[i, : pages_per_seq[i]] = order[used : used + pages_per_seq[i]]
+        used += pages_per_seq[i]
+        k, v = (
+            randn((n, hkv, dim), dtype, seed + 10 * i),
+            randn((n, hkv, dim), dtype, seed + 10 * i + 1),
+        )
+        slots = torch.tensor(
+            [int(table[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+        )
+        write_kv_cache(k, v, key_cache, value_cache, slots)
+        keys.append(k)
+        values.append(v)
+        queries.append(randn((tq, hkv * groups, dim), dtype, seed + 10 * i + 2))
+    starts = [0]
+    for tq in query_lens:
+        starts.append(starts[-1] + tq)
+    return keys, values, queries, key_cache, value_cache, table, starts
+
+
+def contiguous_attention(q, k, v, scale):
+    """bik.attention of one sequence: q [Tq, H, D] over its keys [n, Hkv, D]."""
+    out = bik.attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        causal=True,
+        scale=scale,
+    )
+    return out[0].transpose(0, 1)
+
+
+@settings(max_examples=min(8, settings.default.max_examples), deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    lens=st.lists(st.tuples(st.integers(1, 70), st.integers(0, 100)), min_size=1, max_size=5),
+    hkv=st.integers(1, 2),
+    groups=st.integers(1, 2),
+    block_size=st.sampled_from([16, 32]),
+    seed=st.integers(0, 1000),
+)
+def test_each_sequence_equals_contiguous_attention(
+    backend, dtype, lens, hkv, groups, block_size, seed
+):
+    # query length: 1 (decode), the whole sequence (prefill) or a chunk in between.
+    seq_lens = [n for n, _ in lens]
+    query_lens = [1 + q % n for n, q in lens]
+    dim, scale = 16, 0.25
+    keys, values, queries, kc, vc, table, starts = make_step(
+        seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed
+    )
+    out = paged_attention(torch.cat(queries), kc, vc, table, starts, seq_lens, scale=scale)
+    for i in range(len(seq_lens)):
+        expected = contiguous_attention(queries[i], keys[i], values[i], scale)
+        assert_bitwise(out[starts[i] : starts[i + 1]], expected, f"sequence {i} of {seq_lens}")
+
+
+def test_decode_equals_the_prefill_row(backend):
+    # The last token decoded alone over the cache == the last row of a full prefill.
+    n, dtype, scale = 45, torch.bfloat16, 0.3
+    *_, queries, kc, vc, table, _ = make_step([n], [n], 2, 2, 16, 16, dtype, 7)
+    prefill = paged_attention(queries[0], kc, vc, table, [0, n], [n], scale=scale)
+    decode = paged_attention(queries[0][-1:], kc, vc, table, [0, 1], [n], scale=scale)
+    assert_bitwise(decode, prefill[-1:], "decode vs prefill")
+
+
+def test_padding_slots_are_skipped():
+    k, v = torch.ones(3, 1, 4), torch.ones(3, 1, 4)
+    kc, vc = torch.zeros(2, 1, 16, 4), torch.zeros(2, 1, 16, 4)
+    write_kv_cache(k, v, kc, vc, torch.tensor([0, -1, 17]))
+    assert kc[0, 0, 0].eq(1).all() and kc[1, 0, 1].eq(1).all() and kc.sum() == 8
+
+
+def test_errors():
+    q, kc = torch.zeros(3, 2, 4), torch.zeros(2, 1, 16, 4)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="query_start"):
+        paged_attention(q, kc, kc, table, [0], [3], scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_attention(q, kc, kc, table, [0, 3], [2], scale=1.0)
+    with pytest.raises(TypeError, match="key_cache"):
+        paged_attention(q, kc.half(), kc, table, [0, 3], [3], scale=1.0)
+    with pytest.raises(ValueError, match="value_cache"):
+        paged_attention(q, kc, kc[0], table, [0, 3], [3], scale=1.0)

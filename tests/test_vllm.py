@@ -1,0 +1,190 @@
+"""bik inside vLLM: the log-probs vLLM returns equal bik.token_logprobs of the bik-patched
+Hugging Face model loaded from the same directory, bit for bit, under vLLM's own scheduling
+(continuous batching past max_num_seqs, chunked prefill mixing prefill and decode tokens,
+prefix caching shared by the n samples of a prompt and by prompts with a common prefix).
+
+The native-vLLM control (it differs) runs in a subprocess: bik is enabled per process, so
+it lives in tests/test_verify_vllm.py through ``python -m bik verify --engine vllm``.
+"""
+
+import gc
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
+
+import bik  # noqa: E402
+import bik.vllm  # noqa: E402
+
+SCHEDULING = dict(  # 12 requests x n=2 > max_num_seqs; 32-token steps chunk the prompts
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    enable_prefix_caching=True,
+    block_size=16,
+    gpu_memory_utilization=0.5,
+    skip_tokenizer_init=True,
+    seed=0,
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_config(family, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    if family == "qwen3":
+        return Qwen3Config(head_dim=32, **{**common, "hidden_size": 96})
+    if family == "qwen2":  # biased q/k/v projections
+        return Qwen2Config(**common)
+    return LlamaConfig(**common)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    def save(family, **overrides):
+        path = tmp_path_factory.getbasetemp() / f"{family}-{len(overrides)}"
+        if not path.exists():
+            config = tiny_config(family, **overrides)
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        return str(path)
+
+    return save
+
+
+def prompts(count=12, seed=1):
+    """Token prompts of 3-40 tokens; every third one extends an earlier prompt (shared prefix
+    blocks in the prefix cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        length = int(torch.randint(3, 41, (1,), generator=gen))
+        fresh = torch.randint(0, 512, (length,), generator=gen).tolist()
+        out.append(out[i - 1][:32] + fresh[:8] if i % 3 == 2 else fresh)
+    return out
+
+
+def trainer_logprobs(model_dir, dtype, sequences, temperature):
+    """The trainer's side: one full forward of each finished sequence, bik-patched."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    bik.patch_model(model, backend="cpu")
+    out = []
+    with torch.no_grad():
+        for prompt, tokens in sequences:
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            out.append(bik.token_logprobs(logits, torch.tensor(tokens), temperature))
+    return out
+
+
+def run_engine(model_dir, dtype, logprobs_mode="raw_logprobs", temperature=1.0):
+    llm = bik.vllm.LLM(
+        model_dir, backend="cpu", dtype=dtype, logprobs_mode=logprobs_mode, **SCHEDULING
+    )
+    try:
+        params = vllm.SamplingParams(
+            n=2,
+            max_tokens=12,
+            temperature=temperature,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+        )
+        requests = prompts()
+        outputs = llm.generate(
+            [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False
+        )
+    finally:
+        del llm
+        gc.collect()
+    sequences, logprobs = [], []
+    for prompt, output in zip(requests, outputs):
+        for sample in output.outputs:
+            tokens = list(sample.token_ids)
+            sequences.append((prompt, tokens))
+            logprobs.append(torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)]))
+    return sequences, logprobs
+
+
+CASES = [
+    ("qwen3", "float32", "raw_logprobs", 1.0),
+    ("qwen3", "bfloat16", "raw_logprobs", 1.0),
+    ("qwen3", "float16", "raw_logprobs", 1.0),
+    ("qwen3", "bfloat16", "processed_logprobs", 0.7),
+    ("llama", "float32", "processed_logprobs", 1.3),
+    ("qwen2", "bfloat16", "raw_logprobs", 1.0),
+]
+
+
+@pytest.mark.parametrize(("family", "dtype", "mode", "temperature"), CASES)
+def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temperature):
+    path = model_dir(family)
+    sequences, got = run_engine(path, dtype, mode, temperature)
+    assert sum(len(t) for _, t in sequences) == 12 * 2 * 12
+    ref_temperature = temperature if mode == "processed_logprobs" else 1.0
+    expected = trainer_logprobs(path, dtype, sequences, ref_temperature)
+    for i, (mine, theirs) in enumerate(zip(got, expected)):
+        unequal = (mine != theirs).sum().item()
+        assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
+
+
+def test_update_weights_then_generate(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir("qwen3")
+    llm = bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bik.patch_model(model, backend="cpu")
+    prompt = prompts(1)[0]
+    params = vllm.SamplingParams(max_tokens=8, logprobs=0, detokenize=False)
+    first = llm.generate(
+        [vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
+    )  # fills the prefix cache with the old weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    bik.vllm.update_weights(llm, model.named_parameters())
+    sample = llm.generate(
+        [vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
+    )[0].outputs[0]
+    del llm, first
+    gc.collect()
+    tokens = list(sample.token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = bik.token_logprobs(logits, torch.tensor(tokens))
+    got = torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)])
+    assert torch.equal(got, expected)
+
+
+def test_compiled_engine_is_refused(model_dir):
+    with pytest.raises(Exception, match="enforce_eager=True"):
+        bik.vllm.LLM(
+            model_dir("qwen3"), backend="cpu", dtype="float32", enforce_eager=False, **SCHEDULING
+        )
+    gc.collect()
+
+
+def test_scaled_rope_is_refused(model_dir):
+    scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    path = model_dir("llama", rope_parameters=scaled)
+    with pytest.raises(Exception, match="not computed by bik"):
+        bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
+    gc.collect()
