@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 KERNELS = ("bik", "native")
+ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 REMEDIES = (
     "none",
@@ -229,6 +230,9 @@ class RolloutConfig(_Section):
     temperature: float = spec(1.0, ge=MIN_TEMPERATURE)
     top_k: int = spec(0, ge=0)  # 0: off
     top_p: float = spec(1.0, gt=0, le=1)
+    # hf: the harness's KV-cache sampler (rl_harness.rollout); vllm: an in-process vLLM
+    # engine (rl_harness.vllm_rollout)
+    engine: str = spec("hf", choices=ENGINES)
     kernels: str = spec("bik", choices=KERNELS)
     dtype: str = spec("float32", choices=DTYPES)
     split_size: int = spec(0, ge=0)  # 0: bik's default attention split
@@ -247,6 +251,22 @@ class RolloutConfig(_Section):
                 ) from None
             if self.kernels != "bik":
                 raise ConfigError("rollout.split_size only applies to rollout.kernels=bik")
+        if self.engine == "vllm":
+            # The synthetic sources live in the hf sampler's loop; bik's vLLM attention runs
+            # the default split; vLLM's top-p keeps another set than LogitsProcessor's (it
+            # filters after the temperature, with its own cumulative sum).
+            for key, off in (
+                ("split_size", 0),
+                ("logit_noise_std", 0.0),
+                ("logit_noise_bias", 0.0),
+                ("logit_round_bits", 0),
+                ("top_p", 1.0),
+            ):
+                if getattr(self, key) != off:
+                    raise ConfigError(
+                        f"rollout.{key}: expected {off} (off) with rollout.engine=vllm, which "
+                        f"does not implement it; got {getattr(self, key)!r} (use rollout.engine=hf)"
+                    )
 
 
 @dataclass(frozen=True)

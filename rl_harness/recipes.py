@@ -8,6 +8,8 @@ from .errors import ConfigError
 
 # A run that mismatch visibly hurts: a strong biased rollout-side logit drift at a high LR.
 _DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
+# Rollout in an in-process vLLM engine; head size 32, as vLLM's native CPU attention has no 16.
+_VLLM = {"rollout.engine": "vllm", "model.head_dim": 32}
 
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
@@ -54,6 +56,14 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_DRIFTING, "lr_schedule.name": "length_surge"},
     ),
     "drifting_fp16": ("drifting + float16 on both sides", {**_DRIFTING, "remedy.name": "fp16"}),
+    "vllm_zero_mismatch": (
+        "rollout in vLLM with bik (bik.vllm), trainer on bik: every mismatch metric is exactly 0",
+        _VLLM,
+    ),
+    "vllm_native": (
+        "rollout in vLLM with its own kernels, trainer on bik: the real engine-vs-trainer mismatch",
+        {**_VLLM, "rollout.kernels": "native"},
+    ),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift
     RECIPES[f"dose_bias_{_scale}"] = (

@@ -1,12 +1,13 @@
 """The run directory: its files, the checks before a run writes into one, atomic writes, and
 reading metrics.jsonl back.
 
-A run directory holds ``config.json`` (the resolved config), ``metrics.jsonl`` (one JSON
-object per step, appended and flushed every step), ``checkpoint.pt`` (the latest checkpoint),
-``summary.md`` and ``metrics.png``. Every file but metrics.jsonl is replaced atomically
-(written beside, then renamed), so a crash leaves the old file or the new one, never half of
-one; a crash in the middle of a metrics line leaves a torn last line, which reading drops with
-a warning.
+A run directory holds ``config.json`` (the resolved config), ``metrics.jsonl`` (one JSON object
+per step, appended and flushed every step), ``checkpoint.pt`` (the latest checkpoint),
+``summary.md`` and ``metrics.png``; with ``rollout.engine=vllm`` also ``vllm_model/`` while the
+run goes on (the policy the vLLM engine loaded; removed when the run ends). Every file but
+metrics.jsonl is replaced atomically (written beside, then renamed), so a crash leaves the old
+file or the new one, never half of one; a crash in the middle of a metrics line leaves a torn
+last line, which reading drops with a warning.
 """
 
 from __future__ import annotations

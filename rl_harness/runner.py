@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import collapse, policy, report, rollout, rundir, tasks, trainer
+from . import collapse, policy, report, rollout, rundir, tasks, trainer, vllm_rollout
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, RunDirError
@@ -41,18 +41,27 @@ def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[str
 
 
 def check_world(cfg: Config, world: World) -> None:
-    """Every rank needs at least one prompt of each step's batch."""
+    """Every rank needs at least one prompt of each step's batch; a vLLM rollout runs in
+    one process."""
     if cfg.rollout.prompts < world.size:
         raise ConfigError(
             f"rollout.prompts: expected at least the number of processes ({world.size}), "
             f"got {cfg.rollout.prompts}"
         )
+    if cfg.rollout.engine == "vllm" and world.size > 1:
+        raise ConfigError(
+            f"rollout.engine=vllm: runs in one process, not {world.size} (use rollout.engine=hf "
+            "for data parallelism)"
+        )
 
 
 class Run:
-    """The state of one run: fp32 master, the two working copies, optimiser, LR schedule and
-    collapse detector; ``state`` is a checkpoint to continue from (None: warm up, step 0).
-    ``world``: the data-parallel processes (default: the current process group, if any)."""
+    """The state of one run: fp32 master, the two working copies (with rollout.engine=vllm a
+    vLLM engine in place of the rollout copy), optimiser, LR schedule and collapse detector;
+    ``state`` is a checkpoint to continue from (None: warm up, step 0). ``world``: the
+    data-parallel processes (default: the current process group, if any). ``model_dir``:
+    where a vLLM engine's policy is saved (default: a temporary directory); :meth:`close`
+    shuts the engine down."""
 
     def __init__(
         self,
@@ -60,11 +69,15 @@ class Run:
         cache_dir: str | Path,
         state: dict[str, Any] | None = None,
         world: World | None = None,
+        model_dir: str | Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.world = world or World.current()
         check_world(cfg, self.world)
         self.master = policy.build_master(cfg.model, cfg.seed)
+        self.engine: vllm_rollout.VllmRollout | None = None
+        if cfg.rollout.engine == "vllm":  # refuse before the warm-up what cannot run here
+            vllm_rollout.check_available(cfg, vllm_rollout.head_dim(self.master.config))
         self.batch: dict[str, torch.Tensor] = {}  # the last step's whole batch, for inspection
         if state is None:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
@@ -75,9 +88,14 @@ class Run:
         self.train_model = policy.working_copy(
             self.master, self.precision.train_dtype, cfg.train.kernels
         )
-        self.rollout_model = policy.working_copy(
-            self.master, self.precision.rollout_dtype, cfg.rollout.kernels, cfg.rollout.split_size
-        )
+        self.rollout_model: torch.nn.Module | None = None
+        if cfg.rollout.engine == "hf":
+            self.rollout_model = policy.working_copy(
+                self.master,
+                self.precision.rollout_dtype,
+                cfg.rollout.kernels,
+                cfg.rollout.split_size,
+            )
         self.processor = LogitsProcessor.of(cfg.rollout)
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
@@ -92,17 +110,32 @@ class Run:
             self.start = state["step"] + 1
         drift_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
+        if cfg.rollout.engine == "vllm":  # built from the warmed-up or restored weights
+            self.engine = vllm_rollout.VllmRollout(
+                self.master, cfg, self.precision.rollout_dtype, model_dir
+            )
+
+    def close(self) -> None:
+        """Shut down the vLLM engine, if any (and remove its saved policy)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        seed = cfg.seed * 1_000_003 + step
         prompts, answers = _prompts(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
-        policy.refresh(self.rollout_model, self.master)
         policy.refresh(self.train_model, self.master)
-        share = rollout.sample(
-            self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
-        )
+        if self.engine is not None:  # holds the master's weights (pushed after every update)
+            share = self.engine.sample(prompts, seed)
+        else:
+            assert self.rollout_model is not None
+            policy.refresh(self.rollout_model, self.master)
+            generator = torch.Generator().manual_seed(seed)
+            share = rollout.sample(
+                self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
+            )
         share = rollout.pad_responses(share, world.max(share["sequences"].shape[1]))
         train_logp, entropy = trainer.token_logprobs_and_entropy(
             self.train_model, share, self.processor, cfg.train.micro_batch_size
@@ -174,6 +207,8 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)  # fp16 overflow: skip, say so in metrics
             return grad_norm, 0
         self.optimizer.step()
+        if self.engine is not None:
+            self.engine.update(self.master)
         return grad_norm, 1
 
     def state_dict(self, step: int) -> dict[str, Any]:
@@ -260,7 +295,7 @@ def _loop(
     progress: bool,
     name: str,
 ) -> dict[str, Any]:
-    job = Run(cfg, cache_dir, state)
+    job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR)
     main = job.world.main  # rank 0 alone writes metrics, checkpoints and the report
     metrics_path = out / rundir.METRICS
     if main:
@@ -268,7 +303,10 @@ def _loop(
         kept = [m for m in kept if m["step"] < job.start]
         rundir.write_atomic(metrics_path, rundir.metrics_text(kept))  # drop uncheckpointed steps
     started = time.time()
-    with metrics_path.open("a") if main else contextlib.nullcontext() as log:
+    with (
+        contextlib.closing(job),
+        metrics_path.open("a") if main else contextlib.nullcontext() as log,
+    ):
         for step in range(job.start, cfg.steps):
             metrics = job.step(step)
             if not main:

@@ -14,6 +14,7 @@ whose sampled tokens differ, and both reward curves. No run directory is written
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -44,14 +45,15 @@ def trace(cfg: Config, cache_dir: str | Path, world: World | None = None) -> dic
     (clipped, fp32, flattened); the flattened master weights after each of WEIGHT_STEPS."""
     job = runner.Run(cfg, cache_dir, None, world)
     out: dict[str, Any] = {"metrics": [], "sequences": [], "weights": {}}
-    for step in range(cfg.steps):
-        out["metrics"].append(job.step(step))
-        out["sequences"].append(job.batch["sequences"].clone())
-        if step == 0:
-            out["batch0"] = {k: v.detach().clone() for k, v in job.batch.items()}
-            out["grad0"] = _flat([p.grad for p in job.master.parameters()])
-        if step + 1 in WEIGHT_STEPS or step + 1 == cfg.steps:
-            out["weights"][step + 1] = _flat(list(job.master.parameters()))
+    with contextlib.closing(job):
+        for step in range(cfg.steps):
+            out["metrics"].append(job.step(step))
+            out["sequences"].append(job.batch["sequences"].clone())
+            if step == 0:
+                out["batch0"] = {k: v.detach().clone() for k, v in job.batch.items()}
+                out["grad0"] = _flat([p.grad for p in job.master.parameters()])
+            if step + 1 in WEIGHT_STEPS or step + 1 == cfg.steps:
+                out["weights"][step + 1] = _flat(list(job.master.parameters()))
     return out
 
 

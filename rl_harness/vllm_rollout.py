@@ -1,0 +1,254 @@
+"""Rollout with an in-process vLLM engine (``rollout.engine=vllm``).
+
+The policy is saved once into the run directory (``vllm_model/``, removed when the run ends)
+and loaded by a vLLM engine running in this process: with ``rollout.kernels=bik`` through
+``bik.vllm.LLM`` (vLLM's numerics routed through bik, so its log-probs equal the trainer's
+bit for bit), with ``rollout.kernels=native`` a plain ``vllm.LLM`` (vLLM's own kernels: the
+real engine-vs-trainer mismatch). After every optimiser update the master's weights are pushed
+into the engine (``bik.vllm.update_weights``; for the native engine vLLM's in-place
+``reload_weights``, as its CPU layers repack their weights); a resumed run builds its engine
+from the restored weights.
+
+Sampling: one request per prompt with ``n`` = the group size, ``stop_token_ids=[EOS]``, the
+run's temperature and top-k, and ``logprobs_mode="processed_logprobs"``: vLLM then reports
+``log_softmax(filtered logits / temperature)`` of each sampled token, the formula of
+:class:`~rl_harness.logits.LogitsProcessor` that the trainer applies. Every step reseeds the
+global torch generator, which vLLM's CPU sampler draws from, with the step's seed (and restores
+it afterwards), so a step's samples depend on the run seed, the step and the weights only: a
+resumed run samples what the uninterrupted one did. No per-request seed is passed (vLLM 0.32's
+CPU sampler with per-request generators crashes under chunked prefill).
+
+bik-in-vLLM is switched on per process (``bik.vllm.enable``); once on, every vLLM engine built
+in the process runs bik's numerics, so a native engine is refused in such a process.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import bik
+import bik.vllm
+
+from . import tasks
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+MODEL_DIR = "vllm_model"
+"""The run directory's subdirectory holding the policy vLLM loads (removed at the end)."""
+
+_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: weights pushed in place
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the harness's policies need far less
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def check_available(cfg: Config, head_dim: int | None = None) -> None:
+    """Refuse, before any work starts, an engine=vllm run this process cannot make: vLLM not
+    installed, a native engine where bik.vllm is (or would be) switched on, or a head size
+    vLLM's native CPU attention lacks. ``head_dim``: the policy's, when known."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine=vllm: vLLM is not installed in this environment; run "
+            "`make install-vllm` (or use rollout.engine=hf)"
+        )
+    if cfg.rollout.kernels == "native":
+        _check_native_allowed()
+        if head_dim is not None:
+            _check_native_head_dim(head_dim)
+
+
+def _check_native_allowed() -> None:
+    on = bik.vllm.enabled()
+    if on is not None:
+        raise ConfigError(
+            f"rollout.kernels=native with rollout.engine=vllm: bik.vllm is enabled in this "
+            f"process (backend {on!r}), so every vLLM engine built here runs bik's numerics, "
+            "not vLLM's; run the native engine in a fresh process"
+        )
+    if os.environ.get(bik.vllm.ENV_VAR):
+        raise ConfigError(
+            f"rollout.kernels=native with rollout.engine=vllm: {bik.vllm.ENV_VAR}="
+            f"{os.environ[bik.vllm.ENV_VAR]!r} is set, so bik's vLLM plugin would switch bik "
+            f"on in the engine; unset {bik.vllm.ENV_VAR} for a native vLLM rollout"
+        )
+
+
+def _check_native_head_dim(head_dim: int) -> None:
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: let the engine report it
+        return
+    if current_platform.is_cpu():
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ConfigError(
+                f"model.head_dim: vLLM's native CPU attention (rollout.kernels=native, "
+                f"rollout.engine=vllm) supports head sizes {sizes}, got {head_dim}"
+            )
+
+
+def head_dim(model_config: Any) -> int:
+    """The attention head size of a Hugging Face config."""
+    size = getattr(model_config, "head_dim", None)
+    return size or model_config.hidden_size // model_config.num_attention_heads
+
+
+def _import_vllm() -> Any:
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(
+            f"rollout.engine=vllm: vLLM cannot be imported ({error}); run `make install-vllm`"
+        ) from None
+    return vllm
+
+
+class VllmRollout:
+    """An in-process vLLM engine serving the rollout copy of ``master`` (fp32 weights), in
+    ``dtype``, loaded from ``model_dir`` (written here; a temporary directory when None)."""
+
+    def __init__(
+        self, master: torch.nn.Module, cfg: Config, dtype: str, model_dir: str | Path | None
+    ) -> None:
+        check_available(cfg, head_dim(master.config))
+        self.cfg = cfg
+        self.vllm = _import_vllm()
+        self.model_dir = Path(model_dir or tempfile.mkdtemp(prefix="rl_harness_vllm_"))
+        _save(master, self.model_dir)
+        args: dict[str, Any] = {
+            "skip_tokenizer_init": True,
+            "dtype": dtype,
+            "seed": cfg.seed,
+            "gpu_memory_utilization": 0.5,
+            "enable_prefix_caching": True,
+            "logprobs_mode": "processed_logprobs",
+        }
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+        # the harness (and other code in this process) keeps the real one.
+        set_num_threads = torch.set_num_threads
+        try:
+            if cfg.rollout.kernels == "bik":
+                self.llm = bik.vllm.LLM(str(self.model_dir), backend=bik.get_backend(), **args)
+            else:
+                self.llm = self.vllm.LLM(str(self.model_dir), enforce_eager=True, **args)
+                if bik.vllm.enabled() is not None:  # a plugin switched it on after the check
+                    raise RuntimeError(
+                        "rollout.kernels=native: bik.vllm was enabled while the native vLLM "
+                        "engine was built; its log-probs would be bik's"
+                    )
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            torch.set_num_threads = set_num_threads
+
+    def update(self, master: torch.nn.Module) -> None:
+        """Push ``master``'s weights into the engine (and drop its prefix cache)."""
+        if self.cfg.rollout.kernels == "bik":
+            bik.vllm.update_weights(self.llm, master.named_parameters())
+            return
+        # vLLM's native CPU linear layers repack their weights after loading (oneDNN / sgl
+        # kernels), so a plain load_weights cannot reach them; vLLM's in-place reload
+        # restores the checkpoint layout, loads and repacks (checked by hand: afterwards the
+        # engine samples the bits of one built from the same weights).
+        weights = [(name, tensor.detach()) for name, tensor in master.named_parameters()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+
+    def sample(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+        """Sample ``rollout.samples_per_prompt`` responses for each group of that many equal,
+        consecutive ``prompts`` (runner._prompts' layout); ``seed``: the step's.
+
+        Returns the batch :func:`rl_harness.rollout.sample` returns: ``sequences`` (left-padded
+        prompt, response, PAD after EOS), ``attention_mask``, ``response_mask`` (response tokens
+        up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response) and
+        ``prompt_width``; row ``i * n + j`` is sample ``j`` of prompt ``i``."""
+        r = self.cfg.rollout
+        n = r.samples_per_prompt
+        unique = prompts[::n]
+        if [p for p in unique for _ in range(n)] != prompts:
+            raise ValueError("prompts: expected groups of samples_per_prompt equal prompts")
+        params = self.vllm.SamplingParams(
+            n=n,
+            max_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            logprobs=0,
+            detokenize=False,
+            stop_token_ids=[tasks.EOS],
+        )
+        requests = [self.vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in unique]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses: list[list[int]] = []
+        logps: list[list[float]] = []
+        for output in outputs:
+            samples = sorted(output.outputs, key=lambda c: c.index)
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples of a prompt, not {n}")
+            for c in samples:
+                tokens = list(c.token_ids)
+                responses.append(tokens)
+                logps.append([step[t].logprob for step, t in zip(c.logprobs, tokens)])
+        return _batch(prompts, responses, logps)
+
+    def close(self) -> None:
+        """Shut the engine down and remove the saved model."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            del llm
+            gc.collect()
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _save(master: torch.nn.Module, path: Path) -> None:
+    """``master.save_pretrained`` into ``path``, replacing what is there (written beside,
+    then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    master.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def _batch(
+    prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]]
+) -> dict[str, Any]:
+    """The HF sampler's batch layout from prompts, response tokens and their log-probs."""
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    length = max(len(r) for r in responses)
+    sequences = torch.full((rows, width + length), tasks.PAD, dtype=torch.long)
+    attention = torch.ones_like(sequences)
+    response_mask = torch.zeros_like(sequences)
+    rollout_logp = torch.zeros(rows, width + length, dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
+        sequences[i, width - len(p) : width] = torch.tensor(p)
+        attention[i, : width - len(p)] = 0
+        sequences[i, width : width + len(r)] = torch.tensor(r)
+        response_mask[i, width : width + len(r)] = 1
+        rollout_logp[i, width : width + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return {
+        "sequences": sequences,
+        "attention_mask": attention,
+        "response_mask": response_mask,
+        "rollout_logp": rollout_logp,
+        "prompt_width": width,
+    }

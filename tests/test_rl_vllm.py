@@ -1,0 +1,151 @@
+"""rl_harness with rollout.engine=vllm: an in-process vLLM engine samples the rollouts.
+
+With bik on both sides (bik.vllm in the engine, bik-patched trainer) every mismatch metric is
+exactly 0, after every weight push, and a resumed run equals an uninterrupted one; vLLM's own
+kernels (rollout.kernels=native) give a real, nonzero mismatch. bik.vllm is switched on per
+process and never off, so the native run goes to a fresh process.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="rollout.engine=vllm needs vLLM (make install-vllm)")
+
+from rl_helpers import TINY
+
+import bik
+import bik.vllm
+from rl_harness import config, runner, vllm_rollout
+from rl_harness.errors import ConfigError
+
+# 1-digit addition after 100 warm-up steps: some answers right, so GRPO's advantages (and
+# the updates pushed into the engine) are not all zero. Head size 32, which vLLM's native
+# CPU attention supports, so every test here shares one warm-up.
+VLLM = [
+    *TINY,
+    "rollout.engine=vllm",
+    "warmup.steps=100",
+    "task.max_digits=1",
+    "model.head_dim=32",
+]
+
+
+# temperature and top-k: vLLM's processed log-probs must be the trainer's formula
+BIK_RUN = ["steps=3", "rollout.temperature=0.7", "rollout.top_k=8", "train.lr=1e-3"]
+
+
+def _run(out, cache, sets):
+    cfg = config.build({}, VLLM + list(sets))
+    runner.run(cfg, out, cache_dir=cache, progress=False, name=out.name)
+    return runner.read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def bik_run(tmp_path_factory, cache):
+    """The metrics of a 3-step run, bik on both sides (one engine per module)."""
+    out = tmp_path_factory.mktemp("vllm") / "full"
+    return out, _run(out, cache, BIK_RUN)
+
+
+def _no_mismatch(key):
+    """A mismatch metric's value when the two sides agree exactly."""
+    return 1.0 if "is_weight" in key or key.endswith("is_ess") else 0.0
+
+
+def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
+    out, history = bik_run
+    assert [m["step"] for m in history] == [0, 1, 2]
+    for m in history:
+        mismatch = {k: v for k, v in m.items() if k.startswith("mismatch/")}
+        assert len(mismatch) == 18
+        assert mismatch == {k: _no_mismatch(k) for k in mismatch}, m
+        assert m["update_applied"] == 1 and math.isfinite(m["loss"])
+    # Updates moved the weights, and steps 1 and 2 still agree: the pushes reached vLLM.
+    assert history[0]["grad_norm"] > 0 and history[1]["grad_norm"] > 0
+    assert not (out / vllm_rollout.MODEL_DIR).exists()  # removed at the end
+
+
+@pytest.mark.slow  # two more engines; test_rl_harness checks resume on the hf engine
+def test_bik_engine_resume_equals_an_uninterrupted_run(bik_run, tmp_path, cache, monkeypatch):
+    """Cut after the checkpoint of step 1, resume: the engine is rebuilt from the restored
+    weights and each step reseeds the sampler, so the run equals the uninterrupted one."""
+    original = runner.Run.step
+
+    def crash_at_2(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(runner.Run, "step", crash_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "cut", cache, BIK_RUN)
+    monkeypatch.setattr(runner.Run, "step", original)
+    assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1]
+    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
+    assert runner.read_metrics(tmp_path / "cut") == bik_run[1]
+
+
+def test_native_engine_refused_where_bik_vllm_is_enabled(tmp_path, cache):
+    bik.vllm.enable(bik.get_backend())  # what a bik engine in this process has done
+    cfg = config.build({}, [*VLLM, "rollout.kernels=native"])
+    with pytest.raises(ConfigError, match=r"bik\.vllm is enabled in this process"):
+        runner.run(cfg, tmp_path / "native", cache_dir=cache, progress=False)
+
+
+def test_native_engine_measures_a_real_mismatch(tmp_path, cache):
+    """vLLM's own kernels: rollout log-probs differ from the trainer's. In a fresh process
+    (and without BIK_VLLM, which would switch bik on through vLLM's plugin entry point)."""
+    env = {k: v for k, v in os.environ.items() if k != bik.vllm.ENV_VAR}
+    sets = [*VLLM, "rollout.kernels=native", "steps=2"]
+    out = tmp_path / "native"
+    done = subprocess.run(
+        [sys.executable, "-m", "rl_harness", "run", "--out", str(out), "--cache-dir", str(cache)]
+        + [arg for s in sets for arg in ("--set", s)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == 2
+    for m in history:
+        assert m["mismatch/tokens_unequal_count"] > 0 and m["mismatch/k3_kl"] > 0
+        assert m["mismatch/logprob_abs_diff_max"] > 0 and m["update_applied"] == 1
+
+
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["rollout.logit_noise_std=0.1"], "rollout.logit_noise_std: expected 0.0 .off."),
+        (["rollout.logit_noise_bias=0.5"], "rollout.logit_noise_bias"),
+        (["rollout.logit_round_bits=7"], "rollout.logit_round_bits"),
+        (["rollout.top_p=0.9"], "rollout.top_p"),
+        (["rollout.split_size=32"], "rollout.split_size"),
+    ],
+)
+def test_hf_only_rollout_options_are_refused_with_vllm(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        config.build({}, [*VLLM, *sets])
+
+
+def test_native_head_size_vllm_lacks_is_refused():
+    with pytest.raises(ConfigError, match=r"model\.head_dim: vLLM's native CPU attention"):
+        vllm_rollout._check_native_head_dim(8)  # checked before the warm-up
+    vllm_rollout._check_native_head_dim(32)
+
+
+def test_missing_vllm_says_how_to_install_it(monkeypatch):
+    find_spec = vllm_rollout.importlib.util.find_spec
+    monkeypatch.setattr(
+        vllm_rollout.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match="make install-vllm"):
+        vllm_rollout.check_available(config.build({}, VLLM))
