@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Runs every recipe into results/rl/<recipe>/, zero_mismatch on 2 processes into
-# results/rl/zero_mismatch_world2/ and the world-size comparisons into results/rl/world_size/,
-# and writes the comparison tables there (results/rl/RESULTS.md, written by hand, says what
-# reproduced).
+# Runs every recipe into results/rl/<recipe>/ (the vllm_* ones only where vLLM is installed:
+# make install-vllm), zero_mismatch on 2 processes into results/rl/zero_mismatch_world2/ and
+# the world-size comparisons into results/rl/world_size/, and writes the comparison tables
+# there (results/rl/RESULTS.md, written by hand, says what reproduced).
 # Usage: bash rl_harness/reproduce.sh [PYTHON]   (from the repository root)
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 OUT=results/rl
 mkdir -p "$OUT"
+HAVE_VLLM=$($PY -c "import importlib.util as u; print(int(u.find_spec('vllm') is not None))")
 for recipe in $($PY -c "from rl_harness.recipes import RECIPES; print(' '.join(RECIPES))"); do
+  if [[ $recipe == vllm_* && $HAVE_VLLM == 0 ]]; then
+    echo "skipped (no vLLM; make install-vllm): $recipe"
+    continue
+  fi
   rm -rf "${OUT:?}/$recipe"
   $PY -m rl_harness run --recipe "$recipe" --out "$OUT/$recipe" > /dev/null 2>&1 || echo "FAILED: $recipe"
 done
@@ -24,3 +29,7 @@ $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $O
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding --out $OUT/compare_sources
 $PY -m rl_harness compare $OUT/high_lr $OUT/dose_bias_* --out $OUT/compare_dose
 $PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/compare_remedies
+if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
+  $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
+    $OUT/vllm_native --out $OUT/compare_engines
+fi
