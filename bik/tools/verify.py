@@ -7,6 +7,10 @@ Checks (each compares token log-probs bit for bit):
   chunked_prefill   the sequence fed in random chunks through the KV cache vs one forward
   left_padding      the sequence behind P pad tokens vs unpadded
 On a mismatch the first module whose output differs (batch 1 vs batch N) is named.
+
+``--engine vllm MODEL_DIR`` checks a vLLM engine instead: native vLLM and vLLM with bik
+sample the same prompts, and each one's log-probs are compared with the bik-patched trainer's
+(see :mod:`bik.tools.verify_vllm`).
 """
 
 import argparse
@@ -20,7 +24,7 @@ import torch
 from .. import hf
 from ..contract import DTYPE_NAMES
 from ..ops.log_softmax import token_logprobs
-from .cli import UsageError, check_device
+from .cli import UsageError, check_device, positive_int
 from .cli import seed as seed_type
 
 PRESETS = {f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES}
@@ -369,30 +373,84 @@ def _load(name, device, dtype, seed):
     return model
 
 
+ENGINES = ("hf", "vllm")
+VLLM_DEFAULTS = {"prompts": 16, "tokens": 16}  # --engine vllm only
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         type=model_name,
-        default="all",
+        default=None,
         help=f"a preset ({', '.join(PRESETS)}), 'all' (default: every preset) or a local "
         f"directory holding a saved model of the {', '.join(hf.SUPPORTED_FAMILIES)} families",
+    )
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        type=model_name,
+        metavar="MODEL",
+        help="the same as --model (give one of the two)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="hf",
+        help="hf (default): the checks on the Hugging Face model; vllm: native vLLM and vLLM "
+        "with bik against the bik-patched trainer, on a local model directory",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--seed", type=seed_type, default=0)
     parser.add_argument(
+        "--prompts",
+        type=positive_int,
+        help=f"--engine vllm: prompts to sample (default {VLLM_DEFAULTS['prompts']}, "
+        "2 samples each)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=positive_int,
+        help=f"--engine vllm: tokens generated per sample (default {VLLM_DEFAULTS['tokens']})",
+    )
+    parser.add_argument(
         "--skip-unpatched",
         action="store_true",
-        help="do not run the checks on the unpatched model first",
+        help="do not run the checks on the unpatched model (with --engine vllm: native vLLM) first",
     )
 
 
 def check(args: argparse.Namespace) -> None:
-    """The device; ``--model`` was checked by argparse, and is checked again once loaded."""
+    """The device, one model, and what --engine vllm needs; ``--model`` was checked by
+    argparse, and is checked again once loaded."""
+    if args.model is not None and args.model_dir is not None and args.model != args.model_dir:
+        raise UsageError("--model", f"got {args.model!r} and MODEL {args.model_dir!r}; give one")
+    args.model = args.model or args.model_dir or "all"
     check_device(args.device)
+    if args.engine == "hf":
+        for option in VLLM_DEFAULTS:
+            if getattr(args, option) is not None:
+                raise UsageError(f"--{option}", "applies to --engine vllm only")
+        return
+    from . import vllm_engine
+
+    problem = vllm_engine.vllm_problem()
+    if problem:
+        raise UsageError("--engine", problem)
+    if args.model == "all" or args.model in PRESETS:
+        raise UsageError(
+            "--model",
+            f"--engine vllm needs a local model directory (write one with "
+            f"model.save_pretrained(directory)), got {args.model!r}",
+        )
+    for option, default in VLLM_DEFAULTS.items():
+        if getattr(args, option) is None:
+            setattr(args, option, default)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return _main_vllm(args)
     names = list(PRESETS) if args.model == "all" else [args.model]
     failed = []
     for name in names:
@@ -403,3 +461,33 @@ def main(args: argparse.Namespace) -> int:
     verdict = "FAILED: " + ", ".join(failed) if failed else "all checks bit-identical under bik"
     print(f"\nverify: {verdict}")
     return 1 if failed else 0
+
+
+def _main_vllm(args: argparse.Namespace) -> int:
+    from .verify_vllm import load_trainer, verify_vllm
+
+    try:
+        model = load_trainer(args.model, args.device, DTYPES[args.dtype])
+    except (OSError, ValueError) as error:
+        raise UsageError("--model", f"cannot load {args.model!r}: {error}") from None
+    problem = unpatchable(model)
+    if problem:
+        raise UsageError("--model", f"{args.model!r} {problem}")
+    print(f"\n## {args.model} (vLLM, {args.dtype}, {args.device})")
+    try:
+        passed = verify_vllm(
+            model,
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            prompts=args.prompts,
+            tokens=args.tokens,
+            seed=args.seed,
+            native=not args.skip_unpatched,
+        )
+    except RuntimeError as error:  # an engine failed; its log's end is in the message
+        print(f"\nverify: FAILED: {error}")
+        return 1
+    verdict = "vLLM with bik is bit-identical to the trainer" if passed else "FAILED"
+    print(f"\nverify: {verdict}")
+    return 0 if passed else 1

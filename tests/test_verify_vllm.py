@@ -1,0 +1,132 @@
+"""python -m bik verify --engine vllm: native vLLM and vLLM with bik against the trainer.
+
+One real run (both engines, each in its own process, on a tiny random-init Qwen3 saved to a
+directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do not (fp32, the
+negative control). The argument cases stop before any model or engine runs.
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from test_cli import _never, usage_error
+
+pytest.importorskip("vllm")
+
+from bik.tools import verify, verify_vllm, vllm_engine
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny random-init Qwen3 (GQA 4/2, head_dim 32) saved with save_pretrained."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
+    path = tmp_path_factory.mktemp("qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _row(stdout: str, kernels: str) -> tuple[int, int]:
+    match = re.search(rf"^\| {re.escape(kernels)} \| (\d+)/(\d+) \|", stdout, re.MULTILINE)
+    assert match, f"no {kernels!r} row in:\n{stdout}"
+    return int(match[1]), int(match[2])
+
+
+def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir)]
+        + ["--prompts", "16", "--tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    out = done.stdout
+    assert "| kernels | unequal log-probs vs trainer |" in out
+    bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
+    native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
+    assert total == native_total == 16 * 2 * 16
+    assert bik_unequal == 0
+    assert native_unequal > 0  # the negative control: native fp32 vLLM moves with the batch
+    first = re.search(r"native vLLM vs trainer, first difference: (.*)", out)
+    assert first and re.fullmatch(r"request \d+ \(sample \d\), generated token \d+", first[1])
+    assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
+
+
+def test_compare_names_the_first_difference_in_request_order():
+    import torch
+
+    samples = [
+        [{"tokens": [5, 6], "logprobs": [-1.0, -2.0]}],
+        [{"tokens": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0]}] * 2,
+    ]
+    trained = [
+        [torch.tensor([-1.0, -2.0])],
+        [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.0, -2.5, -3.5])],
+    ]
+    result = verify_vllm.compare(samples, trained)
+    assert (result.unequal, result.total, result.identical_requests, result.requests) == (
+        2,
+        8,
+        2,
+        3,
+    )
+    assert result.max_diff == 0.5 and not result.identical
+    assert verify_vllm.first_difference(result) == "request 1 (sample 1), generated token 1"
+
+
+def test_prompts_are_seeded_mixed_and_share_a_prefix():
+    prompts = verify_vllm.sample_prompts(0, 8, 512)
+    assert prompts == verify_vllm.sample_prompts(0, 8, 512) != verify_vllm.sample_prompts(1, 8, 512)
+    assert len({len(p) for p in prompts}) > 2 and all(3 <= t < 512 for p in prompts for t in p)
+    shared = verify_vllm.SHARED_PREFIX
+    assert prompts[1][:shared] == prompts[3][:shared]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    monkeypatch.setattr(verify, "load_model", _never("verify.load_model"))
+    monkeypatch.setattr(vllm_engine, "run_engine", _never("vllm_engine.run_engine"))
+
+
+def test_without_vllm_the_error_says_how_to_install_it(capsys, no_work, monkeypatch, qwen3_dir):
+    find_spec = vllm_engine.importlib.util.find_spec
+    monkeypatch.setattr(
+        vllm_engine.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "vllm" else find_spec(name, *args),
+    )
+    line = usage_error(capsys, ["verify", "--engine", "vllm", str(qwen3_dir)])
+    assert "argument --engine: vLLM is not installed" in line and "make install-vllm" in line
+
+
+@pytest.mark.parametrize("model", ["all", "tiny-qwen3"])
+def test_engine_vllm_needs_a_model_directory(capsys, no_work, model):
+    line = usage_error(capsys, ["verify", "--engine", "vllm", "--model", model])
+    assert "argument --model: --engine vllm needs a local model directory" in line
+
+
+def test_vllm_options_need_engine_vllm(capsys, no_work):
+    line = usage_error(capsys, ["verify", "--prompts", "4"])
+    assert "argument --prompts: applies to --engine vllm only" in line
+    line = usage_error(capsys, ["verify", "--engine", "vllm", "--tokens", "0"])
+    assert "argument --tokens: expected an integer >= 1, got '0'" in line
+
+
+def test_model_given_twice_must_agree(capsys, no_work, qwen3_dir):
+    line = usage_error(capsys, ["verify", "--model", "tiny-qwen3", str(qwen3_dir)])
+    assert "argument --model: got 'tiny-qwen3' and MODEL" in line
