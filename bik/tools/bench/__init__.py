@@ -6,6 +6,9 @@ For every case and dtype, bik and its baseline are timed alternately on the same
 the larger of the compute and bandwidth shares of the peaks measured on this device in the
 same run (a big torch matmul, a big tensor copy). Shapes whose data stay in cache can exceed
 100% of the copy bandwidth.
+
+``--vllm`` times vLLM instead: generated tokens/s of vLLM with bik against native vLLM, same
+model and prompts, each engine in its own process (:mod:`bik.tools.bench.vllm_throughput`).
 """
 
 import argparse
@@ -21,10 +24,21 @@ import torch
 
 from ... import backends
 from ...contract import DTYPE_NAMES
-from ..cli import AllOf, UsageError, check_device, output_file, output_problem, positive_float
+from .. import verify, vllm_engine
+from ..cli import (
+    AllOf,
+    UsageError,
+    check_device,
+    output_file,
+    output_problem,
+    positive_float,
+    positive_int,
+)
 from . import cases as case_lib
+from . import vllm_throughput
 
 DTYPES = DTYPE_NAMES
+MIN_TIME = 0.2  # seconds per timed sample set
 
 
 def device_name(device: torch.device) -> str:
@@ -143,12 +157,17 @@ def run(
         "peaks": peaks,
         "records": records,
     }
+    save(result, json_path, plot_path)
+    return result
+
+
+def save(result: dict, json_path: str | None = None, plot_path: str | None = None) -> None:
+    """Write ``result`` as JSON and/or its ratios as a PNG bar chart."""
     if json_path:
         with open(json_path, "w") as out:
             json.dump(result, out, indent=1)
     if plot_path:
         plot(result, plot_path)
-    return result
 
 
 def unknown_ops(device_type: str, ops: Sequence[str] | None, quick: bool) -> str | None:
@@ -176,7 +195,7 @@ def _row(r):
     if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
         return (
             f"{head}| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
-            f"{r['baseline_tokens_per_s']:.0f} tok/s (unpatched) | - |"
+            f"{r['baseline_tokens_per_s']:.0f} tok/s ({r.get('baseline', 'unpatched')}) | - |"
         )
     return (
         f"{head}| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} "
@@ -185,8 +204,9 @@ def _row(r):
 
 
 def markdown(result: dict) -> str:
+    vllm = f"; vLLM {result['vllm']}" if result.get("vllm") else ""
     lines = [
-        f"Device: {result['device']}; torch {result['torch']}; bik backend "
+        f"Device: {result['device']}; torch {result['torch']}{vllm}; bik backend "
         f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.",
         "",
         HEADER,
@@ -236,9 +256,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-time",
         type=positive_float,
-        default=0.2,
-        help="seconds per timed sample set (> 0)",
+        help=f"seconds per timed sample set (> 0, default {MIN_TIME})",
     )
+    vllm = parser.add_argument_group(
+        "vLLM", "--vllm: tokens/s of vLLM with bik vs native vLLM instead of the kernels"
+    )
+    vllm.add_argument(
+        "--vllm",
+        action="store_true",
+        help="time vLLM generation, with bik and native (each in its own process)",
+    )
+    vllm.add_argument(
+        "--model",
+        type=verify.model_name,
+        help="a local model directory (default: a random-init Qwen3, hidden "
+        f"{vllm_throughput.MODEL['hidden']}, {vllm_throughput.MODEL['layers']} layers, vocab "
+        f"{vllm_throughput.MODEL['vocab']}; smaller with --quick)",
+    )
+    vllm.add_argument(
+        "--threads",
+        type=positive_int,
+        help="OpenMP threads of both engines (OMP_NUM_THREADS; default: vLLM's choice)",
+    )
+    for option, default in vllm_throughput.DEFAULTS.items():
+        what = {"prompts": "prompts", "tokens": "tokens generated per prompt"}
+        vllm.add_argument(
+            f"--{option}",
+            type=positive_int,
+            help=f"{what.get(option, 'timed runs after the warm-up')} (default {default}, "
+            f"--quick {vllm_throughput.QUICK[option]})",
+        )
     parser.add_argument("--json", type=output_file, help="write the records to this JSON file")
     parser.add_argument(
         "--markdown", type=output_file, help="write the table, with the device named, to this file"
@@ -250,14 +297,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+VLLM_ONLY = ("model", "prompts", "tokens", "runs", "threads")
+
+
 def check(args: argparse.Namespace) -> None:
-    """What argparse cannot see: the device, the ops offered on it, matplotlib for --plot,
-    and one file per output."""
+    """What argparse cannot see: the device, the ops offered on it (or vLLM and a model
+    directory for --vllm), matplotlib for --plot, and one file per output."""
     check_device(args.device)
     try:
         backends.resolve(torch.device(args.device))
     except RuntimeError as error:
         raise UsageError("--device", str(error)) from None
+    if args.vllm:
+        _check_vllm(args)
+    else:
+        for option in VLLM_ONLY:
+            if getattr(args, option) is not None:
+                raise UsageError(f"--{option}", "applies to --vllm only")
     problem = unknown_ops(args.device, args.ops, args.quick)
     if problem:
         raise UsageError("--ops", problem)
@@ -274,17 +330,43 @@ def check(args: argparse.Namespace) -> None:
         seen[key] = option
 
 
+def _check_vllm(args):
+    problem = vllm_engine.vllm_problem()
+    if problem:
+        raise UsageError("--vllm", problem)
+    for option in ("ops", "min_time"):
+        if getattr(args, option) is not None:
+            raise UsageError(f"--{option.replace('_', '-')}", "times the kernels; not with --vllm")
+    if args.model is not None and (args.model == "all" or args.model in verify.PRESETS):
+        raise UsageError("--model", f"expected a local model directory, got {args.model!r}")
+
+
 def main(args: argparse.Namespace) -> int:
     print(HEADER)
-    result = run(
-        device=args.device,
-        ops=args.ops,
-        dtypes=args.dtypes,
-        quick=args.quick,
-        min_time=args.min_time,
-        json_path=args.json,
-        plot_path=args.plot,
-    )
+    if args.vllm:
+        result = vllm_throughput.run(
+            model=args.model,
+            device=args.device,
+            dtypes=args.dtypes,
+            prompts=args.prompts,
+            tokens=args.tokens,
+            runs=args.runs,
+            threads=args.threads,
+            quick=args.quick,
+            echo=lambda line: print(line, flush=True),
+            row=_row,
+        )
+        save(result, args.json, args.plot)
+    else:
+        result = run(
+            device=args.device,
+            ops=args.ops,
+            dtypes=args.dtypes,
+            quick=args.quick,
+            min_time=args.min_time or MIN_TIME,
+            json_path=args.json,
+            plot_path=args.plot,
+        )
     if args.markdown:
         with open(args.markdown, "w") as out:
             out.write(markdown(result) + "\n")

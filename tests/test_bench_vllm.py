@@ -1,0 +1,64 @@
+"""python -m bik bench --vllm: tokens/s of vLLM with bik and native vLLM, and their ratio.
+
+One real run (--quick: a tiny random-init Qwen3, both engines in their own processes); the
+argument cases stop before any engine starts.
+"""
+
+import json
+
+import pytest
+from test_cli import _never, usage_error
+
+pytest.importorskip("vllm")
+
+from bik.__main__ import main
+from bik.tools import bench, vllm_engine
+from bik.tools.bench import vllm_throughput
+
+
+def test_quick_vllm_bench_reports_both_engines_and_the_ratio(tmp_path, capsys):
+    paths = {ext: tmp_path / f"out.{ext}" for ext in ("json", "md")}
+    argv = ["bench", "--vllm", "--quick", "--dtypes", "float32", "--tokens", "8"]
+    assert main([*argv, "--json", str(paths["json"]), "--markdown", str(paths["md"])]) == 0
+    result = json.loads(paths["json"].read_text())
+    assert result["vllm"] and result["device"] and result["backend"] == "cpu"
+    (record,) = result["records"]
+    assert record["op"] == "vllm_generate" and record["dtype"] == "float32"
+    assert "8 prompts x 8 tokens" in record["shape"] and record["generated_tokens"] == 8 * 8
+    for side in ("bik", "baseline"):
+        assert record[f"{side}_tokens_per_s"] == pytest.approx(64 / (record[f"{side}_ms"] / 1e3))
+    assert record["ratio"] == pytest.approx(
+        record["bik_tokens_per_s"] / record["baseline_tokens_per_s"]
+    )
+    assert record["ratio"] > 0
+    table = paths["md"].read_text()
+    assert "| vllm_generate |" in table and "tok/s (native vLLM)" in table
+    assert f"vLLM {result['vllm']}" in table
+    assert "| vllm_generate |" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "run_engine", _never("vllm_engine.run_engine"))
+    monkeypatch.setattr(vllm_throughput, "run", _never("vllm_throughput.run"))
+    monkeypatch.setattr(bench, "run", _never("bench.run"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompts", "4"], "argument --prompts: applies to --vllm only"),
+        (["--vllm", "--ops", "linear"], "argument --ops: times the kernels; not with --vllm"),
+        (["--vllm", "--min-time", "1"], "argument --min-time: times the kernels; not with --vllm"),
+        (["--vllm", "--model", "tiny-qwen3"], "argument --model: expected a local model directory"),
+        (["--vllm", "--runs", "0"], "argument --runs: expected an integer >= 1, got '0'"),
+    ],
+)
+def test_vllm_arguments_are_checked_before_any_engine(capsys, no_engine, argv, message):
+    assert message in usage_error(capsys, ["bench", *argv])
+
+
+def test_without_vllm_the_error_says_how_to_install_it(capsys, no_engine, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "vllm_problem", lambda: vllm_engine.INSTALL_VLLM)
+    line = usage_error(capsys, ["bench", "--vllm"])
+    assert "argument --vllm: vLLM is not installed" in line and "make install-vllm" in line
