@@ -120,7 +120,10 @@ def _gather(key_cache, value_cache, blocks, seq_len, padded_len):
     pages = blocks[: -(-seq_len // block_size)].long()
 
     def contiguous(cache):
-        rows = cache[pages].transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
+        # index_select copies the same bytes as cache[pages], an order of magnitude faster
+        # on the strided per-layer view of vLLM's cache.
+        rows = cache.index_select(0, pages).transpose(0, 1)
+        rows = rows.reshape(cache.shape[1], -1, cache.shape[3])
         rows = rows[:, :seq_len]
         if padded_len > seq_len:
             pad = rows.new_zeros(rows.shape[0], padded_len - seq_len, rows.shape[2])

@@ -94,6 +94,25 @@ def attention(batch: int, heads: int, kv_heads: int, tq: int, tk: int, dim: int)
     )
 
 
+def qwen3_config(hidden: int, layers: int, vocab: int, positions: int):
+    """The benchmarks' Qwen3-style config: head_dim 64, GQA (one KV head per 4 query heads),
+    MLP 3 x hidden."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=positions,
+        pad_token_id=0,
+    )
+
+
 def end_to_end(
     kind: str, batch: int, length: int, hidden: int, layers: int, new_tokens: int = 16
 ) -> Case:
@@ -103,20 +122,9 @@ def end_to_end(
     def make(device, dtype):
         import copy
 
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.for_model(
-            "qwen3",
-            vocab_size=32000,
-            hidden_size=hidden,
-            intermediate_size=3 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=hidden // 64,
-            num_key_value_heads=max(1, hidden // 256),
-            head_dim=64,
-            max_position_embeddings=length + new_tokens,
-            pad_token_id=0,
-        )
+        config = qwen3_config(hidden, layers, 32000, length + new_tokens)
         plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
         patched = copy.deepcopy(plain)
         bik.patch_model(patched)

@@ -19,6 +19,7 @@ import torch
 from ...contract import DTYPE_NAMES
 from .. import vllm_engine
 from ..verify_vllm import sample_prompts
+from .cases import qwen3_config
 
 OP = "vllm_generate"
 # The default model (random init, saved to a temporary directory): a small Qwen3.
@@ -30,22 +31,11 @@ QUICK = {"prompts": 8, "tokens": 16, "runs": 1}
 
 def save_model(directory: str, hidden: int, layers: int, vocab: int, seed: int = 0) -> str:
     """Save a random-init Qwen3 (head_dim 64, GQA, MLP 3 x hidden) into ``directory``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if hidden % 64:
         raise ValueError(f"hidden: expected a multiple of 64, got {hidden}")
-    config = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-    )
+    config = qwen3_config(hidden, layers, vocab, 1024)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
