@@ -20,14 +20,17 @@ import torch
 from . import backends
 from .backends import reference
 from .contract import check_split_size
+from .ops.activations import sigmoid, silu
 from .ops.attention import attention
 from .ops.log_softmax import token_logprobs
 from .ops.matmul import linear
+from .ops.moe import expert_mlp, route
 from .ops.rms_norm import rms_norm
 from .ops.rotary import rotary_cos_sin
-from .ops.silu import silu
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families: their router, experts and MoE block are patched too.
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 ATTENTION_NAME = "bik"
 _UNPATCH_ADVICE = (
     f"call bik.unpatch_model(model) to run it with its own attention (bik patches the "
@@ -105,6 +108,15 @@ def _run(backend, autocast_on, fn, *args, **kwargs):
 # -- Linear and RMSNorm --------------------------------------------------------------------
 
 
+def _autocast_inputs(device_type, *tensors):
+    """(the device type of an active autocast or None, ``tensors`` cast as torch.autocast
+    would cast a matmul's inputs)."""
+    autocast_dtype = _autocast_dtype(device_type)
+    if autocast_dtype is None:
+        return None, tensors
+    return device_type, tuple(_autocast_cast(t, autocast_dtype) for t in tensors)
+
+
 class _PatchedForward:
     """A patched module's forward. A plain object holding the module and the patch-time
     backend, not a closure or bound method, so deepcopy and pickle keep it."""
@@ -114,14 +126,10 @@ class _PatchedForward:
 
     def __call__(self, x):
         m, weight = self.module, self.module.weight
-        device_type = x.device.type
-        autocast_dtype = _autocast_dtype(device_type)
-        autocast_on = None if autocast_dtype is None else device_type
         if self.kind == "linear":
-            bias = m.bias
-            if autocast_on:  # what torch.autocast does for F.linear
-                x, weight, bias = (_autocast_cast(t, autocast_dtype) for t in (x, weight, bias))
+            autocast_on, (x, weight, bias) = _autocast_inputs(x.device.type, x, weight, m.bias)
             return _run(self.backend, autocast_on, linear, x, weight, bias)
+        autocast_on, _ = _autocast_inputs(x.device.type)
         # transformers' RMSNorm returns ``weight * normed.to(x.dtype)``: x's dtype promoted with
         # the weight's (fp32 for bf16 activations under autocast). bik computes in that dtype.
         if x.dtype != weight.dtype:
@@ -171,6 +179,90 @@ class _Silu:
         return silu(x)
 
 
+# -- mixture of experts ----------------------------------------------------------------------
+
+# Families whose router hands the experts fp32 weights; the others cast them to the logits'
+# dtype first (transformers' code, kept so patched and unpatched models weigh experts alike).
+_FP32_ROUTER_WEIGHTS = ("mixtral",)
+
+
+class _Router:
+    """A top-k router's forward: logits through bik.linear, then bik.ops.moe.route (softmax,
+    top-k with ties to the lower expert index, renormalisation in rank order)."""
+
+    def __init__(self, module, backend, family):
+        self.module, self.backend = module, backend
+        self.normalize = getattr(module, "norm_topk_prob", True)  # Mixtral always normalises
+        self.fp32_weights = family in _FP32_ROUTER_WEIGHTS
+
+    def __call__(self, hidden_states):
+        m = self.module
+        x = hidden_states.reshape(-1, m.weight.shape[1])
+        autocast_on, (x, weight) = _autocast_inputs(x.device.type, x, m.weight)
+        logits = _run(self.backend, autocast_on, linear, x, weight)
+        weights, experts = _run(self.backend, autocast_on, route, logits, m.top_k, self.normalize)
+        return logits, weights if self.fp32_weights else weights.to(logits.dtype), experts
+
+
+class _Experts:
+    """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.ops.moe's
+    expert_mlp, whose rows do not depend on which other tokens chose the same expert."""
+
+    def __init__(self, module, backend):
+        self.module, self.backend = module, backend
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        m = self.module
+        autocast_on, (x, gate_up, down) = _autocast_inputs(
+            hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
+        )
+        out = _run(
+            self.backend, autocast_on, expert_mlp, x, top_k_index, top_k_weights, gate_up, down
+        )
+        return out.to(hidden_states.dtype)
+
+
+class _MoeBlock:
+    """A sparse MoE block's forward: router, experts and (Qwen2-MoE) the shared expert, whose
+    gate goes through bik.sigmoid (torch's fp32 sigmoid depends on the tensor's layout)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, hidden_states):
+        m = self.module
+        if m.training and getattr(m, "jitter_noise", 0):
+            raise NotImplementedError(
+                f"bik: {type(m).__name__} multiplies its input by random router jitter "
+                f"(router_jitter_noise={m.jitter_noise}) in training mode, which makes a "
+                "token's routing depend on a random draw; call model.eval() or set "
+                "config.router_jitter_noise = 0.0"
+            )
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, weights, experts = m.gate(x)
+        out = m.experts(x, experts, weights)
+        shared = getattr(m, "shared_expert", None)
+        if shared is not None:
+            out = out + sigmoid(m.shared_expert_gate(x)) * shared(x)
+        return out.reshape(hidden_states.shape)
+
+
+def _is_silu(module):
+    return isinstance(module, torch.nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _moe_kind(module):
+    """'router', 'experts' or 'moe_block' for the MoE modules of a family in MOE_FAMILIES."""
+    name = type(module).__name__
+    if name.endswith("TopKRouter"):
+        return "router"
+    if name.endswith("Experts") and _is_silu(getattr(module, "act_fn", None)):
+        return "experts"  # other activations: not in the families bik supports; unpatched
+    if name.endswith("SparseMoeBlock"):
+        return "moe_block"
+    return None
+
+
 def _is_rms_norm(module):
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
@@ -212,9 +304,13 @@ _REDUCING_SUFFIXES = (
 )
 
 
-def _kind(module):
-    """'linear', 'rms_norm', 'attention', 'unpatched' (reduces, but bik cannot vouch for its
-    order) or None (does no reduction of its own)."""
+def _kind(module, family):
+    """'linear', 'rms_norm', 'attention', 'rotary', 'silu', an MoE kind (see _moe_kind),
+    'unpatched' (reduces, but bik cannot vouch for its order) or None (does no reduction of
+    its own)."""
+    moe_kind = _moe_kind(module) if family in MOE_FAMILIES else None
+    if moe_kind is not None:
+        return moe_kind
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):
@@ -224,7 +320,7 @@ def _kind(module):
         return "attention"
     if name.endswith("RotaryEmbedding"):
         return "rotary"
-    if isinstance(module, torch.nn.SiLU) or name == "SiLUActivation":
+    if _is_silu(module):
         return "silu"
     if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
         return None
@@ -278,7 +374,7 @@ def patch_model(
             f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to bik.patch_model to patch "
             "what can be and list the rest in report.unpatched"
         )
-    kinds = {name: _kind(module) for name, module in model.named_modules() if name}
+    kinds = {name: _kind(module, family) for name, module in model.named_modules() if name}
     unpatched = [
         f"{name} ({type(model.get_submodule(name)).__name__})"
         for name, kind in kinds.items()
@@ -306,6 +402,15 @@ def patch_model(
         elif kind == "silu":
             module.forward = _Silu()
             patched[name] = "bik.silu"
+        elif kind == "router":
+            module.forward = _Router(module, backend, family)
+            patched[name] = "bik.linear + bik MoE routing (top-k, ties to the lower expert)"
+        elif kind == "experts":
+            module.forward = _Experts(module, backend)
+            patched[name] = "bik.grouped_linear experts (summed in rank order)"
+        elif kind == "moe_block":
+            module.forward = _MoeBlock(module)
+            patched[name] = "MoE block (a shared-expert gate through bik.sigmoid)"
     attention_was = model.config._attn_implementation
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -501,11 +606,8 @@ def _attention_forward(
     except _WindowActive:
         raise _unsupported(module, "sliding_window", window) from None
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
-    device_type = query.device.type
-    autocast_dtype = _autocast_dtype(device_type)
-    autocast_on = None if autocast_dtype is None else device_type
-    if autocast_on:  # like F.scaled_dot_product_attention under autocast
-        query, key, value = (_autocast_cast(t, autocast_dtype) for t in (query, key, value))
+    # cast like F.scaled_dot_product_attention under autocast
+    autocast_on, (query, key, value) = _autocast_inputs(query.device.type, query, key, value)
     out = _run(
         settings.backend,
         autocast_on,

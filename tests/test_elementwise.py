@@ -1,5 +1,7 @@
-"""bik.silu and the rotary formula: elementwise, and bit-identical wherever an element sits
-(contiguous, strided, alone, in a big batch), which torch's own fp32 SiLU is not."""
+"""bik's activations and the rotary formula: elementwise, and bit-identical wherever an element
+sits (contiguous, strided, alone, in a big batch), which torch's own fp32 activations are not."""
+
+import functools
 
 import pytest
 import torch
@@ -8,55 +10,82 @@ from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bik.ops.activations import gelu_tanh, sigmoid, silu, silu_and_mul
 from bik.ops.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
-from bik.ops.silu import silu, silu_and_mul
+
+# bik's activation -> torch's own (the accuracy oracle, and the negative control).
+ACTIVATIONS = {
+    silu: F.silu,
+    sigmoid: torch.sigmoid,
+    gelu_tanh: functools.partial(F.gelu, approximate="tanh"),
+}
+NAMED = pytest.mark.parametrize("ours", list(ACTIVATIONS), ids=lambda f: f.__name__)
 
 
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 100))
-def test_silu_bits_do_not_depend_on_layout(dtype, n, seed):
-    x = randn((n,), dtype, seed, scale=4.0)
-    whole = silu(x)
-    assert_bitwise(silu(torch.cat((x, x)))[n:], whole, "second half of a bigger tensor")
-    buffer = x.new_empty(2 * n)
+def strided_copy(x):
+    """``x`` as every second element of a buffer: torch's scalar loop runs on it."""
+    buffer = x.new_empty(2 * x.numel())
     buffer[::2] = x
-    assert_bitwise(silu(buffer[::2]), whole, "strided view")
-    assert_bitwise(silu(x[-1:]), whole[-1:], "last element alone")
+    return buffer[::2]
+
+
+@NAMED
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 100))
+def test_activation_bits_do_not_depend_on_layout(ours, dtype, n, seed):
+    x = randn((n,), dtype, seed, scale=4.0)
+    whole = ours(x)
+    assert_bitwise(ours(torch.cat((x, x)))[n:], whole, "second half of a bigger tensor")
+    assert_bitwise(ours(strided_copy(x)), whole, "strided view")
+    assert_bitwise(ours(x[-1:]), whole[-1:], "last element alone")
 
 
 def test_torch_exp_vector_and_scalar_loops_agree():
-    # bik.silu relies on it: a sample of fp32 values across the range exp is finite in.
+    # bik.silu and bik.sigmoid rely on it: a sample of fp32 values across exp's finite range.
     x = torch.linspace(-87.0, 88.0, 400_000)
-    buffer = torch.empty(2 * x.numel())
-    buffer[::2] = x
-    assert torch.equal(torch.exp(x), torch.exp(buffer[::2]))
+    assert torch.equal(torch.exp(x), torch.exp(strided_copy(x)))
 
 
-def test_negative_control_torch_fp32_silu_depends_on_layout():
+def test_torch_tanh_vector_and_scalar_loops_agree():
+    # bik.gelu_tanh relies on it: fp32 tanh is +-1 beyond |x| = 9.1, a sample up to there.
+    x = torch.linspace(-10.0, 10.0, 400_000)
+    assert torch.equal(torch.tanh(x), torch.tanh(strided_copy(x)))
+
+
+@NAMED
+def test_negative_control_torch_fp32_activation_depends_on_layout(ours):
     x = randn((20_000,), torch.float32, 1, scale=4.0)
-    buffer = torch.empty(2 * x.numel())
-    buffer[::2] = x
-    assert not torch.equal(F.silu(x), F.silu(buffer[::2]))
+    theirs = ACTIVATIONS[ours]
+    assert not torch.equal(theirs(x), theirs(strided_copy(x)))
 
 
+@NAMED
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_accuracy_and_and_mul(dtype):
+def test_activation_accuracy(ours, dtype):
     x = randn((7, 64), dtype, 3, scale=4.0)
-    expected = F.silu(x.double())
-    assert_close_to_reference(silu(x), expected, dtype, "silu")
+    assert_close_to_reference(ours(x), ACTIVATIONS[ours](x.double()), dtype, ours.__name__)
+
+
+def test_silu_and_mul_is_silu_times_up():
+    x = randn((7, 64), torch.bfloat16, 3, scale=4.0)
     assert_bitwise(silu_and_mul(x), silu(x[:, :32]) * x[:, 32:], "silu_and_mul")
 
 
-def test_silu_backward():
+@NAMED
+def test_activation_backward(ours):
     x = randn((5, 8), torch.float32, 4).requires_grad_()
-    silu(x).sum().backward()
+    ours(x).sum().backward()
     ref = x.detach().double().requires_grad_()
-    F.silu(ref).sum().backward()
+    ACTIVATIONS[ours](ref).sum().backward()
     torch.testing.assert_close(x.grad.double(), ref.grad, rtol=1e-6, atol=1e-6)
 
 
-def test_silu_errors():
+@NAMED
+def test_activation_errors(ours):
     with pytest.raises(TypeError, match="x"):
-        silu(torch.zeros(3, dtype=torch.int64))
+        ours(torch.zeros(3, dtype=torch.int64))
+
+
+def test_silu_and_mul_errors():
     with pytest.raises(ValueError, match="even last dim"):
         silu_and_mul(torch.zeros(2, 3))
 

@@ -19,6 +19,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-v
 
 import bik  # noqa: E402
 import bik.vllm  # noqa: E402
+from bik.tools import verify  # noqa: E402
 
 SCHEDULING = dict(  # 12 requests x n=2 > max_num_seqs; 32-token steps chunk the prompts
     max_num_seqs=4,
@@ -59,6 +60,8 @@ def tiny_config(family, **overrides):
         return Qwen3Config(head_dim=32, **{**common, "hidden_size": 96})
     if family == "qwen2":  # biased q/k/v projections
         return Qwen2Config(**common)
+    if family == "qwen3_moe":
+        return verify.tiny_config(family, **{**common, "head_dim": 16, "vocab_size": 512})
     return LlamaConfig(**common)
 
 
@@ -188,6 +191,12 @@ def test_compiled_engine_is_refused(model_dir):
         bik.vllm.LLM(
             model_dir("qwen3"), backend="cpu", dtype="float32", enforce_eager=False, **SCHEDULING
         )
+    gc.collect()
+
+
+def test_mixture_of_experts_is_refused(model_dir):
+    with pytest.raises(Exception, match="a mixture-of-experts layer, not computed by bik"):
+        bik.vllm.LLM(model_dir("qwen3_moe"), backend="cpu", dtype="float32", **SCHEDULING)
     gc.collect()
 
 

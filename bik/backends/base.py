@@ -12,6 +12,10 @@ Kernel layouts:
   attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], causal, scale, kv_start int32 [B],
             split_size) -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
+
+Optional kernel (None: the op runs the backend's matmul once per group instead):
+  grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
+      rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
 """
 
 from collections.abc import Callable
@@ -32,6 +36,8 @@ class Backend:
     log_softmax: Callable[..., torch.Tensor]
     token_logprobs: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
+    grouped_matmul: Callable[..., torch.Tensor] | None = None
+    """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
     invariant: bool = True
     """False only for the reference oracle: plain torch picks orders by shape."""
     extra_device_check: Callable[[torch.device], None] | None = None

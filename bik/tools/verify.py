@@ -41,19 +41,35 @@ _TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# What a family's tiny preset adds: MoE families get 8 experts, 2 per token, small experts.
+_TINY_MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+_TINY_EXTRA = {
+    "mixtral": dict(_TINY_MOE, num_local_experts=8, intermediate_size=64),
+    "olmoe": dict(_TINY_MOE, num_experts=8, intermediate_size=64),
+    "qwen2_moe": dict(
+        _TINY_MOE, num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=128
+    ),
+    "qwen3_moe": dict(_TINY_MOE, num_experts=8, moe_intermediate_size=64),
+}
 DTYPES = DTYPE_NAMES
+
+
+def tiny_config(family: str, **overrides: object):
+    """The random-init tiny config of ``family`` that the presets load, with ``overrides``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **{**_TINY, **_TINY_EXTRA.get(family, {}), **overrides})
 
 
 def load_model(
     name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> torch.nn.Module:
     """A preset (random-init tiny config, no download) or a local model directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if name in PRESETS:
         torch.manual_seed(seed)
-        config = AutoConfig.for_model(PRESETS[name], **_TINY)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(tiny_config(PRESETS[name]))
     elif Path(name).is_dir():
         model = AutoModelForCausalLM.from_pretrained(name)
     else:

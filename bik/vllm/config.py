@@ -51,7 +51,12 @@ def check_model(model: torch.nn.Module) -> None:
             continue  # a part of a bik layer that its forward does not call
         if isinstance(module, BIK_LAYERS):
             bik_layers.append(name)
-        elif isinstance(module, CustomOp) and not isinstance(module, BIK_LAYERS):
+        elif isinstance(module, CustomOp) and "MoE" in kind:
+            problems.append(
+                f"{name} ({kind}): a mixture-of-experts layer, not computed by bik (bik.vllm "
+                "does not route experts; bik.patch_model does, for Hugging Face models)"
+            )
+        elif isinstance(module, CustomOp):
             problems.append(f"{name} ({kind}): not computed by bik")
         elif isinstance(module, LinearBase) and not isinstance(
             module.quant_method, UnquantizedLinearMethod

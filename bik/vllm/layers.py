@@ -16,10 +16,10 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+from ..ops.activations import silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
-from ..ops.silu import silu_and_mul
 
 
 class BikRMSNorm(RMSNorm):

@@ -11,7 +11,7 @@ from ..base import Backend
 from ._common import INTERPRET
 from .attention import attention
 from .log_softmax import log_softmax, token_logprobs
-from .matmul import matmul
+from .matmul import grouped_matmul, matmul
 from .rms_norm import rms_norm
 
 
@@ -31,5 +31,6 @@ BACKEND = Backend(
     log_softmax,
     token_logprobs,
     attention,
+    grouped_matmul=grouped_matmul,
     extra_device_check=_needs_interpreter_on_cpu,
 )
