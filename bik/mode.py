@@ -21,6 +21,9 @@ Covered, with their ``out=`` and in-place forms:
   * _log_softmax and _softmax along any dim, 0-d inputs included (contiguous results, as
     torch's), and mean.dim.
   * the CPU flash SDPA kernel, grouped-query attention (``enable_gqa=True``) included.
+  * silu and sigmoid (bik.ops.activations' formulas): torch's own fp32 kernels give an
+    element different bits in their vector body and their scalar tail, so an MoE block's
+    shared-expert gate ``sigmoid(x @ w)`` of shape [T, 1] would depend on T.
 Refused with NotImplementedError (bik has no invariant kernel for them): fp8 and
 weight-quantised matmuls (_scaled_mm, _scaled_grouped_mm, _weight_int8pack_mm,
 _weight_int4pack_mm and variants, _dyn_quant_matmul_4bit, _mixed_dtypes_linear) and 2:4-sparse
@@ -28,10 +31,10 @@ ones (_cslt_sparse_mm, _sparse_semi_structured_*); so are other dtypes in the co
 SDPA with an explicit attn_mask, dropout, or is_causal with Tq != Tk (torch aligns such a
 causal mask top-left; bik's queries are the last Tq keys): use bik.attention directly.
 Left to torch: integer matmul (_int_mm; integer sums do not depend on the order), sparse and
-quantised tensor layouts, reductions not overridden here (sum, var, norm, cumsum,
-linalg.vecdot, einsum's single-operand sums, convolutions) and other attention kernels (the
-CUDA SDPA kernels, nn.MultiheadAttention's fused path): they keep torch's shape-dependent
-order.
+quantised tensor layouts, other elementwise ops (gelu among them), reductions not overridden
+here (sum, var, norm, cumsum, linalg.vecdot, einsum's single-operand sums, convolutions) and
+other attention kernels (the CUDA SDPA kernels, nn.MultiheadAttention's fused path): they keep
+torch's shape-dependent order.
 """
 
 import contextlib
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 
 from . import _checks, backends
 from .contract import FLOAT_DTYPES
+from .ops.activations import sigmoid, silu
 from .ops.attention import attention
 from .ops.log_softmax import log_softmax
 
@@ -346,6 +350,18 @@ def _mean_dim(op, self, dim, keepdim=False, *, dtype=None):
     return out.to(dtype or self.dtype)
 
 
+# --- activations ---------------------------------------------------------------------------
+
+
+def _activation(fn: Callable) -> Callable:
+    def kernel(op, self):
+        if not self.is_floating_point():  # torch computes integer inputs in the default dtype
+            self = self.to(torch.get_default_dtype())
+        return fn(self)
+
+    return kernel
+
+
 # --- attention -----------------------------------------------------------------------------
 
 
@@ -430,6 +446,8 @@ _COVERED_FORMS = {
     "_log_softmax": (_log_softmax, "_log_softmax.out", None),
     "_softmax": (_softmax, "_softmax.out", None),
     "mean.dim": (_mean_dim, "mean.out", None),
+    "silu": (_activation(silu), "silu.out", "silu_"),
+    "sigmoid": (_activation(sigmoid), "sigmoid.out", "sigmoid_"),
 }
 
 # What torch has only as CUDA kernels (on CPU it decomposes them into covered ops).

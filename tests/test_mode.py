@@ -83,3 +83,23 @@ def test_mode_bmm_entry_does_not_depend_on_the_batch():
         assert all(torch.equal(torch.bmm(a[:n], b[:n])[:1], alone) for n in (2, 9, 33))
     # the float64 reference runs outside the mode (it covers float32/16 only)
     assert torch.allclose(alone, (a[:1].double() @ b[:1].double()).float(), atol=1e-4)
+
+
+def test_mode_makes_a_transformers_moe_block_invariant():
+    """Qwen2-MoE's block, unmodified: router softmax, experts (torch._grouped_mm or per-expert
+    F.linear), SiLU and the shared expert's sigmoid gate all run through bik in the mode."""
+    from bik.tools import verify
+
+    block = verify.load_model("tiny-qwen2_moe").model.layers[0].mlp
+    torch.manual_seed(3)
+    x = torch.randn(1, 300, 128)
+
+    def tokens_alone_vs_together():
+        with torch.no_grad():
+            together = block(x)[0, ::10]
+            alone = torch.cat([block(x[:, t : t + 1])[0] for t in range(0, 300, 10)])
+        return torch.equal(together, alone)
+
+    assert not tokens_alone_vs_together(), "negative control: plain torch should differ"
+    with batch_invariant_mode():
+        assert tokens_alone_vs_together()
