@@ -92,6 +92,15 @@ def non_negative_number(name, value):
     return number
 
 
+def positive_int(name, value):
+    """``value`` as a Python int >= 1: an int or numpy integer, never a bool or a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
 def flag(name, value):
     """``value`` as a bool: True/False (or a numpy bool), never a string or a number."""
     if isinstance(value, bool | numpy.bool_):

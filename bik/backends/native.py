@@ -100,7 +100,8 @@ class _NativeKernels:
         )
         return out
 
-    def attention(self, q, k, v, causal, scale, kv_start, split_size):
+    def attention(self, q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
+        """Split-KV attention; the kernels take ``softcap`` 0 and ``window`` 0 for "off"."""
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         kv_start = kv_start.to(torch.int32).contiguous()
         batch, hq, tq, d = q.shape
@@ -124,6 +125,8 @@ class _NativeKernels:
             v.stride()[:3],
             scale,
             causal,
+            0.0 if softcap is None else softcap,
+            0 if window is None else window,
             *extra,
             *self.launch_args(q.device),
         )

@@ -39,26 +39,34 @@ def token_logprobs(logits, tokens, temperature):
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
-def attention_mask(tq, tk, kv_start, causal):
-    """Boolean ``[B, 1, Tq, Tk]``: key j is visible to query i (at position Tk - Tq + i) iff
-    j >= kv_start[b] and, when causal, j <= that position."""
+def attention_mask(tq, tk, kv_start, causal, window=None):
+    """Boolean ``[B, 1, Tq, Tk]``: key j is visible to query i (at position p = Tk - Tq + i)
+    iff j >= kv_start[b] and, when causal, j <= p and, with a sliding ``window``,
+    j > p - window."""
     keys = torch.arange(tk, device=kv_start.device)
     visible = keys[None, None, :] >= kv_start[:, None, None].long()
     if causal:
         positions = torch.arange(tk - tq, tk, device=kv_start.device)
         visible = visible & (keys[None, None, :] <= positions[None, :, None])
+        if window is not None:
+            visible = visible & (keys[None, None, :] > positions[None, :, None] - window)
     return visible.unsqueeze(1)
 
 
-def attention(q, k, v, causal, scale, kv_start, split_size):
+def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
     """Softmax attention, GQA by head groups; queries with no visible key give zeros.
 
-    ``split_size`` is ignored: plain torch has no fixed split structure.
+    ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)`` before masking (None:
+    off). ``window``: a causal sliding window, query at position p sees keys in
+    ``(p - window, p]`` (None: off). ``split_size`` is ignored: plain torch has no fixed
+    split structure.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
-    visible = attention_mask(q.shape[2], k.shape[2], kv_start, causal)
+    visible = attention_mask(q.shape[2], k.shape[2], kv_start, causal, window)
     scores = _at_least_fp32(torch.matmul(q, k.transpose(-1, -2))) * scale
+    if softcap is not None:  # transformers' Gemma 2 order: divide, tanh, multiply
+        scores = torch.tanh(scores / softcap) * softcap
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no visible key -> 0
     return torch.matmul(probs.to(v.dtype), v)

@@ -8,6 +8,13 @@ The reduction order of every backend (docs/design.md, "Reduction orders"):
   * the split partials are merged in ascending split order.
 A query therefore sees the same blocks, splits and merge sequence whether it is computed in
 a full prefill, in a chunk, or alone during decode over a KV cache.
+
+A sliding ``window`` only masks more keys: the blocks and splits stay counted from
+``kv_start[b]``. Blocks and splits that lie wholly before a query's window are skipped; one
+that is processed anyway (a Triton query tile shares its blocks) leaves the query's online
+softmax state exactly as it was (max -inf, sum 0, acc 0), so skipping and processing agree
+bit for bit. ``softcap`` maps each score through ``softcap * tanh(score / softcap)`` before
+masking, inside the same order.
 """
 
 import math
@@ -28,6 +35,8 @@ def attention(
     scale: float | None = None,
     kv_start: torch.Tensor | None = None,
     split_size: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``; returns ``[B, Hq, Tq, D]``.
 
@@ -35,6 +44,13 @@ def attention(
     Hq must be a multiple of Hkv (GQA: query head h reads kv head h // (Hq // Hkv)).
     ``kv_start [B]``: each row's first valid key (left padding); keys before it are masked and
     a query before it attends nothing and returns zeros. ``scale`` defaults to 1/sqrt(D).
+
+    ``softcap`` (a positive number; None: off): each score ``s = scale * q.k`` becomes
+    ``softcap * tanh(s / softcap)`` before masking and the softmax (Gemma 2 logit
+    soft-capping, as transformers computes it). ``window`` (a positive int; None: no window;
+    needs ``causal=True``): the sliding window as transformers defines it, the query at key
+    position p sees the keys j with ``p - window < j <= p`` (and ``j >= kv_start[b]``), so at
+    least its own key.
     """
     _validate_qkv(q, k, v)
     batch, _, _, dim = q.shape
@@ -46,7 +62,21 @@ def attention(
     causal = _checks.flag("causal", causal)
     kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
     split_size = contract.check_split_size(split_size)
-    return run(_attention_op, _attention, q, k, v, causal, scale, kv_start, split_size)
+    if softcap is not None:
+        softcap = _checks.positive_number("softcap", softcap)
+    if window is not None:
+        window = _checks.positive_int("window", window)
+        if not causal:
+            raise ValueError("window: a sliding window needs causal=True, got causal=False")
+        # Wider windows hide no key of any sequence a kernel indexes (int32 positions); the
+        # clamp is a constant, so kernels never see an argument that depends on Tk.
+        window = min(window, _WIDEST_WINDOW)
+    return run(
+        _attention_op, _attention, q, k, v, causal, scale, kv_start, split_size, softcap, window
+    )
+
+
+_WIDEST_WINDOW = 2**31 - 1
 
 
 def _validate_qkv(q, k, v):
@@ -93,23 +123,25 @@ def _attention(
     scale: float,
     kv_start: torch.Tensor,
     split_size: int,
+    softcap: float | None,
+    window: int | None,
 ) -> torch.Tensor:
     if q.numel() == 0:
         return q.new_empty(q.shape)
     backend = backends.resolve(q.device)
-    return backend.attention(q, k, v, causal, scale, kv_start, split_size)
+    return backend.attention(q, k, v, causal, scale, kv_start, split_size, softcap, window)
 
 
 _attention_op = custom_op("bik::attention", _attention)
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, kv_start, split_size):
+def _(q, k, v, causal, scale, kv_start, split_size, softcap, window):
     return q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, kv_start, _ = inputs
+    q, k, v, ctx.causal, ctx.scale, kv_start, _, ctx.softcap, ctx.window = inputs
     ctx.save_for_backward(q, k, v, kv_start)
 
 
@@ -117,10 +149,12 @@ def _backward(ctx, grad):
     q, k, v, kv_start = ctx.saved_tensors
 
     def formula(q_, k_, v_):
-        return reference.attention(q_, k_, v_, ctx.causal, ctx.scale, kv_start, None)
+        return reference.attention(
+            q_, k_, v_, ctx.causal, ctx.scale, kv_start, None, ctx.softcap, ctx.window
+        )
 
     grads = _recompute.grads(formula, (q, k, v), ctx.needs_input_grad[:3], grad)
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

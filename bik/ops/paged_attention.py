@@ -47,13 +47,16 @@ def paged_attention(
     *,
     scale: float,
     split_size: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged keys; returns ``[T, H, D]``.
 
     query ``[T, H, D]``: sequence i's new tokens are rows ``query_start[i]:query_start[i+1]``,
     the last ones of its ``seq_lens[i]`` tokens, whose keys and values (the new ones included)
     are already in the caches ``[num_blocks, Hkv, block_size, D]`` at the pages listed in
-    ``block_table[i]``.
+    ``block_table[i]``. ``softcap`` and ``window`` (logit soft-capping, sliding window) are
+    bik.attention's.
     """
     _checks.floating("query", query)
     _checks.rank("query", query, 3)
@@ -77,7 +80,16 @@ def paged_attention(
             continue
         keys, values = _gather(key_cache, value_cache, block_table[i], seq_len, seq_len)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        o = attention(q, keys, values, causal=True, scale=scale, split_size=split_size)
+        o = attention(
+            q,
+            keys,
+            values,
+            causal=True,
+            scale=scale,
+            split_size=split_size,
+            softcap=softcap,
+            window=window,
+        )
         out[start:end] = o[0].transpose(0, 1)
     if decodes:
         _decode_batch(
@@ -89,14 +101,13 @@ def paged_attention(
             query_start,
             seq_lens,
             decodes,
-            scale,
-            split_size,
+            dict(scale=scale, split_size=split_size, softcap=softcap, window=window),
         )
     return out
 
 
 def _decode_batch(
-    out, query, key_cache, value_cache, block_table, query_start, seq_lens, rows, scale, split_size
+    out, query, key_cache, value_cache, block_table, query_start, seq_lens, rows, options
 ):
     """One-token queries of ``rows`` as one batch, keys left-padded to the longest sequence;
     ``kv_start`` marks each row's first real key, so the padding moves no block boundary."""
@@ -107,9 +118,7 @@ def _decode_batch(
     kv_start = torch.tensor([longest - seq_lens[i] for i in rows], device=query.device)
     tokens = torch.tensor([query_start[i] for i in rows], device=query.device)
     q = query[tokens].unsqueeze(2)  # [B, H, 1, D]
-    o = attention(
-        q, keys, values, causal=True, scale=scale, kv_start=kv_start, split_size=split_size
-    )
+    o = attention(q, keys, values, causal=True, kv_start=kv_start, **options)
     out[tokens] = o[:, :, 0]
 
 

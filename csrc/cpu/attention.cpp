@@ -3,7 +3,15 @@
 // valid key, blocks grouped into splits of split_size keys, an online softmax over the blocks
 // of a split in ascending order, split partials merged in ascending order. Each query reads
 // only its own visible keys, so prefill, chunks and decode give the same bits.
+//
+// A sliding window only masks keys: the blocks and splits stay counted from the row's first
+// valid key. Splits and blocks wholly before the query's window are skipped (processing them
+// would leave the empty state max -inf, sum 0, acc 0 unchanged: the same bits); in the block
+// where the window starts, the keys before it score -inf, so exp gives them exactly 0.
+// Soft-capping maps each score s to softcap * tanh(s / softcap) with the scalar libm tanhf
+// (the build has no fast-math, so it is never swapped for a vector variant).
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -31,20 +39,28 @@ inline void merge(Partial& run, const Partial& part) {
   run.max = new_max;
 }
 
-// Online softmax over keys [lo, hi) of one split, in ascending blocks.
+// Online softmax over keys [lo, hi) of one split, in ascending blocks; keys before `visible`
+// (the window's first key) are masked, blocks wholly before it skipped.
 template <typename T>
 void split_partial(const float* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride,
-                   int64_t D, float scale, int64_t lo, int64_t hi, Partial& part) {
+                   int64_t D, float scale, float softcap, int64_t lo, int64_t hi,
+                   int64_t visible, Partial& part) {
   float scores[KEY_BLOCK], probs[KEY_BLOCK];
   part.max = NEG_INF;
   part.sum = 0.0f;
   std::fill(part.acc.begin(), part.acc.end(), 0.0f);
-  for (int64_t n0 = lo; n0 < hi; n0 += KEY_BLOCK) {
+  const int64_t skipped = visible > lo ? (visible - lo) / KEY_BLOCK * KEY_BLOCK : 0;
+  for (int64_t n0 = lo + skipped; n0 < hi; n0 += KEY_BLOCK) {
     const int64_t count = std::min(KEY_BLOCK, hi - n0);
     float block_max = NEG_INF;
     for (int64_t j = 0; j < count; ++j) {
-      scores[j] = dot_lanes(q, k + (n0 + j) * k_stride, D) * scale;
-      block_max = scores[j] > block_max ? scores[j] : block_max;
+      float s = NEG_INF;
+      if (n0 + j >= visible) {
+        s = dot_lanes(q, k + (n0 + j) * k_stride, D) * scale;
+        if (softcap > 0.0f) s = std::tanh(s / softcap) * softcap;
+      }
+      scores[j] = s;
+      block_max = s > block_max ? s : block_max;
     }
     const float new_max = block_max > part.max ? block_max : part.max;
     const float safe = new_max == NEG_INF ? 0.0f : new_max;
@@ -83,6 +99,8 @@ void attention_impl(const AttentionArgs& p) {
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t b = row / (p.Hq * p.Tq), h = (row / p.Tq) % p.Hq, i = row % p.Tq;
       const int64_t first = starts[b], last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
+      // The window's first key (the op allows a window only when causal).
+      const int64_t visible = p.window > 0 ? std::max(first, last - p.window + 1) : first;
       const T* qr = Q + b * p.q_strides[0] + h * p.q_strides[1] + i * p.q_strides[2];
       const T* kh = K + b * p.k_strides[0] + (h / groups) * p.k_strides[1];
       const T* vh = V + b * p.v_strides[0] + (h / groups) * p.v_strides[1];
@@ -90,9 +108,12 @@ void attention_impl(const AttentionArgs& p) {
       run.max = NEG_INF;
       run.sum = 0.0f;
       std::fill(run.acc.begin(), run.acc.end(), 0.0f);
-      for (int64_t lo = first; lo <= last; lo += p.split_size) {  // ascending splits
+      // Ascending splits, from the one holding the window's first key.
+      const int64_t skipped = (visible - first) / p.split_size * p.split_size;
+      for (int64_t lo = first + skipped; lo <= last; lo += p.split_size) {
         const int64_t hi = std::min(lo + p.split_size, last + 1);
-        split_partial(q.data(), kh, vh, p.k_strides[2], p.v_strides[2], p.D, p.scale, lo, hi, part);
+        split_partial(q.data(), kh, vh, p.k_strides[2], p.v_strides[2], p.D, p.scale, p.softcap,
+                      lo, hi, visible, part);
         merge(run, part);
       }
       T* o = out + row * p.D;  // a query before its row's first key sees nothing: zeros

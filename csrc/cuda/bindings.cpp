@@ -22,9 +22,9 @@ void matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t bias, uintptr_t c, in
 void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,
                std::array<int64_t, 7> sizes, std::array<int64_t, 3> q_strides,
                std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, float scale,
-               bool causal, uintptr_t scratch, int64_t n_splits, uintptr_t stream) {
+               bool causal, float softcap, int64_t window, uintptr_t scratch, int64_t n_splits, uintptr_t stream) {
   const auto args = bik::attention_args(q, k, v, kv_start, out, sizes, q_strides, k_strides,
-                                        v_strides, scale, causal);
+                                        v_strides, scale, causal, softcap, window);
   bik_cuda::attention(dtype, args, scratch, n_splits, stream);
 }
 

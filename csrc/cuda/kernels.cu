@@ -7,7 +7,10 @@
 //   * attention: per query row, 32-key blocks counted from the row's first valid key, grouped
 //     into fixed-size splits; an online softmax runs over a split's blocks in ascending order
 //     (one block of threads per (row, split)), then the split partials are merged in ascending
-//     split order by a second kernel.
+//     split order by a second kernel. A sliding window only masks keys (blocks and splits stay
+//     counted from the row's first valid key): blocks and splits wholly before the query's
+//     window are skipped, keys before it in its first block score -inf. Soft-capping maps each
+//     score s to softcap * tanhf(s / softcap) before the mask.
 // Everything is launched on the caller's stream (torch.cuda.current_stream()).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -137,20 +140,24 @@ __global__ void attention_split_kernel(AttentionArgs p, float* part_acc, float* 
   const T* vb = reinterpret_cast<const T*>(p.v) + b * p.v_strides[0] + kv_h * p.v_strides[1];
   const int64_t first = reinterpret_cast<const int32_t*>(p.kv_start)[b];
   const int64_t last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
+  const int64_t visible = p.window > 0 ? max(first, last - p.window + 1) : first;  // window's first key
   for (int64_t d = threadIdx.x; d < p.D; d += blockDim.x) q[d] = to_float(qr[d]);
   float acc = 0.0f, run_max = -INFINITY, run_sum = 0.0f;
   const int64_t lo = first + split * p.split_size;
   const int64_t hi = min(lo + p.split_size, last + 1);
+  // Blocks wholly before the window are skipped (a whole split may be: its partial stays empty).
+  const int64_t start = visible > lo ? lo + (visible - lo) / KEY_BLOCK * KEY_BLOCK : lo;
   __syncthreads();
-  for (int64_t n0 = lo; n0 < hi; n0 += KEY_BLOCK) {
+  for (int64_t n0 = start; n0 < hi; n0 += KEY_BLOCK) {
     const int64_t count = min(static_cast<int64_t>(KEY_BLOCK), hi - n0);
     if (threadIdx.x < KEY_BLOCK) {
       float score = -INFINITY;
-      if (threadIdx.x < count) {
+      if (threadIdx.x < count && n0 + threadIdx.x >= visible) {
         const T* kr = kb + (n0 + threadIdx.x) * p.k_strides[2];
         float dot = 0.0f;
         for (int64_t d = 0; d < p.D; ++d) dot = fmaf(q[d], to_float(kr[d]), dot);
         score = dot * p.scale;
+        if (p.softcap > 0.0f) score = tanhf(score / p.softcap) * p.softcap;
       }
       probs[threadIdx.x] = score;
     }
@@ -195,8 +202,9 @@ __global__ void attention_combine_kernel(AttentionArgs p, const float* part_acc,
   const int64_t first = reinterpret_cast<const int32_t*>(p.kv_start)[b];
   const int64_t last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
   const int64_t own = last >= first ? (last - first) / p.split_size + 1 : 0;
+  const int64_t skipped = p.window > 0 ? (max(first, last - p.window + 1) - first) / p.split_size : 0;
   float run_max = -INFINITY, run_sum = 0.0f, acc = 0.0f;
-  for (int64_t s = 0; s < own; ++s) {
+  for (int64_t s = skipped; s < own; ++s) {  // splits wholly before the window hold nothing
     const int64_t slot = row * n_splits + s;
     const float m = part_max[slot];
     const float new_max = fmaxf(run_max, m);

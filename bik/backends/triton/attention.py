@@ -8,6 +8,14 @@ Two kernels:
      normalises. A query reads exactly the splits that hold its visible keys.
 Blocks a query cannot see (future keys of its query block) only multiply by exp(0) = 1 and
 add exact zeros, so a query's bits do not depend on its neighbours in the block.
+
+Sliding window: the blocks stay counted from the row's first valid key; a program skips the
+key blocks wholly before the window of its tile's first query, and the combine skips a
+query's splits wholly before its window. A block before the window of a later query of the
+tile is processed for that query while its state is still empty (max -inf, sum 0, acc 0):
+rescale exp(-inf) = 0 and probabilities 0 leave the empty state exactly as it was, so the
+bits equal those of skipping it. Soft-capping (``_tanh``) is applied to the scores before
+the mask.
 """
 
 import torch
@@ -19,6 +27,29 @@ from ._common import dot_acc, upcast_dot_operands
 
 QUERY_BLOCK = 16
 NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp and a polynomial (Cephes' tanhf, a few ulps; Triton has no tanh
+    that runs both on the GPU and in the interpreter):
+      |x| >= 0.625: sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 0.29], which never
+        overflows and gives exactly +-1 once e underflows;
+      |x| <  0.625: x + x^3 * P(x^2), Cephes' minimax polynomial (no cancellation near 0).
+    NaN stays NaN. The polynomial only sees arguments below 0.625 (no overflow in the branch
+    that tl.where discards)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0.0, -big, big)
+    xs = tl.where(a < 0.625, x, 0.0)
+    z = xs * xs
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = p * z * xs + xs
+    return tl.where(a < 0.625, small, big)
 
 
 @triton.jit
@@ -38,6 +69,8 @@ def _split_partials_kernel(
     n_splits,
     split_size,
     scale,
+    softcap,
+    window,
     stride_qb,
     stride_qh,
     stride_qt,
@@ -51,6 +84,8 @@ def _split_partials_kernel(
     stride_vt,
     stride_vd,
     CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -79,6 +114,10 @@ def _split_partials_kernel(
     hi = tl.minimum(lo + split_size, Tk)
     if CAUSAL:  # no query of this block sees past its last position
         hi = tl.minimum(hi, Tk - Tq + tl.minimum((q_block + 1) * BLOCK_M, Tq))
+    if WINDOW:  # nor before the window of its first query: skip whole blocks up to there
+        tile_first = Tk - Tq + q_block * BLOCK_M - window + 1  # >= -2**31 + 2: no overflow
+        skipped = (tl.maximum(tile_first, first_key) - first_key) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(lo, first_key + skipped)
     run_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -92,9 +131,13 @@ def _split_partials_kernel(
         scores = (
             dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST) * scale
         )
+        if SOFTCAP:  # transformers' order: divide, tanh, multiply
+            scores = _tanh(scores / softcap) * softcap
         visible = keys[None, :] < Tk
         if CAUSAL:
             visible = visible & (keys[None, :] <= positions[:, None])
+        if WINDOW:
+            visible = visible & (keys[None, :] > positions[:, None] - window)
         scores = tl.where(visible, scores, NEG_INF)
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))
         safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)  # queries with nothing seen yet
@@ -129,11 +172,13 @@ def _combine_kernel(
     D,
     n_splits,
     split_size,
+    window,
     stride_ob,
     stride_oh,
     stride_ot,
     stride_od,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -150,12 +195,16 @@ def _combine_kernel(
     n_own = tl.where(
         (last_key >= first_key) & (rows < Tq), (last_key - first_key) // split_size + 1, 0
     )
+    if WINDOW:  # the first split holding a key of the query's window
+        first_own = (tl.maximum(last_key - window + 1, first_key) - first_key) // split_size
+    else:
+        first_own = tl.zeros((BLOCK_M,), dtype=tl.int32)
     run_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
     run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # Merge the split partials in ascending split order.
-    for split in range(0, tl.max(n_own, axis=0)):
-        take = split < n_own
+    for split in range(tl.min(first_own, axis=0), tl.max(n_own, axis=0)):
+        take = (split >= first_own) & (split < n_own)
         part = (bh * n_splits + split) * Tq + rows
         part_max = tl.load(max_ptr + part, mask=take, other=NEG_INF)
         part_sum = tl.load(sum_ptr + part, mask=take, other=0.0)
@@ -184,9 +233,9 @@ def _combine_kernel(
     )
 
 
-def attention(q, k, v, causal, scale, kv_start, split_size):
+def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``."""
+    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` None: off."""
     batch, hq, tq, d = q.shape
     tk = k.shape[2]
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
@@ -212,10 +261,14 @@ def attention(q, k, v, causal, scale, kv_start, split_size):
         n_splits,
         split_size,
         scale,
+        1.0 if softcap is None else softcap,
+        0 if window is None else window,
         *q.stride(),
         *k.stride(),
         *v.stride(),
         CAUSAL=causal,
+        SOFTCAP=softcap is not None,
+        WINDOW=window is not None,
         UPCAST=upcast_dot_operands(q.dtype),
         BLOCK_M=QUERY_BLOCK,
         BLOCK_N=KEY_BLOCK,
@@ -234,8 +287,10 @@ def attention(q, k, v, causal, scale, kv_start, split_size):
         d,
         n_splits,
         split_size,
+        0 if window is None else window,
         *out.stride(),
         CAUSAL=causal,
+        WINDOW=window is not None,
         BLOCK_M=QUERY_BLOCK,
         BLOCK_D=block_d,
     )

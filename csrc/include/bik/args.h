@@ -20,6 +20,8 @@ struct AttentionArgs {  // see bik/ops/attention.py for the semantics
   int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, position
   float scale;
   bool causal;
+  float softcap;   // > 0: scores s become softcap * tanh(s / softcap); 0: off
+  int64_t window;  // > 0 (causal only): the query at position p sees keys (p - window, p]; 0: off
 };
 
 // AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
@@ -29,9 +31,9 @@ inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintp
                                     const std::array<int64_t, 3>& q_strides,
                                     const std::array<int64_t, 3>& k_strides,
                                     const std::array<int64_t, 3>& v_strides, float scale,
-                                    bool causal) {
+                                    bool causal, float softcap, int64_t window) {
   AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
-                     sizes[5], sizes[6], {}, {}, {}, scale, causal};
+                     sizes[5], sizes[6], {}, {}, {}, scale, causal, softcap, window};
   for (int i = 0; i < 3; ++i) {
     args.q_strides[i] = q_strides[i];
     args.k_strides[i] = k_strides[i];
