@@ -14,6 +14,11 @@ import bik
 from bik.backends import reference
 
 SPLITS = st.sampled_from([32, 64, bik.DEFAULT_SPLIT_SIZE])
+# Soft-capping off, strong (most scores on tanh's flat part) and mild (Gemma's scale).
+SOFTCAPS = st.sampled_from([None, 1.5, 30.0])
+# Sliding windows from one key to more than a split, so window starts cross key-block (32)
+# and split boundaries.
+WINDOWS = st.sampled_from([None, 1, 5, 17, 40])
 
 
 def qkv(batch, hkv, groups, length, dim, dtype, seed):
@@ -39,24 +44,27 @@ def chunk_bounds(length, draw):
     length=st.integers(1, 70),
     dim=st.sampled_from([8, 16, 40]),
     split=SPLITS,
+    softcap=SOFTCAPS,
+    window=WINDOWS,
     data=st.data(),
 )
 def test_prefill_equals_chunked_prefill_equals_decode(
-    backend, dtype, batch, hkv, groups, length, dim, split, data
+    backend, dtype, batch, hkv, groups, length, dim, split, softcap, window, data
 ):
     q, k, v = qkv(batch, hkv, groups, length, dim, dtype, seed=1)
-    full = bik.attention(q, k, v, split_size=split)
+    options = dict(split_size=split, softcap=softcap, window=window)
+    full = bik.attention(q, k, v, **options)
 
     def upto(t, stop):
         return t[:, :, :stop]
 
     chunks = [
-        bik.attention(q[:, :, a:b], upto(k, b), upto(v, b), split_size=split)
+        bik.attention(q[:, :, a:b], upto(k, b), upto(v, b), **options)
         for a, b in chunk_bounds(length, data.draw)
     ]
     assert_bitwise(torch.cat(chunks, dim=2), full, "chunked prefill")
     steps = [
-        bik.attention(q[:, :, t : t + 1], upto(k, t + 1), upto(v, t + 1), split_size=split)
+        bik.attention(q[:, :, t : t + 1], upto(k, t + 1), upto(v, t + 1), **options)
         for t in range(length)
     ]
     assert_bitwise(torch.cat(steps, dim=2), full, "token-by-token decode")
@@ -68,34 +76,43 @@ def test_prefill_equals_chunked_prefill_equals_decode(
     groups=st.integers(1, 2),
     causal=st.booleans(),
     split=SPLITS,
+    softcap=SOFTCAPS,
+    window=WINDOWS,
     data=st.data(),
 )
 def test_left_padded_batch_rows_equal_unpadded_rows_alone(
-    backend, dtype, lengths, groups, causal, split, data
+    backend, dtype, lengths, groups, causal, split, softcap, window, data
 ):
     # A batch of different sequences, left-padded with garbage to the longest one: each row's
     # valid outputs equal that sequence computed alone without padding (batch + padding axes).
     width = max(lengths) + data.draw(st.integers(0, 40))
     q, k, v = qkv(len(lengths), 2, groups, width, 16, dtype, seed=4)
     kv_start = torch.tensor([width - n for n in lengths], dtype=torch.int32, device=q.device)
-    batched = bik.attention(q, k, v, causal=causal, kv_start=kv_start, split_size=split)
+    options = dict(
+        causal=causal, split_size=split, softcap=softcap, window=window if causal else None
+    )
+    batched = bik.attention(q, k, v, kv_start=kv_start, **options)
     for row, start in enumerate(kv_start.tolist()):
-        alone = bik.attention(
-            *(t[row : row + 1, :, start:] for t in (q, k, v)), causal=causal, split_size=split
-        )
+        alone = bik.attention(*(t[row : row + 1, :, start:] for t in (q, k, v)), **options)
         assert_bitwise(batched[row : row + 1, :, start:], alone, f"row {row}")
         if causal:  # a padding query sees no key
             assert torch.equal(batched[row, :, :start], torch.zeros_like(batched[row, :, :start]))
     # Decode the last token of each padded row over its padded cache.
-    last = bik.attention(q[:, :, -1:], k, v, causal=causal, kv_start=kv_start, split_size=split)
+    last = bik.attention(q[:, :, -1:], k, v, kv_start=kv_start, **options)
     assert_bitwise(last, batched[:, :, -1:], "padded decode")
 
 
-@given(dtype=st.sampled_from(DTYPES), length=st.integers(1, 60), extra=st.integers(1, 40))
-def test_right_padding_does_not_change_causal_rows(backend, dtype, length, extra):
+@given(
+    dtype=st.sampled_from(DTYPES),
+    length=st.integers(1, 60),
+    extra=st.integers(1, 40),
+    softcap=SOFTCAPS,
+    window=WINDOWS,
+)
+def test_right_padding_does_not_change_causal_rows(backend, dtype, length, extra, softcap, window):
     q, k, v = qkv(1, 1, 2, length + extra, 16, dtype, seed=7)
-    padded = bik.attention(q, k, v)
-    alone = bik.attention(*(t[:, :, :length] for t in (q, k, v)))
+    padded = bik.attention(q, k, v, softcap=softcap, window=window)
+    alone = bik.attention(*(t[:, :, :length] for t in (q, k, v)), softcap=softcap, window=window)
     assert_bitwise(padded[:, :, :length], alone, "right padding")
 
 
@@ -117,6 +134,79 @@ def test_accuracy_against_float64(backend, dtype, causal, tq):
         assert torch.allclose(expected[:1], sdpa)
 
 
+def transformers_eager_attention(q, k, v, scale, softcap, window):
+    """Gemma 2's eager attention as transformers writes it (scale, divide by softcap, tanh,
+    multiply, add the mask, softmax) with transformers' own sliding-window mask function: an
+    oracle for bik's semantics that shares no code with bik.backends.reference."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    tq, tk = q.shape[2], k.shape[2]
+    allowed = (
+        masking_utils.causal_mask_function
+        if window is None
+        else masking_utils.sliding_window_causal_mask_function(window)
+    )
+    positions = torch.arange(tk - tq, tk, device=q.device)[:, None]
+    mask = allowed(0, 0, positions, torch.arange(tk, device=q.device)[None, :])
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + torch.zeros_like(scores).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap, window", [(1.5, None), (None, 5), (None, 40), (30.0, 17)])
+@pytest.mark.parametrize("tq", [1, 70])
+def test_softcap_and_window_accuracy_against_float64(backend, dtype, softcap, window, tq):
+    q, k, v = qkv(2, 2, 2, 70, 24, dtype, seed=11)
+    q = q[:, :, 70 - tq :]
+    kv_start = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
+    options = dict(scale=0.5, softcap=softcap, window=window)
+    out = bik.attention(q, k, v, kv_start=kv_start, split_size=32, **options)
+    wide = [t.double() for t in (q, k, v)]
+    expected = reference.attention(*wide, True, 0.5, kv_start, None, softcap, window)
+    assert_close_to_reference(out, expected, dtype, "attention")
+    # The oracle itself against transformers' formula and mask (row 0: no left padding).
+    eager = transformers_eager_attention(*(t[:1] for t in wide), **options)
+    torch.testing.assert_close(expected[:1], eager, rtol=1e-12, atol=1e-12)
+
+
+def test_softcap_bounds_the_scores(backend):
+    # A tiny softcap flattens every score to about +-softcap: the output nears the mean of v.
+    q, k, v = qkv(1, 1, 1, 40, 16, torch.float32, seed=21)
+    out = bik.attention(q * 100, k, v, softcap=1e-3)
+    mean = v.cumsum(2) / torch.arange(1, 41, device=v.device)[:, None]
+    torch.testing.assert_close(out[0, 0], mean[0, 0], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_a_window_covering_every_key_gives_the_bits_of_no_window(backend, softcap):
+    # Nothing is masked, so nothing may change: the window alone never moves a block.
+    q, k, v = qkv(2, 1, 2, 70, 16, torch.bfloat16, seed=22)
+    kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
+    plain = bik.attention(q, k, v, kv_start=kv_start, split_size=32, softcap=softcap)
+    for window in (70, 10**12):
+        wide = bik.attention(
+            q, k, v, kv_start=kv_start, split_size=32, softcap=softcap, window=window
+        )
+        assert_bitwise(wide, plain, f"window {window}")
+
+
+def test_a_window_hides_what_is_outside_it(backend):
+    # NaN in key 5: only the queries whose window holds key 5 (positions 5..7 with a window of
+    # 3) see it; a key outside a window is never read into the softmax.
+    q, k, v = qkv(3, 1, 1, 20, 16, torch.float32, seed=23)
+    # window=1: each query sees only its own key, so the output is its value row.
+    assert torch.equal(bik.attention(q, k, v, window=1), v)
+    k[1, 0, 5, 0] = float("nan")
+    out = bik.attention(q, k, v, window=3)
+    assert out[1, :, 5:8].isnan().all()
+    assert not out[1, :, :5].isnan().any() and not out[1, :, 8:].isnan().any()
+    assert not out[[0, 2]].isnan().any()
+
+
 def test_default_scale_and_split(backend):
     q, k, v = qkv(1, 1, 1, 300, 16, torch.float32, seed=13)
     explicit = bik.attention(q, k, v, scale=1 / math.sqrt(16), split_size=bik.DEFAULT_SPLIT_SIZE)
@@ -131,14 +221,15 @@ def test_reruns_are_identical(backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_matches_float64(backend, dtype):
+@pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 6)])
+def test_backward_matches_float64(backend, dtype, softcap, window):
     q, k, v = qkv(2, 1, 2, 20, 16, dtype, seed=15)
     kv_start = torch.tensor([0, 4], dtype=torch.int32, device=q.device)
     grad = randn(q.shape, dtype, 18)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    bik.attention(*leaves, kv_start=kv_start).backward(grad)
+    bik.attention(*leaves, kv_start=kv_start, softcap=softcap, window=window).backward(grad)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
-    reference.attention(*ref, True, 0.25, kv_start, None).backward(grad.double())
+    reference.attention(*ref, True, 0.25, kv_start, None, softcap, window).backward(grad.double())
     for got, want, name in zip(leaves, ref, "qkv"):
         assert_close_to_reference(got.grad, want.grad, dtype, f"grad {name}")
 
@@ -159,6 +250,10 @@ def test_empty_inputs(backend):
 
 def _t(*shape, dtype=torch.float32):
     return torch.zeros(shape, dtype=dtype)
+
+
+def _qkv():
+    return _t(1, 2, 3, 4), _t(1, 2, 3, 4), _t(1, 2, 3, 4)
 
 
 @pytest.mark.parametrize(
@@ -248,6 +343,25 @@ def _t(*shape, dtype=torch.float32):
             TypeError,
             "q: expected dtype",
         ),
+        *(
+            (lambda bad=bad: bik.attention(*_qkv(), softcap=bad), ValueError, "softcap: expected")
+            for bad in (0.0, -1.0, float("inf"), float("nan"), 1e300)
+        ),
+        (lambda: bik.attention(*_qkv(), softcap="30"), TypeError, "softcap: expected a real"),
+        (lambda: bik.attention(*_qkv(), softcap=True), TypeError, "softcap: expected a real"),
+        *(
+            (lambda bad=bad: bik.attention(*_qkv(), window=bad), ValueError, "window: expected")
+            for bad in (0, -3)
+        ),
+        *(
+            (lambda bad=bad: bik.attention(*_qkv(), window=bad), TypeError, "window: expected")
+            for bad in (2.0, True, "5", torch.tensor(5))
+        ),
+        (
+            lambda: bik.attention(*_qkv(), causal=False, window=4),
+            ValueError,
+            "window: a sliding window needs causal=True",
+        ),
     ],
 )
 def test_bad_inputs_raise(call, error, match):
@@ -261,4 +375,17 @@ def test_negative_control_plain_torch_decode_differs_from_prefill():
         q, k, v = qkv(1, 4, 1, length, 64, torch.float32, seed=length)
         full = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, -1:]
         differs.append(not torch.equal(full, F.scaled_dot_product_attention(q[:, :, -1:], k, v)))
+    assert any(differs)
+
+
+def test_negative_control_plain_torch_softcap_window_decode_differs_from_prefill():
+    # The eager formula (bik's reference backend: transformers' Gemma 2 order) in fp32: the
+    # last row of a full prefill and the same query decoded alone differ somewhere.
+    differs = []
+    for length in (64, 100, 200, 333):
+        q, k, v = qkv(1, 4, 1, length, 64, torch.float32, seed=length)
+        kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+        args = (True, 0.125, kv_start, None, 30.0, 40)
+        full = reference.attention(q, k, v, *args)[:, :, -1:]
+        differs.append(not torch.equal(full, reference.attention(q[:, :, -1:], k, v, *args)))
     assert any(differs)

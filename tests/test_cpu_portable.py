@@ -97,7 +97,8 @@ def test_row_ops_match_the_portable_build(backends, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_matches_the_portable_build(backends, dtype):
+@pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 20)])
+def test_attention_matches_the_portable_build(backends, dtype, softcap, window):
     native, portable = backends
     q, k, v = (
         randn((2, 4, 9, 40), dtype, 7),
@@ -105,5 +106,5 @@ def test_attention_matches_the_portable_build(backends, dtype):
         randn((2, 2, 75, 40), dtype, 9),
     )
     kv_start = torch.tensor([0, 11], dtype=torch.int32)
-    args = (q, k, v, True, 40**-0.5, kv_start, 32)
+    args = (q, k, v, True, 40**-0.5, kv_start, 32, softcap, window)
     assert_bitwise(native.attention(*args), portable.attention(*args), "attention")

@@ -28,6 +28,15 @@ def test_real_scalars_of_any_kind_give_the_bits_of_a_float(backend):
     assert torch.equal(
         bik.attention(q, kv, kv, causal=np.bool_(False)), bik.attention(q, kv, kv, causal=False)
     )
+    for softcap in (np.float32(1.5), torch.tensor(1.5), 1.5, np.int64(2)):
+        assert torch.equal(
+            bik.attention(q, kv, kv, softcap=softcap),
+            bik.attention(q, kv, kv, softcap=float(softcap)),
+        )
+    for window in (np.int64(3), np.int32(3)):
+        assert torch.equal(
+            bik.attention(q, kv, kv, window=window), bik.attention(q, kv, kv, window=3)
+        )
 
 
 @pytest.mark.parametrize(
@@ -53,6 +62,14 @@ def test_real_scalars_of_any_kind_give_the_bits_of_a_float(backend):
             "causal: expected True or False",
         ),
         (lambda q: bik.attention(q, q, q, causal=1), TypeError, "causal: expected True or False"),
+        (lambda q: bik.attention(q, q, q, softcap=0), ValueError, "softcap: expected a positive"),
+        (lambda q: bik.attention(q, q, q, softcap="1"), TypeError, "softcap: expected a real"),
+        (
+            lambda q: bik.attention(q, q, q, window=1.0),
+            TypeError,
+            "window: expected a positive int",
+        ),
+        (lambda q: bik.attention(q, q, q, window=0), ValueError, "window: expected a positive int"),
         (lambda q: bik.log_softmax(q, dim=True), ValueError, "dim: expected the last dim"),
         (
             lambda q: bik.token_logprobs(

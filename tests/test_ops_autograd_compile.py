@@ -18,9 +18,9 @@ def _attention(q, k, v):
     return bik.attention(q, k, v, split_size=32)
 
 
-def _reference_attention(q, k, v):
+def _reference_attention(q, k, v, softcap=None, window=None):
     kv_start = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-    return reference.attention(q, k, v, True, q.shape[-1] ** -0.5, kv_start, None)
+    return reference.attention(q, k, v, True, q.shape[-1] ** -0.5, kv_start, None, softcap, window)
 
 
 TOKENS = torch.tensor([3, 0, 7, 5, 1], device=DEVICE)
@@ -39,6 +39,11 @@ CASES = {
         [(5, 9)],
     ),
     "attention": (_attention, _reference_attention, [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)]),
+    "attention_softcap_window": (
+        lambda q, k, v: bik.attention(q, k, v, split_size=32, softcap=1.5, window=3),
+        lambda q, k, v: _reference_attention(q, k, v, softcap=1.5, window=3),
+        [(1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8)],
+    ),
 }
 
 
@@ -68,6 +73,7 @@ def _every_op(x, w, b, norm_w, q, k, v, tokens):
         bik.token_logprobs(h, tokens, 0.7),
         bik.matmul(x, w.t()),
         bik.attention(q, k, v, split_size=32),
+        bik.attention(q, k, v, split_size=32, softcap=1.5, window=5),
     )
 
 

@@ -42,7 +42,7 @@ def make_step(seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed):
     return keys, values, queries, key_cache, value_cache, table, starts
 
 
-def contiguous_attention(q, k, v, scale):
+def contiguous_attention(q, k, v, scale, **options):
     """bik.attention of one sequence: q [Tq, H, D] over its keys [n, Hkv, D]."""
     out = bik.attention(
         q.transpose(0, 1)[None],
@@ -50,6 +50,7 @@ def contiguous_attention(q, k, v, scale):
         v.transpose(0, 1)[None],
         causal=True,
         scale=scale,
+        **options,
     )
     return out[0].transpose(0, 1)
 
@@ -77,6 +78,25 @@ def test_each_sequence_equals_contiguous_attention(
     for i in range(len(seq_lens)):
         expected = contiguous_attention(queries[i], keys[i], values[i], scale)
         assert_bitwise(out[starts[i] : starts[i + 1]], expected, f"sequence {i} of {seq_lens}")
+
+
+@pytest.mark.parametrize("softcap, window", [(1.5, 5), (30.0, 40)])
+def test_softcap_and_window_equal_contiguous_attention(backend, softcap, window):
+    # One step mixing a prefill, a chunk and two decodes of different lengths (a left-padded
+    # decode batch): soft-capping and the window are forwarded and keep paged == contiguous.
+    seq_lens, query_lens, dtype, scale = [45, 70, 3, 38], [45, 1, 1, 10], torch.bfloat16, 0.3
+    keys, values, queries, kc, vc, table, starts = make_step(
+        seq_lens, query_lens, 2, 2, 16, 16, dtype, 5
+    )
+    options = dict(softcap=softcap, window=window)
+    out = paged_attention(
+        torch.cat(queries), kc, vc, table, starts, seq_lens, scale=scale, **options
+    )
+    for i in range(len(seq_lens)):
+        expected = contiguous_attention(queries[i], keys[i], values[i], scale, **options)
+        assert_bitwise(out[starts[i] : starts[i + 1]], expected, f"sequence {i}")
+    plain = paged_attention(torch.cat(queries), kc, vc, table, starts, seq_lens, scale=scale)
+    assert not torch.equal(out, plain)  # the options did reach the kernel
 
 
 def test_decode_equals_the_prefill_row(backend):
