@@ -71,8 +71,10 @@ def test_gpu_backend_is_batch_and_decode_invariant(name):
         q, k, v = (
             torch.randn(2, 8, 700, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)
         )
-        full = bik.attention(q, k, v, split_size=128)
-        assert torch.equal(bik.attention(q[:, :, -1:], k, v, split_size=128), full[:, :, -1:])
+        for options in ({}, dict(softcap=30.0, window=200)):  # the window crosses splits
+            full = bik.attention(q, k, v, split_size=128, **options)
+            last = bik.attention(q[:, :, -1:], k, v, split_size=128, **options)
+            assert torch.equal(last, full[:, :, -1:])
 
 
 @pytest.mark.gpu
