@@ -6,8 +6,8 @@ attention through ``bik.attention``, registered in transformers' attention-funct
 as "bik". Then the log-probs of tokens sampled by ``model.generate`` (KV cache, left-padded
 batches) equal those of one full forward of the finished sequences, bit for bit.
 
-What bik cannot compute is never ignored: attention keywords it does not implement (soft-
-capping, sinks, an active sliding window, dropout...) raise when the model runs. Under
+What bik cannot compute is never ignored: attention keywords it does not implement (sinks,
+an active sliding window, dropout...) raise when the model runs. Under
 ``torch.autocast`` each patched module returns the dtype the unpatched one would, and the
 kernels run on the cast inputs with autocast off, so results stay batch-invariant.
 """
@@ -20,7 +20,7 @@ import torch
 from . import backends
 from .backends import reference
 from .contract import check_split_size
-from .ops.activations import sigmoid, silu
+from .ops.activations import gelu_tanh, sigmoid, silu
 from .ops.attention import attention
 from .ops.log_softmax import token_logprobs
 from .ops.matmul import linear
@@ -30,7 +30,18 @@ from .ops.rotary import rotary_cos_sin
 
 # Mixture-of-experts families: their router, experts and MoE block are patched too.
 MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
+# Families whose RMSNorm scales by (1 + weight) in fp32 and rounds once.
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "olmo2",
+    *GEMMA_FAMILIES,
+    *MOE_FAMILIES,
+)
 ATTENTION_NAME = "bik"
 _UNPATCH_ADVICE = (
     f"call bik.unpatch_model(model) to run it with its own attention (bik patches the "
@@ -130,6 +141,9 @@ class _PatchedForward:
             autocast_on, (x, weight, bias) = _autocast_inputs(x.device.type, x, weight, m.bias)
             return _run(self.backend, autocast_on, linear, x, weight, bias)
         autocast_on, _ = _autocast_inputs(x.device.type)
+        if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding
+            wide, scale = x.float(), 1.0 + weight.float()
+            return _run(self.backend, autocast_on, rms_norm, wide, scale, m.eps).to(x.dtype)
         # transformers' RMSNorm returns ``weight * normed.to(x.dtype)``: x's dtype promoted with
         # the weight's (fp32 for bf16 activations under autocast). bik computes in that dtype.
         if x.dtype != weight.dtype:
@@ -171,12 +185,15 @@ def _eager_forward(module, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
 
 
-class _Silu:
-    """A SiLU module's forward: bik.silu, whose bits do not depend on the tensor's layout
-    (torch's fp32 SiLU does), the function bik's vLLM layer calls too."""
+class _Activation:
+    """An activation module's forward: bik.silu or bik.gelu_tanh, whose bits do not depend on
+    the tensor's layout (torch's fp32 kernels' do); bik's vLLM layer calls bik.silu too."""
+
+    def __init__(self, kind):
+        self.kind = kind
 
     def __call__(self, x):
-        return silu(x)
+        return silu(x) if self.kind == "silu" else gelu_tanh(x)
 
 
 # -- mixture of experts ----------------------------------------------------------------------
@@ -267,6 +284,12 @@ def _is_rms_norm(module):
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
 
+def _is_gelu_tanh(module):
+    if isinstance(module, torch.nn.GELU):
+        return module.approximate == "tanh"
+    return type(module).__name__ == "GELUTanh"
+
+
 # torch.nn modules without weights of their own that still reduce over something.
 _REDUCING_TYPES = tuple(
     getattr(torch.nn, name)
@@ -316,12 +339,16 @@ def _kind(module, family):
     if _is_rms_norm(module):
         return "rms_norm"
     name = type(module).__name__
+    if family in GEMMA_FAMILIES and name.endswith("RMSNorm") and hasattr(module, "eps"):
+        return "gemma_rms_norm"
     if name.endswith("Attention") and hasattr(module, "config"):
         return "attention"
     if name.endswith("RotaryEmbedding"):
         return "rotary"
     if _is_silu(module):
         return "silu"
+    if _is_gelu_tanh(module):
+        return "gelu_tanh"
     if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
         return None
     owns_weights = next(module.parameters(recurse=False), None) is not None
@@ -359,7 +386,7 @@ def patch_model(
 
     strict: a module that reduces but cannot be made invariant (or an unsupported model family)
     raises ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
-    Attention features bik does not implement (soft-capping, sinks, an active sliding window,
+    Attention features bik does not implement (sinks, an active sliding window,
     dropout...) raise ``NotImplementedError`` when the model runs, strict or not.
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
     The backend and split size live on the patched modules: deepcopy and pickle keep them.
@@ -393,15 +420,18 @@ def patch_model(
         if kind in ("linear", "rms_norm"):
             module.forward = _PatchedForward(module, kind, backend)
             patched[name] = f"bik.{kind}"
+        elif kind == "gemma_rms_norm":
+            module.forward = _PatchedForward(module, kind, backend)
+            patched[name] = "bik.rms_norm (scale 1 + weight)"
         elif kind == "attention":
             module._bik_attention = settings
             patched[name] = "bik.attention"
         elif kind == "rotary":
             module.forward = _EagerRotary(module, family in SUPPORTED_FAMILIES)
             patched[name] = "eager rotary (same cos/sin bits under torch.compile)"
-        elif kind == "silu":
-            module.forward = _Silu()
-            patched[name] = "bik.silu"
+        elif kind in ("silu", "gelu_tanh"):
+            module.forward = _Activation(kind)
+            patched[name] = f"bik.{kind}"
         elif kind == "router":
             module.forward = _Router(module, backend, family)
             patched[name] = "bik.linear + bik MoE routing (top-k, ties to the lower expert)"
@@ -543,10 +573,10 @@ _UNSUPPORTED = {
         "attention dropout",
         "call model.eval(), or set attention_dropout = 0.0 on the attention modules",
     ),
-    "softcap": ("attention-logit soft-capping", _UNPATCH_ADVICE),
     "s_aux": ("attention sinks", _UNPATCH_ADVICE),
     "sliding_window": (
-        "an active sliding window (a query would see more keys than the window allows)",
+        "an active sliding window (a query would see more keys than the window allows; "
+        "transformers' sliding-window cache then drops keys, which moves bik's key blocks)",
         "keep each sequence within the window, or " + _UNPATCH_ADVICE,
     ),
     "is_causal": ("non-causal attention", _UNPATCH_ADVICE),
@@ -586,6 +616,8 @@ def _check_keywords(module, dropout, kwargs):
     for keyword, value in kwargs.items():
         if keyword in _BOOKKEEPING or keyword == "sliding_window" or value is None:
             continue  # sliding_window is checked against the mask, in _kv_bounds
+        if keyword == "softcap":
+            continue  # computed: bik.attention's softcap
         if keyword == "is_causal" and value is True:
             continue
         if value is False and keyword != "is_causal":
@@ -619,6 +651,7 @@ def _attention_forward(
         scale=scaling,
         kv_start=kv_start.to(query.device),
         split_size=settings.split_size,
+        softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2), None
 

@@ -56,7 +56,6 @@ def _call(model, q=Q, **kwargs):
 @pytest.mark.parametrize(
     "keyword, value",
     [
-        ("softcap", 50.0),
         ("s_aux", torch.zeros(4)),
         ("sliding_window", 4),  # 9 keys: the window is active
         ("dropout", 0.1),
@@ -94,12 +93,25 @@ def test_inactive_or_bookkeeping_keywords_do_not_change_the_output(patched_llama
     assert torch.equal(decode, plain[:, -1:])  # output is [B, Tq, Hq, D]
 
 
-def test_gemma2_soft_capping_raises_at_call_time_with_strict_false():
-    model = _random_init("gemma2")
-    assert model.config.attn_logit_softcapping is not None
-    bik.patch_model(model, strict=False)
-    with pytest.raises(NotImplementedError, match=r"Gemma2Attention.*'gemma2'.*softcap=50\.0"):
-        model(input_ids=torch.randint(3, 64, (1, 5)))
+def test_gemma2_soft_capping_is_computed():
+    model = _random_init("gemma2", attn_logit_softcapping=0.5, final_logit_softcapping=1.0)
+    ids = torch.randint(3, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        bik.patch_model(model)
+        patched = model(input_ids=ids).logits
+    torch.testing.assert_close(patched, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_keyword_is_applied(patched_llama):
+    module = patched_llama.model.layers[0].self_attn
+    k, v = (t.repeat_interleave(2, 1) for t in (K, V))  # GQA: 2 query heads per KV head
+    scores = 0.05 * torch.tanh(Q @ k.transpose(-1, -2) * module.scaling / 0.05)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = (scores.masked_fill(~causal, -torch.inf).softmax(-1) @ v).transpose(1, 2)
+    capped = _call(patched_llama, softcap=0.05)
+    torch.testing.assert_close(capped, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(capped, _call(patched_llama), atol=1e-3)
 
 
 def test_gpt_oss_sinks_raise_at_call_time_with_strict_false():
@@ -140,14 +152,16 @@ def _listed_types(report):
 def test_report_lists_only_unpatched_modules_that_reduce():
     gpt2 = bik.patch_model(_gpt2(), strict=False)
     assert _listed_types(gpt2) == {"Conv1D", "LayerNorm"}  # not GPT2Block, GELU, Dropout
-    gemma2 = bik.patch_model(_random_init("gemma2"), strict=False)
-    assert _listed_types(gemma2) == {"Gemma2RMSNorm"}  # not GELUTanh nor the containers
+    cohere = bik.patch_model(_random_init("cohere"), strict=False)
+    assert _listed_types(cohere) == {"CohereLayerNorm"}  # not SiLU nor the containers
     oss = _random_init("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
     assert _listed_types(bik.patch_model(oss, strict=False)) == {
         "GptOssTopKRouter",
         "GptOssExperts",
     }
-    assert "NOT patched" in str(gemma2) and "GELUTanh" not in str(gemma2)
+    assert "NOT patched" in str(cohere) and "SiLU" not in str(cohere).split("NOT")[1]
+    gemma2 = bik.patch_model(_random_init("gemma2"))  # (1 + w) RMSNorm, GELU-tanh, soft-caps
+    assert not gemma2.unpatched and "bik.gelu_tanh" in gemma2.patched.values()
 
 
 class _Squash(torch.nn.Module):

@@ -94,13 +94,27 @@ def attention(batch: int, heads: int, kv_heads: int, tq: int, tk: int, dim: int)
     )
 
 
-def qwen3_config(hidden: int, layers: int, vocab: int, positions: int):
+# The MoE variant: 16 experts of width hidden / 2, 4 per token (Qwen3-MoE's shape, scaled down).
+MOE_EXPERTS, MOE_TOP_K = 16, 4
+
+
+def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool = False):
     """The benchmarks' Qwen3-style config: head_dim 64, GQA (one KV head per 4 query heads),
-    MLP 3 x hidden."""
+    MLP 3 x hidden; with ``moe``, Qwen3-MoE with MOE_EXPERTS experts, MOE_TOP_K per token."""
     from transformers import AutoConfig
 
+    experts = (
+        dict(
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=hidden // 2,
+        )
+        if moe
+        else {}
+    )
     return AutoConfig.for_model(
-        "qwen3",
+        "qwen3_moe" if moe else "qwen3",
+        **experts,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -113,21 +127,54 @@ def qwen3_config(hidden: int, layers: int, vocab: int, positions: int):
     )
 
 
-def end_to_end(
-    kind: str, batch: int, length: int, hidden: int, layers: int, new_tokens: int = 16
-) -> Case:
-    """A random-init Qwen3-style model, patched with bik vs unpatched: one forward over
-    ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after that prompt."""
+def _plain_and_patched(config, device, dtype):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+    patched = copy.deepcopy(plain)
+    bik.patch_model(patched)
+    return plain, patched
+
+
+def moe_block(tokens: int, hidden: int) -> Case:
+    """One Qwen3-MoE sparse block (router + experts), patched vs transformers' own."""
 
     def make(device, dtype):
-        import copy
+        config = qwen3_config(hidden, 1, 1024, 64, moe=True)
+        plain, patched = _plain_and_patched(config, device, dtype)
+        x = _randn(1, tokens, hidden, device=device, dtype=dtype)
 
-        from transformers import AutoModelForCausalLM
+        def call(model):
+            with torch.no_grad():
+                return model.model.layers[0].mlp(x)
 
-        config = qwen3_config(hidden, layers, 32000, length + new_tokens)
-        plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
-        patched = copy.deepcopy(plain)
-        bik.patch_model(patched)
+        return (lambda: call(patched)), (lambda: call(plain))
+
+    inner = hidden // 2
+    flops = 2 * tokens * (MOE_TOP_K * 3 * hidden * inner + MOE_EXPERTS * hidden)
+    traffic = 2 * (MOE_EXPERTS * 3 * hidden * inner + 2 * tokens * hidden)
+    label = f"T={tokens} hidden={hidden} experts={MOE_EXPERTS} top{MOE_TOP_K}"
+    return Case("moe_block", label, flops, traffic, make)
+
+
+def end_to_end(
+    kind: str,
+    batch: int,
+    length: int,
+    hidden: int,
+    layers: int,
+    new_tokens: int = 16,
+    moe: bool = False,
+) -> Case:
+    """A random-init Qwen3-style (or Qwen3-MoE) model, patched with bik vs unpatched: one
+    forward over ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after
+    that prompt."""
+
+    def make(device, dtype):
+        config = qwen3_config(hidden, layers, 32000, length + new_tokens, moe)
+        plain, patched = _plain_and_patched(config, device, dtype)
         ids = torch.randint(1, 32000, (batch, length), device=device)
 
         def call(model):
@@ -146,9 +193,8 @@ def end_to_end(
         return (lambda: call(patched)), (lambda: call(plain))
 
     tokens = batch * (length if kind == "forward" else new_tokens)
-    return Case(
-        f"e2e_{kind}", f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens
-    )
+    op = f"e2e_moe_{kind}" if moe else f"e2e_{kind}"
+    return Case(op, f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens)
 
 
 def cpu_cases(quick: bool) -> list[Case]:
@@ -162,6 +208,7 @@ def cpu_cases(quick: bool) -> list[Case]:
             token_logprobs(16, 4096),
             attention(1, 4, 4, 1, 256, 64),
             attention(1, 4, 4, 64, 64, 64),
+            moe_block(16, 256),
             end_to_end("forward", 2, 32, 256, 2),
         ]
     cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
@@ -171,6 +218,9 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases += [attention(b, 8, 8, 1, t, 64) for b in (1, 8) for t in (128, 512, 2048)]
     cases += [attention(1, 8, 8, 512, 512, 64)]
     cases += [end_to_end("forward", 4, 256, 512, 4), end_to_end("decode", 4, 64, 512, 4)]
+    cases += [moe_block(t, 512) for t in (1, 64, 1024)]
+    cases += [end_to_end("forward", 4, 256, 512, 4, moe=True)]
+    cases += [end_to_end("decode", 4, 64, 512, 4, moe=True)]
     return cases
 
 
@@ -191,6 +241,8 @@ def cuda_cases(quick: bool) -> list[Case]:
     cases += [attention(b, 32, 8, 1, t, 128) for b in (1, 16) for t in (1024, 8192, 32768)]
     cases += [attention(1, 32, 8, t, t, 128) for t in (512, 2048, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
+    cases += [moe_block(t, 2048) for t in (1, 256, 8192)]
+    cases += [end_to_end("forward", 8, 2048, 2048, 8, moe=True)]
     return cases
 
 
