@@ -7,6 +7,7 @@ from .backends import available_backends, get_backend, register_backend, set_bac
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
 from .ops.attention import attention
+from .ops.grouped_linear import grouped_linear
 from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
@@ -29,6 +30,7 @@ __all__ = [
     "available_backends",
     "batch_invariant_mode",
     "get_backend",
+    "grouped_linear",
     "linear",
     "log_softmax",
     "matmul",
