@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bik.contract import check_split_size
+from bik.hf import MOE_FAMILIES, SUPPORTED_FAMILIES
 
 from .errors import ConfigError
 from .remedies import Precision, precision
@@ -165,18 +166,34 @@ class _Section:
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    """A tiny random-init policy of ``family``, or a local model directory (``path``)."""
+    """A tiny random-init policy of ``family``, or a local model directory (``path``).
+
+    ``experts`` and ``experts_per_token`` size the mixture-of-experts families
+    (bik.hf.MOE_FAMILIES); the dense families ignore them."""
 
     SECTION: ClassVar[str] = "model"
     path: str | None = None
-    family: str = spec("qwen3", choices=("llama", "mistral", "qwen2", "qwen3"))
+    family: str = spec("qwen3", choices=SUPPORTED_FAMILIES)
     hidden_size: int = spec(64, ge=1)
     layers: int = spec(2, ge=1)
     heads: int = spec(4, ge=1)
     kv_heads: int = spec(2, ge=1)
     head_dim: int = spec(16, ge=2, multiple_of=2)  # RoPE rotates pairs of dimensions
+    experts: int = spec(8, ge=1)
+    experts_per_token: int = spec(2, ge=1)
+
+    @property
+    def moe(self) -> bool:
+        """True for a random-init mixture-of-experts family (a ``path`` model: see
+        rl_harness.routing.routers)."""
+        return self.path is None and self.family in MOE_FAMILIES
 
     def _validate(self) -> None:
+        if self.experts_per_token > self.experts:
+            raise ConfigError(
+                f"model.experts_per_token: expected at most model.experts ({self.experts}), "
+                f"got {self.experts_per_token}"
+            )
         if self.hidden_size % self.heads:
             raise ConfigError(
                 f"model.heads: expected a divisor of model.hidden_size ({self.hidden_size}), "
@@ -372,6 +389,11 @@ class Config(_Section):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}: expected a {kind.__name__}")
         precision(self.remedy.name, self.train.dtype, self.rollout.dtype)  # fp16's own check
+        if self.model.moe and self.rollout.engine == "vllm":
+            raise ConfigError(
+                f"rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
+                f"(model.family={self.model.family}); use rollout.engine=hf"
+            )
 
     @property
     def precision(self) -> Precision:

@@ -50,22 +50,47 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
             )
         return model.train()
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(
-        model_cfg.family,
-        vocab_size=tasks.VOCAB_SIZE,
-        hidden_size=model_cfg.hidden_size,
-        intermediate_size=4 * model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.layers,
-        num_attention_heads=model_cfg.heads,
-        num_key_value_heads=model_cfg.kv_heads,
-        head_dim=model_cfg.head_dim,
-        max_position_embeddings=256,
-        pad_token_id=tasks.PAD,
-        bos_token_id=tasks.BOS,
-        eos_token_id=tasks.EOS,
-        tie_word_embeddings=False,
-    )
+    args: dict[str, Any] = {
+        "vocab_size": tasks.VOCAB_SIZE,
+        "hidden_size": model_cfg.hidden_size,
+        "intermediate_size": 4 * model_cfg.hidden_size,
+        "num_hidden_layers": model_cfg.layers,
+        "num_attention_heads": model_cfg.heads,
+        "num_key_value_heads": model_cfg.kv_heads,
+        "head_dim": model_cfg.head_dim,
+        "max_position_embeddings": 256,
+        "pad_token_id": tasks.PAD,
+        "bos_token_id": tasks.BOS,
+        "eos_token_id": tasks.EOS,
+        "tie_word_embeddings": False,
+    }
+    config = AutoConfig.for_model(model_cfg.family, **{**args, **family_config_args(model_cfg)})
     return AutoModelForCausalLM.from_config(config).train()
+
+
+def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers config keys a family adds to (or replaces in) the common ones.
+
+    Mixture-of-experts families (bik.hf.MOE_FAMILIES): ``model.experts`` experts,
+    ``model.experts_per_token`` per token, each 4 x hidden / experts_per_token wide (a
+    token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
+    wide; router jitter off (it would make a token's routing a random draw). Gemma 2: no
+    attention-logit soft-capping, which bik's attention does not implement."""
+    family = model_cfg.family
+    if family == "gemma2":
+        return {"attn_logit_softcapping": None}
+    if not model_cfg.moe:
+        return {}
+    width = max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token)
+    args: dict[str, Any] = {
+        "num_experts_per_tok": model_cfg.experts_per_token,
+        "router_jitter_noise": 0.0,
+        "num_local_experts" if family == "mixtral" else "num_experts": model_cfg.experts,
+        "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size": width,
+    }
+    if family == "qwen2_moe":
+        args["shared_expert_intermediate_size"] = 4 * model_cfg.hidden_size
+    return args
 
 
 def working_copy(
