@@ -46,10 +46,26 @@ def summarize(history: History, cfg: Config, name: str) -> dict[str, Any]:
         "logprob_abs_diff_max": max(
             (r["mismatch/logprob_abs_diff_max"] for r in history), default=0.0
         ),
+        "routing_flip": _routing_flip(history),
         "collapse_step": collapse.collapse_step(history),
         "first_flags": collapse.first_steps(history),
         "overrides": {k: v for k, v in flatten(cfg.to_dict()).items() if DEFAULTS.get(k) != v},
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+    }
+
+
+def _routing_flip(history: History) -> dict[str, float] | None:
+    """A mixture-of-experts run's routing flips (rl_harness.routing): the mean and max
+    fraction of response tokens routed to another expert set, and the total count; None for
+    a dense run."""
+    key = "mismatch/routing_flip_frac"
+    if not history or key not in history[0]:
+        return None
+    return {
+        "frac_mean": _mean(key, history),
+        "frac_max": max(r[key] for r in history),
+        "pair_frac_mean": _mean("mismatch/routing_flip_pair_frac", history),
+        "count": sum(r["mismatch/routing_flip_count"] for r in history),
     }
 
 
@@ -65,6 +81,16 @@ def summary_markdown(s: Mapping[str, Any]) -> str:
         f"- mismatch: k3 max {s['k3_max']:.3e}, mean fraction of unequal tokens "
         f"{s['tokens_unequal_frac_mean']:.3f}, "
         f"max abs log-prob diff {s['logprob_abs_diff_max']:.3e}",
+        *(
+            []
+            if s.get("routing_flip") is None
+            else [
+                f"- routing flips (MoE): mean fraction of response tokens "
+                f"{s['routing_flip']['frac_mean']:.4f} (max {s['routing_flip']['frac_max']:.4f}), "
+                f"of (token, layer) pairs {s['routing_flip']['pair_frac_mean']:.4f}; "
+                f"{s['routing_flip']['count']:.0f} tokens in all"
+            ]
+        ),
         f"- first collapse step: {collapse_at}",
         f"- first step of each flag: {json.dumps(s['first_flags'], sort_keys=True)}",
         f"- machine: {s['machine']}",
@@ -85,21 +111,26 @@ def write_run_report(out: Path, history: History, cfg: Config, name: str) -> dic
 
 def compare_markdown(runs: Mapping[str, History], plot: str = "compare.png") -> str:
     """One table row per run (label -> metrics), then the plot."""
+    # A column of routing flips only when a mixture-of-experts run is compared
+    moe = any(_routing_flip(h) is not None for h in runs.values())
     rows = [
         "| run | steps | reward first 5 | reward last 5 | k3 max | unequal tokens (mean) | "
-        "first collapse step |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        + ("routing flips (mean) | " if moe else "")
+        + "first collapse step |",
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if moe else "") + "---|",
     ]
     for label, history in runs.items():
         if not history:
-            rows.append(f"| {label} | 0 | - | - | - | - | - |")
+            rows.append(f"| {label} | 0 | - | - | - | - |{' - |' if moe else ''} - |")
             continue
         collapse_at = collapse.collapse_step(history)
+        flip = _routing_flip(history)
+        flips = "" if not moe else "- | " if flip is None else f"{flip['frac_mean']:.4f} | "
         rows.append(
             f"| {label} | {len(history)} | {_mean('reward/mean', history[:5]):.3f} | "
             f"{_mean('reward/mean', history[-5:]):.3f} | "
             f"{max(m['mismatch/k3_kl'] for m in history):.2e} | "
-            f"{_mean('mismatch/tokens_unequal_frac', history):.3f} | "
+            f"{_mean('mismatch/tokens_unequal_frac', history):.3f} | {flips}"
             f"{collapse_at if collapse_at is not None else 'none'} |"
         )
     return "\n".join(rows) + f"\n\n![compare]({plot})\n"

@@ -8,6 +8,7 @@ and synthetic perturbations of the rollout logits (:func:`rl_harness.logits.pert
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,7 @@ from transformers import DynamicCache
 
 from bik.hf import generation_position_ids
 
-from . import tasks
+from . import routing, tasks
 from .logits import LogitsProcessor, perturb
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ def sample(
 
     Returns dict: ``sequences``, ``attention_mask`` (left padding, then ones), ``response_mask``
     (response tokens up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response)
-    and ``prompt_width``, for the rows sampled.
+    and ``prompt_width``, for the rows sampled; for a mixture-of-experts model also
+    ``routing`` ``[B, L, layers, k]``, the top-k experts each position was routed to
+    (rl_harness.routing; the last position, never fed back, is routing.UNROUTED).
     """
     processor = LogitsProcessor.of(cfg)
     total = len(prompts)
@@ -56,39 +59,45 @@ def sample(
     step_ids, positions = ids, generation_position_ids(attention)
     tokens, logps, in_response = [], [], []
     alive = torch.ones(last - first, dtype=torch.bool)
-    for _ in range(cfg.max_new_tokens):
-        logits = model(
-            input_ids=step_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
-        probs = processor.log_probs(logits).exp()
-        token = _draw(probs, generator, rows, total)
-        token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD
-        logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
-        tokens.append(token)
-        in_response.append(alive)
-        alive = alive & (token != tasks.EOS)
-        if not bool(alive.any()):
-            break
-        attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
-        step_ids, positions = token[:, None], positions[:, -1:] + 1
+    recorder = routing.Recorder(model)
+    with recorder if recorder.routers else contextlib.nullcontext():
+        for _ in range(cfg.max_new_tokens):
+            logits = model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
+            probs = processor.log_probs(logits).exp()
+            token = _draw(probs, generator, rows, total)
+            token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD
+            logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
+            tokens.append(token)
+            in_response.append(alive)
+            alive = alive & (token != tasks.EOS)
+            if not bool(alive.any()):
+                break
+            attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
+            step_ids, positions = token[:, None], positions[:, -1:] + 1
     generated = torch.stack(tokens, dim=1)
     response_mask = torch.stack(in_response, dim=1).long()
     sequences = torch.cat([ids, generated], dim=1)
     full_attention = torch.cat([attention[:, :width], torch.ones_like(generated)], dim=1)
     pad_prompt = torch.zeros_like(ids)
-    return {
+    batch = {
         "sequences": sequences,
         "attention_mask": full_attention,
         "response_mask": torch.cat([pad_prompt, response_mask], dim=1),
         "rollout_logp": torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
         "prompt_width": width,
     }
+    if recorder.routers:
+        experts = recorder.pop(last - first, calls_along="positions")
+        batch["routing"] = routing.pad_positions(experts, sequences.shape[1])
+    return batch
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator, rows: slice, total: int) -> torch.Tensor:
@@ -115,10 +124,13 @@ def pad_responses(batch: dict[str, Any], length: int) -> dict[str, Any]:
     def extend(t: torch.Tensor, value: float) -> torch.Tensor:
         return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
 
-    return {
+    padded = {
         **batch,
         "sequences": extend(batch["sequences"], tasks.PAD),
         "attention_mask": extend(batch["attention_mask"], 1),
         "response_mask": extend(batch["response_mask"], 0),
         "rollout_logp": extend(batch["rollout_logp"], 0.0),
     }
+    if "routing" in batch:
+        padded["routing"] = routing.pad_positions(batch["routing"], length)
+    return padded

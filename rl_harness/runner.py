@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import collapse, policy, report, rollout, rundir, tasks, trainer, vllm_rollout
+from . import collapse, policy, report, rollout, routing, rundir, tasks, trainer, vllm_rollout
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, RunDirError
@@ -77,6 +77,11 @@ class Run:
         self.master = policy.build_master(cfg.model, cfg.seed)
         self.engine: vllm_rollout.VllmRollout | None = None
         if cfg.rollout.engine == "vllm":  # refuse before the warm-up what cannot run here
+            if routing.routers(self.master):
+                raise ConfigError(
+                    "rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
+                    f"({type(self.master).__name__}); use rollout.engine=hf"
+                )
             vllm_rollout.check_available(cfg, vllm_rollout.head_dim(self.master.config))
         self.batch: dict[str, torch.Tensor] = {}  # the last step's whole batch, for inspection
         if state is None:
@@ -88,6 +93,8 @@ class Run:
         self.train_model = policy.working_copy(
             self.master, self.precision.train_dtype, cfg.train.kernels
         )
+        # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
+        self.moe = bool(routing.routers(self.train_model))
         self.rollout_model: torch.nn.Module | None = None
         if cfg.rollout.engine == "hf":
             self.rollout_model = policy.working_copy(
@@ -137,15 +144,24 @@ class Run:
                 self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
             )
         share = rollout.pad_responses(share, world.max(share["sequences"].shape[1]))
-        train_logp, entropy = trainer.token_logprobs_and_entropy(
-            self.train_model, share, self.processor, cfg.train.micro_batch_size
-        )
+        recorder = routing.Recorder(self.train_model)
+        with recorder if self.moe else contextlib.nullcontext():
+            train_logp, entropy = trainer.token_logprobs_and_entropy(
+                self.train_model, share, self.processor, cfg.train.micro_batch_size
+            )
         # Every rank's rows, in order: the single-process batch. Everything below but the
         # backward of this rank's share is computed from it, identically on every rank.
         keys = ("sequences", "attention_mask", "response_mask", "rollout_logp")
-        batch = world.gather_rows(
-            {**{k: share[k] for k in keys}, "train_logp": train_logp.detach(), "entropy": entropy}
-        )
+        gathered = {
+            **{k: share[k] for k in keys},
+            "train_logp": train_logp.detach(),
+            "entropy": entropy,
+        }
+        if self.moe:
+            gathered["rollout_routing"] = share["routing"]
+            rows_here = share["sequences"].shape[0]
+            gathered["train_routing"] = recorder.pop(rows_here, calls_along="rows")
+        batch = world.gather_rows(gathered)
         self.batch = batch
         width = share["prompt_width"]
         responses = batch["sequences"][:, width:].tolist()
@@ -155,11 +171,17 @@ class Run:
         metrics = mismatch_metrics(
             batch["train_logp"], batch["rollout_logp"], mask, cfg.remedy.clip
         )
+        if self.moe:
+            metrics.update(
+                routing.routing_metrics(batch["rollout_routing"], batch["train_routing"], mask)
+            )
         if (
             cfg.zero_mismatch
             and cfg.assert_zero_mismatch
             and (
-                metrics["mismatch/tokens_unequal_count"] or metrics["mismatch/logprob_abs_diff_max"]
+                metrics["mismatch/tokens_unequal_count"]
+                or metrics["mismatch/logprob_abs_diff_max"]
+                or metrics.get("mismatch/routing_flip_count", 0)
             )
         ):
             where = f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
@@ -223,10 +245,12 @@ class Run:
 
 def _progress(step: int, total: int, metrics: dict[str, Any], started: float, first: int) -> None:
     rate = (time.time() - started) / max(step + 1 - first, 1)
+    flips = metrics.get("mismatch/routing_flip_frac")  # MoE policies only
     sys.stderr.write(
         f"\r[{step + 1}/{total}] reward {metrics['reward/mean']:.2f} len "
         f"{metrics['response_length/mean']:.1f} k3 {metrics['mismatch/k3_kl']:.1e} unequal "
-        f"{metrics['mismatch/tokens_unequal_frac']:.2f} lr {metrics['lr']:.1e} "
+        f"{metrics['mismatch/tokens_unequal_frac']:.2f} "
+        f"{'' if flips is None else f'flips {flips:.3f} '}lr {metrics['lr']:.1e} "
         f"| {rate:.2f} s/step, eta {rate * (total - step - 1):.0f} s "
     )
     sys.stderr.flush()
