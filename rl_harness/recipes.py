@@ -10,6 +10,8 @@ from .errors import ConfigError
 _DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
 # Rollout in an in-process vLLM engine; head size 32, as vLLM's native CPU attention has no 16.
 _VLLM = {"rollout.engine": "vllm", "model.head_dim": 32}
+# A tiny Qwen3-MoE policy: 8 experts, 2 per token (model.experts, model.experts_per_token).
+_MOE = {"model.family": "qwen3_moe"}
 
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
@@ -63,6 +65,18 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm_native": (
         "rollout in vLLM with its own kernels, trainer on bik: the real engine-vs-trainer mismatch",
         {**_VLLM, "rollout.kernels": "native"},
+    ),
+    "moe_zero_mismatch": (
+        "Qwen3-MoE policy, bik on both sides: every mismatch metric and routing flip is 0",
+        _MOE,
+    ),
+    "moe_kernel_swap": (
+        "Qwen3-MoE policy, rollout on native torch kernels, trainer on bik",
+        {**_MOE, "rollout.kernels": "native"},
+    ),
+    "moe_dtype_swap": (
+        "Qwen3-MoE policy, rollout in bfloat16, trainer in float32",
+        {**_MOE, "rollout.dtype": "bfloat16"},
     ),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift

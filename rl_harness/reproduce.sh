@@ -29,6 +29,9 @@ $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $O
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding --out $OUT/compare_sources
 $PY -m rl_harness compare $OUT/high_lr $OUT/dose_bias_* --out $OUT/compare_dose
 $PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/compare_remedies
+# A Qwen3-MoE policy: mismatch and routing flips (mismatch/routing_flip_*)
+$PY -m rl_harness compare $OUT/moe_zero_mismatch $OUT/moe_kernel_swap $OUT/moe_dtype_swap \
+  --out $OUT/compare_moe
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
     $OUT/vllm_native --out $OUT/compare_engines
