@@ -45,7 +45,11 @@ CONFIGS = {
         "remedy.self_normalize=true",
         "train.advantage=rloo",
     ],
+    # A Qwen3-MoE policy: each rank records its share's routing on both sides; shares of 1
+    # and 2 prompts, padded to the batch's longest response, gather into the whole batch's.
+    "moe": TINY + ["model.family=qwen3_moe", "warmup.steps=4", "rollout.prompts=3"],
 }
+MOE_KEYS = {"rollout_routing", "train_routing"}
 RUN_FILES = {"config.json", "metrics.jsonl", "checkpoint.pt", "summary.md", "metrics.png"}
 
 
@@ -143,6 +147,7 @@ def test_step_0_batch_is_the_single_process_batch_bit_for_bit(single, ranks, nam
         "rollout_logp",
         "train_logp",
         "entropy",
+        *(MOE_KEYS if name == "moe" else ()),
     }
     for rank, result in enumerate(ranks[1]):
         for key, tensor in result[name]["batch0"].items():
@@ -155,8 +160,10 @@ def test_step_0_metrics_are_the_single_process_metrics(single, ranks, name):
     one = runner.read_metrics(single[name][1])
     two = runner.read_metrics(ranks[0] / name)
     assert [m["step"] for m in two] == [m["step"] for m in one] == [0, 1]
-    if name == "zero":
+    if name in ("zero", "moe"):
         assert all(m["mismatch/tokens_unequal_count"] == 0 for m in two)
+    if name == "moe":
+        assert all(m["mismatch/routing_flip_count"] == 0 for m in two)
     # The gradient sums two per-rank partial sums: its norm may differ in the last bits.
     assert one[0]["grad_norm"] == pytest.approx(two[0]["grad_norm"], rel=1e-5)
     assert {k: v for k, v in one[0].items() if k != "grad_norm"} == {
