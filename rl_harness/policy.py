@@ -74,11 +74,8 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     Mixture-of-experts families (bik.hf.MOE_FAMILIES): ``model.experts`` experts,
     ``model.experts_per_token`` per token, each 4 x hidden / experts_per_token wide (a
     token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
-    wide; router jitter off (it would make a token's routing a random draw). Gemma 2: no
-    attention-logit soft-capping, which bik's attention does not implement."""
+    wide; router jitter off (it would make a token's routing a random draw)."""
     family = model_cfg.family
-    if family == "gemma2":
-        return {"attn_logit_softcapping": None}
     if not model_cfg.moe:
         return {}
     width = max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token)
