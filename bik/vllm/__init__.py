@@ -44,7 +44,12 @@ def enabled() -> str | None:
 def LLM(model: str, *, backend: str = "auto", **kwargs):
     """``vllm.LLM(model, **kwargs)`` with bik enabled (``enforce_eager`` defaults to True)."""
     import vllm
+    from transformers import AutoConfig
 
+    from .config import check_hf_config
+
+    trust = kwargs.get("trust_remote_code", False)
+    check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust))
     enable(backend)
     kwargs.setdefault("enforce_eager", True)
     return vllm.LLM(model=model, **kwargs)

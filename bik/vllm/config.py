@@ -34,6 +34,22 @@ def check_engine(vllm_config) -> None:
         )
 
 
+# Config keys transformers' MoE families use for their expert count.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_hf_config(hf_config) -> None:
+    """Raise for a model bik.vllm cannot run, read off its transformers config before vLLM
+    builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's)."""
+    experts = max((getattr(hf_config, key, None) or 0) for key in _EXPERT_COUNT_KEYS)
+    if experts:
+        raise NotImplementedError(
+            f"bik.vllm: {hf_config.model_type!r} is a mixture-of-experts model ({experts} "
+            "experts): a mixture-of-experts layer, not computed by bik (bik.vllm does not "
+            "route experts; bik.patch_model does, for Hugging Face models)"
+        )
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Raise if a loaded model has a layer vLLM would compute with its own numerics: a
     custom op bik did not replace (a scaled RoPE variant, another norm or activation, MoE),
