@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ...contract import MATMUL_BLOCK_K
-from ._common import dot_acc, upcast_dot_operands
+from ._common import Launch, aligned, dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
@@ -51,7 +51,7 @@ def _tile_product(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_ab", "stride_cb"])
 def _matmul_kernel(
     a_ptr,
     b_ptr,
@@ -101,36 +101,43 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def matmul(a, b, bias):
-    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
+def matmul_launch(a, b, bias, out) -> Launch:
+    """The launch computing ``out [B, M, N] = a [B, M, K] @ b [B or 1, K, N] (+ bias [N])``."""
     batch, m, k = a.shape
     n = b.shape[2]
-    out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
-    stride_bb = b.stride(0) if b.shape[0] > 1 else 0
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch)
-    _matmul_kernel[grid](
-        a,
-        b,
-        bias if bias is not None else a,
-        out,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        a.stride(2),
-        stride_bb,
-        b.stride(1),
-        b.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        HAS_BIAS=bias is not None,
-        UPCAST=upcast_dot_operands(a.dtype),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+    return Launch(
+        _matmul_kernel,
+        (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch),
+        dict(
+            a_ptr=a,
+            b_ptr=b,
+            bias_ptr=bias if bias is not None else a,
+            c_ptr=out,
+            M=m,
+            N=n,
+            K=k,
+            stride_ab=a.stride(0),
+            stride_am=a.stride(1),
+            stride_ak=a.stride(2),
+            stride_bb=b.stride(0) if b.shape[0] > 1 else 0,
+            stride_bk=b.stride(1),
+            stride_bn=b.stride(2),
+            stride_cb=out.stride(0),
+            stride_cm=out.stride(1),
+            stride_cn=out.stride(2),
+            HAS_BIAS=bias is not None,
+            UPCAST=upcast_dot_operands(a.dtype),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+        ),
     )
+
+
+def matmul(a, b, bias):
+    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    matmul_launch(aligned(a), aligned(b), bias if bias is None else aligned(bias), out)()
     return out
 
 

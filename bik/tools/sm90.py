@@ -1,0 +1,120 @@
+"""Compile bik's Triton launches for Hopper (sm_90a) with no GPU or driver, and read the SASS.
+
+The Triton wheel ships ptxas and cuobjdump, and ``triton.compile`` takes an explicit target,
+so what a kernel becomes on an H100 (tensor-core instruction, TMA, registers, spills, shared
+memory) can be checked on any machine. A launch is described by the backend itself
+(:class:`bik.backends.triton._common.Launch`, built from meta tensors), so the binary checked
+here is the one a real launch of that shape would get, with the same specialisation.
+"""
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+
+HOPPER = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+_MMA = re.compile(r"\b((?:HGMMA|HMMA|QGMMA|IMMA)(?:\.\w+)+)")
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+@dataclass(frozen=True)
+class Binary:
+    """What one compiled kernel is made of."""
+
+    name: str
+    num_warps: int
+    num_stages: int
+    registers: int
+    shared_bytes: int
+    local_bytes: int  # per-thread stack: > 0 means registers spilled to local memory
+    sass: str
+
+    @property
+    def mma(self) -> frozenset[str]:
+        """Tensor-core instructions used, e.g. ``HGMMA.64x64x16.F32.BF16``."""
+        return frozenset(_MMA.findall(self.sass))
+
+    @property
+    def opcodes(self) -> Counter:
+        """How often each SASS opcode (with its modifiers) occurs."""
+        return Counter(_OPCODE.findall(self.sass))
+
+    def count(self, prefix: str) -> int:
+        """Instructions whose opcode starts with ``prefix`` (``"UTMALDG"``, ``"LDL"``, ...)."""
+        return sum(n for op, n in self.opcodes.items() if op.split(".")[0] == prefix)
+
+    def code(self) -> str:
+        """The instructions alone (addresses and comments dropped): equal for equal binaries."""
+        return "\n".join(_OPCODE.findall(self.sass))
+
+
+def _specialize(kernel, args: dict) -> tuple[dict, dict, dict]:
+    """Signature, constexprs and attributes as ``JITFunction`` builds them at a launch."""
+    from triton._C.libtriton import native_specialize_impl
+
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = args[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[(index,)] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(
+            BaseBackend,
+            value,
+            param.is_const,
+            not param.do_not_specialize,
+            not param.do_not_specialize_on_alignment,
+        )
+        signature[param.name] = kind
+        if kind == "constexpr":  # an integer equal to 1
+            constexprs[(index,)] = spec
+        elif isinstance(spec, str):  # divisible by 16 / aligned to 16 bytes
+            attrs[(index,)] = BaseBackend.parse_attr(spec)
+    return signature, constexprs, attrs
+
+
+def _run_tool(tool: str, *args: str) -> str:
+    return subprocess.run(
+        [str(TOOLS / tool), *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def compile_launch(launch) -> Binary:
+    """The sm_90a binary of ``launch`` (a :class:`~bik.backends.triton._common.Launch`)."""
+    signature, constexprs, attrs = _specialize(launch.kernel, launch.args)
+    source = triton.compiler.ASTSource(
+        fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
+    compiled = triton.compile(source, target=HOPPER, options=launch.options())
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = _run_tool("cuobjdump", "-res-usage", cubin.name)
+        sass = _run_tool("cuobjdump", "-sass", cubin.name)
+
+    def field(name):
+        found = re.search(rf"\b{name}:(\d+)", usage)
+        return int(found.group(1)) if found else 0
+
+    return Binary(
+        name=launch.kernel.__name__,
+        num_warps=compiled.metadata.num_warps,
+        num_stages=compiled.metadata.num_stages,
+        registers=field("REG"),
+        shared_bytes=compiled.metadata.shared,
+        local_bytes=field("STACK") + field("LOCAL"),
+        sass=sass,
+    )
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A tensor with a shape, strides and dtype but no storage, to describe a launch."""
+    return torch.empty(*shape, dtype=dtype, device="meta")
