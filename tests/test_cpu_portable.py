@@ -1,7 +1,10 @@
 """The cpu backend built WITHOUT AVX-512 (-march=x86-64-v3, an AVX2 machine) gives the same
 bits as the installed build: the AVX-512 code paths are faster forms of the portable lane
 arithmetic, not other orders. The one documented exception is bf16 matmul on CPUs with
-AVX512-BF16 (vdpbf16ps pair order), which is compared against float64 instead."""
+AVX512-BF16 (vdpbf16ps pair order), which is compared against float64 instead.
+
+Both builds are the cpu backend's kernels: their tensors live on the CPU also on a machine
+with a GPU (where the other tests' tensors live on the GPU)."""
 
 import importlib.util
 import platform
@@ -12,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference
+from helpers import randn as device_randn
 
 from bik.backends import load
 from bik.backends.native import native_backend
@@ -22,6 +26,11 @@ pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or shutil.which("g++") is None,
     reason="needs g++ on x86_64",
 )
+
+
+def randn(shape, dtype, seed, scale=1.0):
+    """helpers.randn's tensor (same values), on the CPU whatever the test device is."""
+    return device_randn(shape, dtype, seed, scale).cpu()
 
 
 def _cpu_flags():
