@@ -11,6 +11,7 @@ from test_cli import usage_error
 
 from bik.__main__ import main
 from bik.tools import bench
+from bik.tools.bench import cases
 
 
 @pytest.mark.skipif(
@@ -140,3 +141,192 @@ def test_cuda_without_cuda_is_rejected_at_start(capsys, no_timing, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     line = usage_error(capsys, ["bench", "--device", "cuda"])
     assert "argument --device: cuda requested but" in line and "use --device cpu" in line
+
+
+# -- GPU timing set-up, checked on the CPU ---------------------------------------------------
+
+L2_SIZES = [50 * 2**20, 60 * 10**6, 40 * 2**20]  # H100, H200 (as torch reports it), A100
+
+
+@pytest.mark.parametrize("l2", L2_SIZES)
+@pytest.mark.parametrize("set_bytes", [2048, 4096, 10**6, 33_554_432, 60 * 10**6, 10**8, 10**9])
+def test_rotation_copies_exceed_the_l2_cache_with_the_fewest_copies(l2, set_bytes):
+    copies = bench.rotation_copies(set_bytes, l2)
+    assert copies * set_bytes >= bench.ROTATION_FACTOR * l2
+    assert copies == 1 or (copies - 1) * set_bytes < bench.ROTATION_FACTOR * l2
+    # a copy is reused only after at least one L2 cache of other inputs was read
+    assert copies == 1 or (copies - 1) * set_bytes >= l2
+
+
+def test_rotation_copies_respect_their_caps():
+    l2 = 50 * 2**20
+    assert bench.rotation_copies(0, l2) == 1
+    assert bench.rotation_copies(1000, l2, max_copies=10) == 10
+    assert bench.rotation_copies(2**28, l2, budget=2**28) == 1
+    assert bench.rotation_copies(2**20, l2, budget=8 * 2**20) == 8
+
+
+def _input_bytes(case, dtype=torch.bfloat16):
+    """Bytes of one copy of a case's inputs, from meta tensors (nothing allocated)."""
+    return cases.input_bytes(case.inputs(torch.device("meta"), dtype))
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_cuda_kernel_case_is_timed_with_its_inputs_out_of_l2(quick):
+    kernel_cases = [c for c in cases.cuda_cases(quick) if c.rotate]
+    assert kernel_cases
+    for case in kernel_cases:
+        for dtype in (torch.bfloat16, torch.float32):
+            set_bytes = _input_bytes(case, dtype)
+            for l2 in L2_SIZES:
+                copies = bench.rotation_copies(set_bytes, l2)
+                assert copies * set_bytes >= bench.ROTATION_FACTOR * l2, (case.shape, dtype)
+    assert all(not c.rotate for c in cases.cuda_cases(quick) if c.op.startswith(("e2e", "moe")))
+
+
+def _field(shape, name):
+    return int(next(part for part in shape.split() if part.startswith(f"{name}="))[len(name) + 1 :])
+
+
+def test_cuda_cases_cover_llama_and_qwen_shapes():
+    full = cases.cuda_cases(False)
+    linears = [c for c in full if c.op == "linear"]
+    for model, k, n in [*cases.LINEAR_SHAPES, cases.LM_HEAD]:
+        ms = {_field(c.shape, "M") for c in linears if f"K={k} N={n} ({model})" in c.shape}
+        assert min(ms) == 1 and any(m <= 64 for m in ms - {1}), model
+        assert any(m >= 2048 for m in ms), model
+    decode = [c for c in full if c.op == "attention_decode"]
+    gqa_8k = [
+        c
+        for c in decode
+        if _field(c.shape, "Tk") == 8192 and "H=32/8" in c.shape and _field(c.shape, "D") == 128
+    ]
+    assert {_field(c.shape, "B") for c in gqa_8k} == {1, 16}
+    prefill = {_field(c.shape, "Tq") for c in full if c.op == "attention_prefill"}
+    assert {512, 2048, 8192} <= prefill
+    assert {_field(c.shape, "D") for c in full if c.op == "rms_norm"} >= {2048, 4096}
+    assert {_field(c.shape, "V") for c in full if c.op == "log_softmax"} >= {128256, 152064}
+    assert {"e2e_decode", "e2e_forward", "token_logprobs"} <= {c.op for c in full}
+    quick_ops = {c.op for c in cases.cuda_cases(True)}
+    assert {"linear", "attention_decode", "attention_prefill", "e2e_decode"} <= quick_ops
+
+
+def _recording_case(seen, rotate=True):
+    return cases.Case(
+        "probe",
+        "n=4",
+        0,
+        0,
+        lambda device, dtype: (torch.zeros(4, device=device, dtype=dtype), 3),
+        lambda x, three: seen.append(("bik", x.data_ptr(), three)),
+        lambda x, three: seen.append(("baseline", x.data_ptr(), three)),
+        rotate=rotate,
+    )
+
+
+def test_bik_and_baseline_walk_the_copies_through_one_cursor():
+    seen = []
+    bik_fn, base_fn = _recording_case(seen).make(torch.device("cpu"), torch.float32, copies=3)
+    for _ in range(3):
+        bik_fn(), base_fn()
+    pointers = [p for _, p, _ in seen]
+    assert len(set(pointers[:3])) == 3 and pointers[3:] == pointers[:3]
+    assert {p for who, p, _ in seen if who == "bik"} == set(pointers[:3])
+    assert {p for who, p, _ in seen if who == "baseline"} == set(pointers[:3])
+    assert {three for *_, three in seen} == {3}  # other arguments are passed as they are
+    seen.clear()
+    bik_fn, base_fn = _recording_case(seen, rotate=False).make(
+        torch.device("cpu"), torch.float32, copies=3
+    )
+    bik_fn(), base_fn(), bik_fn()
+    assert len({p for _, p, _ in seen}) == 1  # model cases are never copied
+
+
+def test_the_gpu_path_rotates_enough_copies_for_the_l2_size(monkeypatch):
+    seen, timed = [], []
+
+    def fake_time_pair(bik_fn, base_fn, device, min_time):
+        for _ in range(8):
+            bik_fn(), base_fn()
+        timed.append(min_time)
+        return 2.0, 1.0
+
+    monkeypatch.setattr(bench, "time_pair", fake_time_pair)
+    bik_ms, base_ms, copies, set_bytes = bench._time_case(
+        _recording_case(seen), torch.device("cpu"), torch.float32, l2=100, min_time=0.5
+    )
+    assert (bik_ms, base_ms, set_bytes, timed) == (2.0, 1.0, 16, [0.5])
+    assert copies == bench.rotation_copies(16, 100) == 13
+    assert len({p for _, p, _ in seen}) == 13
+    seen.clear()
+    assert bench._time_case(_recording_case(seen), torch.device("cpu"), torch.float32, 0, 0.5)[
+        2:
+    ] == (1, 16)  # no L2 given (the CPU): one copy, as before
+    assert len({p for _, p, _ in seen}) == 1
+
+
+def test_the_cpu_bench_does_not_rotate(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cases, "cases_for", lambda device_type, quick: [_recording_case(seen)])
+    monkeypatch.setattr(bench, "measure_peaks", lambda device, dtype, quick: (1e12, 1e11))
+    monkeypatch.setattr(
+        bench, "time_pair", lambda b, base, device, t: (b(), base(), b(), (1.0, 1.5))[-1]
+    )
+    result = bench.run("cpu", dtypes=["float32"], echo=lambda line: None)
+    assert len({p for _, p, _ in seen}) == 1
+    (record,) = result["records"]
+    assert record["ratio"] == 1.5 and "copies" not in record
+    assert result["timer"] == "wall clock" and "l2_bytes" not in result
+
+
+def _result(backend, **extra):
+    record = {
+        "op": "linear",
+        "shape": "M=1 K=8 N=8",
+        "dtype": "bfloat16",
+        "backend": backend,
+        "bik_ms": 2.0,
+        "baseline_ms": 1.0,
+        "ratio": 0.5,
+        "bik_tflops": 1.0,
+        "bik_gbps": 10.0,
+        "peak_share": 0.25,
+        "copies": 3,
+        "l2_cold": True,
+    }
+    failed = {"op": "rms_norm", "shape": "rows=1 D=8", "dtype": "bfloat16", "error": "Boom: x"}
+    return {
+        "device": "NVIDIA H200",
+        "date": "2026-01-01",
+        "torch": "2.11.0+cu130",
+        "triton": "3.6.0",
+        "cuda": "13.0",
+        "backend": backend,
+        "timer": "CUDA events",
+        "l2_bytes": 60 * 2**20,
+        "peaks": {"bfloat16": {"tflops": 790.0, "gbps": 4300.0}},
+        "records": [record, failed],
+        **extra,
+    }
+
+
+def test_markdown_says_the_cuda_backend_is_the_portable_reference():
+    text = bench.markdown(_result("cuda"))
+    assert "portable reference backend" in text and "not performance figures" in text
+    assert "portable reference" not in bench.markdown(_result("triton"))
+
+
+def test_markdown_names_versions_timer_rotation_peaks_and_failures():
+    text = bench.markdown(_result("triton", interrupted=True))
+    assert "torch 2.11.0+cu130, Triton 3.6.0, CUDA 13.0; bik backend `triton`" in text
+    assert "Timed with CUDA events; inputs rotated over copies holding >= 2 x the 60 MiB" in text
+    assert "bfloat16 790 TFLOP/s, 4300 GB/s" in text
+    assert "| rms_norm | rows=1 D=8 | bfloat16 | failed: Boom: x |" in text
+    assert "| linear | M=1 K=8 N=8 | bfloat16 | 2.0000 | 1.0000 | 0.50 |" in text
+    assert "Interrupted" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plot_skips_failed_cases(tmp_path):
+    bench.plot(_result("cuda"), str(tmp_path / "out.png"))
+    assert (tmp_path / "out.png").stat().st_size > 0

@@ -4,14 +4,23 @@ For every case and dtype, bik and its baseline are timed alternately on the same
 ``ratio = baseline_ms / bik_ms`` is bik's speed relative to the baseline (1.0 = as fast,
 0.5 = half the throughput). Achieved TFLOP/s and GB/s are reported, and ``peak_share`` is
 the larger of the compute and bandwidth shares of the peaks measured on this device in the
-same run (a big torch matmul, a big tensor copy). Shapes whose data stay in cache can exceed
-100% of the copy bandwidth.
+same run and with the same timer (a big torch matmul, a big tensor copy).
+
+On a CPU each sample set is timed by the wall clock, and shapes whose data stay in cache can
+exceed 100% of the copy bandwidth. On a GPU each sample set is timed by CUDA events, and the
+inputs are copied (:func:`rotation_copies`) so that the copies together are at least twice
+the L2 cache; bik and the baseline walk the copies in turn through one cursor, so no timed call
+finds its inputs left in L2 by an earlier one (model cases are not copied: their weights alone
+exceed L2). A case that fails on a GPU is recorded with its error and the others still run; an
+interrupt (Ctrl-C, ``timeout -s INT``) keeps the records made so far.
 
 ``--vllm`` times vLLM instead: generated tokens/s of vLLM with bik against native vLLM, same
 model and prompts, each engine in its own process (:mod:`bik.tools.bench.vllm_throughput`).
 """
 
 import argparse
+import gc
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -39,6 +48,20 @@ from . import vllm_throughput
 
 DTYPES = DTYPE_NAMES
 MIN_TIME = 0.2  # seconds per timed sample set
+TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}
+L2_FALLBACK = 50 * 2**20  # bytes: Hopper's L2 (H100), where torch does not report the size
+ROTATION_FACTOR = 2  # the rotated copies together hold at least this many L2 caches
+ROTATION_BUDGET = 4 * 2**30  # bytes: at most this much memory for the copies of one case
+MAX_COPIES = 1 << 16
+# What the markdown says of a backend whose times are not performance figures.
+BACKEND_NOTES = {
+    "cuda": (
+        "bik backend `cuda` is the portable reference backend (csrc/cuda: one thread per "
+        "matmul output, scalar loads, no tensor cores), written for order-correctness, not "
+        "speed: its times are not performance figures. The performance path on a GPU is the "
+        "Triton backend (the default)."
+    ),
+}
 
 
 def device_name(device: torch.device) -> str:
@@ -61,12 +84,56 @@ def _sync(device):
 
 
 def _seconds_per_call(fn, device, calls):
+    """Mean seconds per call of ``calls`` back-to-back calls: CUDA events on a GPU (from an
+    idle GPU, so the first launch's latency counts), the wall clock elsewhere."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3 / calls
     _sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     _sync(device)
     return (time.perf_counter() - start) / calls
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache size in bytes (torch's device properties; else Hopper's 50 MiB)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or L2_FALLBACK)
+
+
+def rotation_copies(
+    set_bytes: int,
+    l2: int,
+    budget: int = ROTATION_BUDGET,
+    max_copies: int = MAX_COPIES,
+) -> int:
+    """How many copies of a call's inputs (``set_bytes`` each) to rotate over so that all of
+    them together hold at least ROTATION_FACTOR x ``l2`` bytes: a copy is then reused only
+    after more than the whole L2 cache was read since its last use. At most ``max_copies`` and
+    ``budget`` bytes (where these cap it, the inputs may stay in L2); at least 1."""
+    if set_bytes <= 0:
+        return 1
+    wanted = -(-ROTATION_FACTOR * l2 // set_bytes)
+    return max(1, min(wanted, max_copies, budget // set_bytes))
+
+
+def _time_case(case, device, dtype, l2, min_time):
+    """(bik ms, baseline ms, copies, bytes of one copy) of one case on ``device``."""
+    args = case.inputs(device, dtype)
+    set_bytes = case_lib.input_bytes(args) if case.rotate else 0
+    copies = rotation_copies(set_bytes, l2) if l2 and case.rotate else 1
+    fns = case.make(device, dtype, copies, args)
+    del args
+    return (*time_pair(*fns, device, min_time), copies, set_bytes)
 
 
 def time_pair(
@@ -121,44 +188,91 @@ def run(
         raise ImportError(f"plot_path: {PLOT_NEEDS}")
     backend = backends.resolve(device).name
     selected = [c for c in case_lib.cases_for(device.type, quick) if not ops or c.op in ops]
+    gpu = device.type == "cuda"
+    l2 = l2_bytes(device) if gpu else 0
     records, peaks = [], {}
-    for dtype_name in dtypes:
-        dtype = DTYPES[dtype_name]
-        peak_flops, peak_bw = measure_peaks(device, dtype, quick)
-        peaks[dtype_name] = {"tflops": peak_flops / 1e12, "gbps": peak_bw / 1e9}
-        for case in selected:
-            bik_ms, base_ms = time_pair(*case.make(device, dtype), device, min_time)
-            flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
-            records.append(
-                {
-                    "op": case.op,
-                    "shape": case.shape,
-                    "dtype": dtype_name,
-                    "backend": backend,
-                    "bik_ms": bik_ms,
-                    "baseline_ms": base_ms,
-                    "ratio": base_ms / bik_ms,
-                    "bik_tflops": flops / 1e12,
-                    "bik_gbps": traffic / 1e9,
-                    "peak_share": max(flops / peak_flops, traffic / peak_bw),
-                }
-            )
-            if case.tokens:  # end-to-end: patched vs unpatched model throughput
-                records[-1].update(
-                    bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
-                    baseline_tokens_per_s=case.tokens / (base_ms * 1e-3),
-                )
-            echo(_row(records[-1]), flush=True) if echo is print else echo(_row(records[-1]))
     result = {
         "device": device_name(device),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "backend": backend,
+        "timer": TIMERS[device.type],
+        **(_gpu_facts(device, l2) if gpu else {}),
         "peaks": peaks,
         "records": records,
     }
+    say = (lambda line: echo(line, flush=True)) if echo is print else echo
+    try:
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            peak_flops, peak_bw = measure_peaks(device, dtype, quick)
+            peaks[dtype_name] = {"tflops": peak_flops / 1e12, "gbps": peak_bw / 1e9}
+            for case in selected:
+                record = {"op": case.op, "shape": case.shape, "dtype": dtype_name}
+                record["backend"] = backend
+                records.append(record)
+                try:
+                    bik_ms, base_ms, copies, set_bytes = _time_case(
+                        case, device, dtype, l2, min_time
+                    )
+                except Exception as error:
+                    if not gpu:  # the CPU bench stops at the first failure
+                        raise
+                    record["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                    say(_row(record))
+                    continue
+                finally:
+                    if gpu:
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
+                record.update(
+                    bik_ms=bik_ms,
+                    baseline_ms=base_ms,
+                    ratio=base_ms / bik_ms,
+                    bik_tflops=flops / 1e12,
+                    bik_gbps=traffic / 1e9,
+                    peak_share=max(flops / peak_flops, traffic / peak_bw),
+                )
+                if gpu:  # the rotation: copies of the inputs, and whether they exceed L2
+                    record.update(copies=copies, rotated_mib=copies * set_bytes / 2**20)
+                    record["l2_cold"] = not case.rotate or copies * set_bytes > l2
+                if case.tokens:  # end-to-end: patched vs unpatched model throughput
+                    record.update(
+                        bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
+                        baseline_tokens_per_s=case.tokens / (base_ms * 1e-3),
+                    )
+                say(_row(record))
+    except KeyboardInterrupt:
+        if records and "bik_ms" not in records[-1] and "error" not in records[-1]:
+            records.pop()  # the case being timed
+        result["interrupted"] = True
+        say(f"interrupted: {len(records)} records kept")
     save(result, json_path, plot_path)
     return result
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gpu_facts(device, l2):
+    """What a GPU result records beside the device name: versions, the GPU's properties, the
+    rotation and whether fp32 matmuls may use TF32 (bik never does; torch's default is no)."""
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "memory_gib": props.total_memory / 2**30,
+        "l2_bytes": l2,
+        "rotation": f"inputs copied until the copies hold >= {ROTATION_FACTOR} x L2",
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+    }
 
 
 def save(result: dict, json_path: str | None = None, plot_path: str | None = None) -> None:
@@ -189,6 +303,8 @@ HEADER = (
 
 
 def _row(r):
+    if "error" in r:
+        return f"| {r['op']} | {r['shape']} | {r['dtype']} | failed: {r['error']} |"
     head = (
         f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
     )
@@ -205,12 +321,38 @@ def _row(r):
 
 def markdown(result: dict) -> str:
     vllm = f"; vLLM {result['vllm']}" if result.get("vllm") else ""
+    versions = "".join(
+        f", {name} {result[key]}"
+        for key, name in (("triton", "Triton"), ("cuda", "CUDA"))
+        if result.get(key)
+    )
     lines = [
-        f"Device: {result['device']}; torch {result['torch']}{vllm}; bik backend "
+        f"Device: {result['device']}; torch {result['torch']}{versions}{vllm}; bik backend "
         f"`{result['backend']}`; {result['date']}. ratio = baseline ms / bik ms.",
-        "",
-        HEADER,
     ]
+    if result["backend"] in BACKEND_NOTES:
+        lines += ["", f"**{BACKEND_NOTES[result['backend']]}**"]
+    if result.get("timer"):
+        how = f"Timed with {result['timer']}"
+        if result.get("l2_bytes"):
+            cold = sum(1 for r in result["records"] if r.get("l2_cold") is False)
+            how += (
+                f"; inputs rotated over copies holding >= {ROTATION_FACTOR} x the "
+                f"{result['l2_bytes'] / 2**20:.0f} MiB L2 cache, shared by bik and the baseline"
+                + (f" ({cold} rows stayed within L2: see `l2_cold` in the JSON)" if cold else "")
+            )
+        if result.get("tf32"):
+            how += "; torch.backends.cuda.matmul.allow_tf32 was on for the baseline"
+        lines += ["", how + "."]
+    if result.get("peaks"):
+        measured = "; ".join(
+            f"{dtype} {p['tflops']:.4g} TFLOP/s, {p['gbps']:.4g} GB/s"
+            for dtype, p in result["peaks"].items()
+        )
+        lines += ["", f"Peaks measured in this run (torch matmul, copy; same timer): {measured}."]
+    if result.get("interrupted"):
+        lines += ["", "**Interrupted: the cases after the last row did not run.**"]
+    lines += ["", HEADER]
     return "\n".join(lines + [_row(r) for r in result["records"]])
 
 
@@ -222,7 +364,7 @@ def plot(result: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError(f"--plot {PLOT_NEEDS}") from error
-    records = result["records"]
+    records = [r for r in result["records"] if "ratio" in r]
     labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in records]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(records) + 1.5))
     ax.barh(range(len(records)), [r["ratio"] for r in records])
@@ -230,7 +372,11 @@ def plot(result: dict, path: str) -> None:
     ax.set_yticks(range(len(records)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("bik speed / baseline speed (baseline ms / bik ms)")
-    ax.set_title(f"bik vs non-invariant baselines: {result['device']}", fontsize=9)
+    note = " (portable reference backend)" if result.get("backend") in BACKEND_NOTES else ""
+    ax.set_title(
+        f"bik `{result.get('backend')}`{note} vs non-invariant baselines: {result['device']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -370,4 +516,6 @@ def main(args: argparse.Namespace) -> int:
     if args.markdown:
         with open(args.markdown, "w") as out:
             out.write(markdown(result) + "\n")
-    return 0
+    if result.get("interrupted"):
+        return 130
+    return 1 if any("error" in r for r in result["records"]) else 0

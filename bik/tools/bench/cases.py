@@ -1,9 +1,17 @@
 """Benchmark cases: each pairs a bik call with its non-invariant baseline on the same inputs.
 
-A case is (op, shape label, dtype, work, make) where ``make(device, dtype)`` returns
-``(bik_fn, baseline_fn)`` and ``work`` = (flops, bytes) for one call.
+A case is (op, shape label, work, inputs, bik, baseline): ``inputs(device, dtype)`` builds the
+arguments of one call (tensors, or a model and its input ids), ``bik(*args)`` and
+``baseline(*args)`` run the op on them, and ``work`` = (flops, bytes) of one call.
+:meth:`Case.make` returns the two timed functions. Given ``copies > 1`` it clones the inputs
+that many times and both functions walk the copies through ONE shared cursor, so across timed
+calls (bik's and the baseline's alike) every copy is touched in turn and a copy comes back only
+after all the others: when the copies together exceed the GPU's L2 cache, no call finds its
+inputs in L2 from an earlier call. Model cases (``rotate=False``) are not copied: their weights
+alone exceed the L2 cache.
 """
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,78 +27,122 @@ class Case:
     shape: str
     flops: float
     bytes: float
-    make: Callable  # (device, dtype) -> (bik_fn, baseline_fn)
+    inputs: Callable  # (device, dtype) -> tuple: the arguments of one call
+    bik: Callable  # (*arguments) -> bik's result
+    baseline: Callable  # (*arguments) -> the non-invariant baseline's result
     tokens: int = 0  # end-to-end cases: tokens processed per call (for tokens/s)
+    rotate: bool = True  # False: the arguments hold a model, never copied
+
+    def make(self, device, dtype, copies: int = 1, args: tuple | None = None):
+        """(bik_fn, baseline_fn): no-argument calls over ``copies`` copies of the inputs
+        (``args``: one set already built), visited in turn by one cursor both functions share."""
+        args = self.inputs(device, dtype) if args is None else args
+        sets = [args] + [_clone(args) for _ in range(copies - 1 if self.rotate else 0)]
+        if len(sets) == 1:
+            return (lambda: self.bik(*args)), (lambda: self.baseline(*args))
+        cursor = itertools.cycle(sets).__next__
+        return (lambda: self.bik(*cursor())), (lambda: self.baseline(*cursor()))
+
+
+def _clone(args):
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def input_bytes(args) -> int:
+    """Bytes of the tensors among one call's arguments (what a copy of the inputs occupies)."""
+    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
 def _randn(*shape, device, dtype):
     return torch.randn(*shape, device=device).to(dtype)
 
 
-def linear(m: int, k: int, n: int) -> Case:
-    def make(device, dtype):
-        x, w = _randn(m, k, device=device, dtype=dtype), _randn(n, k, device=device, dtype=dtype)
-        return (lambda: bik.linear(x, w)), (lambda: F.linear(x, w))
+def linear(m: int, k: int, n: int, model: str = "") -> Case:
+    def inputs(device, dtype):
+        return _randn(m, k, device=device, dtype=dtype), _randn(n, k, device=device, dtype=dtype)
 
-    return Case("linear", f"M={m} K={k} N={n}", 2 * m * k * n, 2 * (m * k + n * k + m * n), make)
+    label = f"M={m} K={k} N={n}" + (f" ({model})" if model else "")
+    return Case(
+        "linear", label, 2 * m * k * n, 2 * (m * k + n * k + m * n), inputs, bik.linear, F.linear
+    )
 
 
 def rms_norm(rows: int, d: int) -> Case:
-    def make(device, dtype):
-        x, w = _randn(rows, d, device=device, dtype=dtype), _randn(d, device=device, dtype=dtype)
-        return (lambda: bik.rms_norm(x, w)), (lambda: F.rms_norm(x, (d,), w, 1e-6))
+    def inputs(device, dtype):
+        return _randn(rows, d, device=device, dtype=dtype), _randn(d, device=device, dtype=dtype)
 
-    return Case("rms_norm", f"rows={rows} D={d}", 4 * rows * d, 2 * (2 * rows * d + d), make)
+    return Case(
+        "rms_norm",
+        f"rows={rows} D={d}",
+        4 * rows * d,
+        2 * (2 * rows * d + d),
+        inputs,
+        lambda x, w: bik.rms_norm(x, w),
+        lambda x, w: F.rms_norm(x, (d,), w, 1e-6),
+    )
 
 
 def log_softmax(rows: int, vocab: int) -> Case:
-    def make(device, dtype):
-        x = _randn(rows, vocab, device=device, dtype=dtype)
-        return (lambda: bik.log_softmax(x)), (lambda: torch.log_softmax(x, -1))
+    def inputs(device, dtype):
+        return (_randn(rows, vocab, device=device, dtype=dtype),)
 
     return Case(
-        "log_softmax", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * 2 * rows * vocab, make
+        "log_softmax",
+        f"rows={rows} V={vocab}",
+        5 * rows * vocab,
+        2 * 2 * rows * vocab,
+        inputs,
+        lambda x: bik.log_softmax(x),
+        lambda x: torch.log_softmax(x, -1),
     )
 
 
 def token_logprobs(rows: int, vocab: int) -> Case:
-    def make(device, dtype):
+    def inputs(device, dtype):
         x = _randn(rows, vocab, device=device, dtype=dtype)
-        tokens = torch.randint(vocab, (rows,), device=device)
+        return x, torch.randint(vocab, (rows,), device=device)
 
-        def baseline():
-            return torch.log_softmax(x.float(), -1).gather(-1, tokens[:, None])[:, 0]
-
-        return (lambda: bik.token_logprobs(x, tokens)), baseline
+    def baseline(x, tokens):
+        return torch.log_softmax(x.float(), -1).gather(-1, tokens[:, None])[:, 0]
 
     return Case(
-        "token_logprobs", f"rows={rows} V={vocab}", 5 * rows * vocab, 2 * rows * vocab, make
+        "token_logprobs",
+        f"rows={rows} V={vocab}",
+        5 * rows * vocab,
+        2 * rows * vocab,
+        inputs,
+        bik.token_logprobs,
+        baseline,
     )
 
 
-def attention(batch: int, heads: int, kv_heads: int, tq: int, tk: int, dim: int) -> Case:
+def attention(
+    batch: int, heads: int, kv_heads: int, tq: int, tk: int, dim: int, model: str = ""
+) -> Case:
     """Decode when tq == 1 (baseline: SDPA over the whole cache), else causal prefill."""
     causal = tq > 1
 
-    def make(device, dtype):
+    def inputs(device, dtype):
         q = _randn(batch, heads, tq, dim, device=device, dtype=dtype)
         k, v = (_randn(batch, kv_heads, tk, dim, device=device, dtype=dtype) for _ in range(2))
+        return q, k, v
 
-        def baseline():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-
-        return (lambda: bik.attention(q, k, v, causal=causal)), baseline
+    def baseline(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
     pairs = tq * tk / (2 if causal else 1)
     flops = 4 * batch * heads * pairs * dim
     traffic = 2 * (2 * batch * heads * tq * dim + 2 * batch * kv_heads * tk * dim)
     kind = "decode" if tq == 1 else "prefill"
+    label = f"B={batch} H={heads}/{kv_heads} Tq={tq} Tk={tk} D={dim}"
     return Case(
         f"attention_{kind}",
-        f"B={batch} H={heads}/{kv_heads} Tq={tq} Tk={tk} D={dim}",
+        label + (f" ({model})" if model else ""),
         flops,
         traffic,
-        make,
+        inputs,
+        lambda q, k, v: bik.attention(q, k, v, causal=causal),
+        baseline,
     )
 
 
@@ -141,22 +193,29 @@ def _plain_and_patched(config, device, dtype):
 def moe_block(tokens: int, hidden: int) -> Case:
     """One Qwen3-MoE sparse block (router + experts), patched vs transformers' own."""
 
-    def make(device, dtype):
+    def inputs(device, dtype):
         config = qwen3_config(hidden, 1, 1024, 64, moe=True)
         plain, patched = _plain_and_patched(config, device, dtype)
-        x = _randn(1, tokens, hidden, device=device, dtype=dtype)
+        return plain, patched, _randn(1, tokens, hidden, device=device, dtype=dtype)
 
-        def call(model):
-            with torch.no_grad():
-                return model.model.layers[0].mlp(x)
-
-        return (lambda: call(patched)), (lambda: call(plain))
+    def call(model, x):
+        with torch.no_grad():
+            return model.model.layers[0].mlp(x)
 
     inner = hidden // 2
     flops = 2 * tokens * (MOE_TOP_K * 3 * hidden * inner + MOE_EXPERTS * hidden)
     traffic = 2 * (MOE_EXPERTS * 3 * hidden * inner + 2 * tokens * hidden)
     label = f"T={tokens} hidden={hidden} experts={MOE_EXPERTS} top{MOE_TOP_K}"
-    return Case("moe_block", label, flops, traffic, make)
+    return Case(
+        "moe_block",
+        label,
+        flops,
+        traffic,
+        inputs,
+        lambda plain, patched, x: call(patched, x),
+        lambda plain, patched, x: call(plain, x),
+        rotate=False,
+    )
 
 
 def end_to_end(
@@ -172,29 +231,37 @@ def end_to_end(
     forward over ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after
     that prompt."""
 
-    def make(device, dtype):
+    def inputs(device, dtype):
         config = qwen3_config(hidden, layers, 32000, length + new_tokens, moe)
         plain, patched = _plain_and_patched(config, device, dtype)
-        ids = torch.randint(1, 32000, (batch, length), device=device)
+        return plain, patched, torch.randint(1, 32000, (batch, length), device=device)
 
-        def call(model):
-            with torch.no_grad():
-                if kind == "forward":
-                    return model(input_ids=ids).logits
-                return model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    pad_token_id=0,
-                )
-
-        return (lambda: call(patched)), (lambda: call(plain))
+    def call(model, ids):
+        with torch.no_grad():
+            if kind == "forward":
+                return model(input_ids=ids).logits
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
 
     tokens = batch * (length if kind == "forward" else new_tokens)
     op = f"e2e_moe_{kind}" if moe else f"e2e_{kind}"
-    return Case(op, f"B={batch} T={length} hidden={hidden} layers={layers}", 0, 0, make, tokens)
+    return Case(
+        op,
+        f"B={batch} T={length} hidden={hidden} layers={layers}",
+        0,
+        0,
+        inputs,
+        lambda plain, patched, ids: call(patched, ids),
+        lambda plain, patched, ids: call(plain, ids),
+        tokens,
+        rotate=False,
+    )
 
 
 def cpu_cases(quick: bool) -> list[Case]:
@@ -224,22 +291,52 @@ def cpu_cases(quick: bool) -> list[Case]:
     return cases
 
 
+# Linear layers of Llama / Qwen models from 1B to 8B, (model and layer, K, N) with
+# y = x @ W.T, W [N, K]; from the models' published configs (hidden, intermediate, heads,
+# KV heads, vocab).
+LINEAR_SHAPES = [
+    ("Llama-3.2-1B q/o", 2048, 2048),
+    ("Llama-3.2-1B gate/up", 2048, 8192),
+    ("Llama-3.2-1B down", 8192, 2048),
+    ("Qwen2.5-1.5B gate/up", 1536, 8960),
+    ("Qwen2.5-1.5B down", 8960, 1536),
+    ("Llama-3.1-8B q/o", 4096, 4096),
+    ("Llama-3.1-8B k/v", 4096, 1024),
+    ("Llama-3.1-8B gate/up", 4096, 14336),
+    ("Llama-3.1-8B down", 14336, 4096),
+    ("Qwen2.5-7B gate/up", 3584, 18944),
+    ("Qwen2.5-7B down", 18944, 3584),
+]
+DECODE_ROWS, PREFILL_ROWS = (1, 16, 64), (2048, 8192)  # M: decode batches, prefill tokens
+LM_HEAD = ("Llama-3.1-8B lm_head", 4096, 128256)
+
+
 def cuda_cases(quick: bool) -> list[Case]:
-    """Llama/Qwen 1-8B shapes: N, K in 2048-14336; decode over 1k-32k keys; prefill 512-8k."""
+    """Llama / Qwen 1-8B shapes: their linear layers at M <= 64 (decode) and M >= 2048
+    (prefill, training); GQA decode over 1k-32k keys, causal prefill of 512-8k tokens; RMSNorm
+    at hidden 2048-4096, log-softmax over 32k-152k vocabularies; a patched model end to end."""
     if quick:
-        return [linear(m, 4096, 4096) for m in (1, 64, 2048)] + [
+        return [linear(m, 4096, 4096, "Llama-3.1-8B q/o") for m in (1, 64, 2048)] + [
             rms_norm(2048, 4096),
             log_softmax(64, 32000),
-            attention(1, 32, 8, 1, 8192, 128),
+            attention(1, 32, 8, 1, 8192, 128, "Llama-3.1-8B"),
+            attention(1, 32, 8, 2048, 2048, 128, "Llama-3.1-8B"),
             end_to_end("decode", 4, 128, 1024, 4),
         ]
-    shapes = [(4096, 4096), (4096, 14336), (14336, 4096), (2048, 8192)]
-    cases = [linear(m, k, n) for k, n in shapes for m in (1, 8, 64, 256, 2048, 8192)]
-    cases += [rms_norm(r, d) for d in (2048, 4096) for r in (1, 256, 8192)]
-    cases += [log_softmax(r, v) for v in (32000, 152064) for r in (1, 256, 2048)]
-    cases += [token_logprobs(r, 152064) for r in (256, 2048)]
-    cases += [attention(b, 32, 8, 1, t, 128) for b in (1, 16) for t in (1024, 8192, 32768)]
-    cases += [attention(1, 32, 8, t, t, 128) for t in (512, 2048, 8192)]
+    rows = DECODE_ROWS + PREFILL_ROWS
+    cases = [linear(m, k, n, model) for model, k, n in LINEAR_SHAPES for m in rows]
+    cases += [linear(m, LM_HEAD[1], LM_HEAD[2], LM_HEAD[0]) for m in (1, 64, 2048)]
+    cases += [rms_norm(r, d) for d in (2048, 3584, 4096) for r in (1, 64, 2048, 8192)]
+    cases += [log_softmax(r, v) for v in (32000, 128256, 152064) for r in (1, 64, 2048)]
+    cases += [token_logprobs(r, v) for v in (128256, 152064) for r in (64, 2048)]
+    llama, qwen = (32, 8, "Llama-3.1-8B"), (28, 4, "Qwen2.5-7B")
+    cases += [
+        attention(b, h, kv, 1, t, 128, model)
+        for h, kv, model in (llama, qwen)
+        for b in (1, 16)
+        for t in (1024, 8192, 32768)
+    ]
+    cases += [attention(1, 32, 8, t, t, 128, "Llama-3.1-8B") for t in (512, 2048, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
     cases += [moe_block(t, 2048) for t in (1, 256, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8, moe=True)]
