@@ -9,7 +9,8 @@ validate their inputs, then ask :func:`resolve` for the backend of the tensors' 
 Names:
   "auto"      -- picks per device type from what is available (see ``_AUTO_ORDER``);
   "cpu"       -- C++ kernels (csrc/cpu), CPU tensors, when built;
-  "cuda"      -- CUDA kernels (csrc/cuda), CUDA tensors, when built (auto prefers triton);
+  "cuda"      -- CUDA kernels (csrc/cuda), CUDA tensors, when built: the portable reference
+                 kernels, not a performance path (auto prefers triton);
   "triton"    -- Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1;
   "reference" -- plain torch, the accuracy oracle (NOT batch-invariant).
 """
