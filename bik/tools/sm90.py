@@ -7,8 +7,13 @@ memory) can be checked on any machine. A launch is described by the backend itse
 here is the one a real launch of that shape would get, with the same specialisation.
 """
 
+import dataclasses
+import importlib
+import os
+import pickle
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -87,8 +92,7 @@ def _run_tool(tool: str, *args: str) -> str:
     ).stdout
 
 
-def compile_launch(launch) -> Binary:
-    """The sm_90a binary of ``launch`` (a :class:`~bik.backends.triton._common.Launch`)."""
+def _compile_here(launch) -> Binary:
     signature, constexprs, attrs = _specialize(launch.kernel, launch.args)
     source = triton.compiler.ASTSource(
         fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs
@@ -115,6 +119,61 @@ def compile_launch(launch) -> Binary:
     )
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def compile_launches(launches: list) -> list[Binary]:
+    """The sm_90a binaries of ``launches`` (:class:`~bik.backends.triton._common.Launch` es).
+
+    Under ``TRITON_INTERPRET=1`` (the CPU test suite) every ``triton.jit`` function, Triton's
+    own library included, is an interpreter function that cannot be compiled; the launches
+    are then compiled in one child process without the interpreter, each kernel found again
+    by its module and name.
+    """
+    if not _interpreting():
+        return [_compile_here(launch) for launch in launches]
+    described = [
+        (
+            launch.kernel.fn.__module__,
+            launch.kernel.fn.__name__,
+            dataclasses.replace(launch, kernel=None),
+        )
+        for launch in launches
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bik.tools.sm90"],
+        input=pickle.dumps(described),
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode:
+        raise RuntimeError(f"sm_90a compile failed:\n{done.stderr.decode()[-4000:]}")
+    return [Binary(**fields) for fields in pickle.loads(done.stdout)]
+
+
+def compile_launch(launch) -> Binary:
+    """The sm_90a binary of one launch (see :func:`compile_launches`)."""
+    return compile_launches([launch])[0]
+
+
+def _child() -> None:
+    """Compile the pickled (module, kernel name, launch) list from stdin, pickle the results."""
+    results = []
+    for module, name, launch in pickle.load(sys.stdin.buffer):
+        launch.kernel = getattr(importlib.import_module(module), name)
+        if "UPCAST" in launch.args:  # the interpreter's bf16 work-around; never on a GPU
+            launch.args["UPCAST"] = False
+        results.append(dataclasses.asdict(_compile_here(launch)))
+    sys.stdout.buffer.write(pickle.dumps(results))
+
+
 def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """A tensor with a shape, strides and dtype but no storage, to describe a launch."""
     return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+if __name__ == "__main__":
+    _child()

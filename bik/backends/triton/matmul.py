@@ -1,19 +1,61 @@
-"""Batch-invariant matmul: fixed tiles, ascending BLOCK_K loop, one fp32 accumulator.
+"""Batch-invariant matmul: one fp32 accumulator per output element, fed in ascending K.
 
-The plain and the grouped (mixture-of-experts) kernel share one tile loop,
-:func:`_tile_product`, so an output element gets the same instructions in the same order in
-both: only where a tile's rows and weight matrix come from differs.
+Two kernels; which one runs depends on the dtype and the weight's layout alone, never on the
+number of rows, so a row's bits do not change with the batch:
+
+- ``_linear_kernel`` (bf16 / fp16, one weight for every row, stored K-contiguous as
+  ``nn.Linear`` keeps it, rows that TMA can describe): persistent, fed by TMA (tensor
+  descriptors), software pipelined. Operands are swapped so that the weight is the MMA's M
+  side (``BLOCK_W`` output features, a function of N) and the tokens its N side
+  (``BLOCK_T``). The row count picks a token bucket (:data:`TOKEN_BUCKETS`) that changes only
+  ``BLOCK_T``, warps and stages; each output element is still one accumulator over the same
+  ascending K tiles. On Hopper every bucket compiles to ``HGMMA.64xNx16`` with N from 16 to
+  256 (tests/test_sm90.py). No document promises that the instruction's N cannot change an
+  element's bits, so the interpreter tests compare every bucket with single-row runs, and on
+  a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use and falls
+  back to the single-row bucket for every row count if it fails.
+- ``_matmul_kernel`` (every other case: fp32, per-batch weights, N-contiguous ``b``, strides
+  TMA cannot take): fixed 64 x 64 tiles, the same for every M. The grouped
+  (mixture-of-experts) kernel shares its tile loop, :func:`_tile_product`.
 """
+
+import warnings
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...contract import MATMUL_BLOCK_K
-from ._common import Launch, aligned, dot_acc, upcast_dot_operands
+from ._common import ALIGNMENT, Launch, aligned, dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
+
+
+class TokenBucket(NamedTuple):
+    """The launch shape of ``_linear_kernel`` for up to ``max_rows`` rows (``None``: any)."""
+
+    max_rows: int | None
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+
+# Small batches (decode) get a narrow token tile, big ones (prefill) a wide one; the weight
+# side and the K order stay the same.
+TOKEN_BUCKETS = (
+    TokenBucket(16, 16, 4, 4),
+    TokenBucket(32, 32, 4, 4),
+    TokenBucket(64, 64, 4, 4),
+    TokenBucket(128, 128, 8, 4),
+    TokenBucket(None, 256, 8, 3),
+)
+LINEAR_BLOCK_K = 64  # K tile of _linear_kernel: 128-byte rows in bf16, TMA's widest swizzle
+GROUP_T = 8  # token tiles visited together, so a weight tile is reused from L2
+HOPPER_SMS = 132  # programs of a persistent launch described without a device (H100 SXM)
+SELF_CHECK_DEVICES = ("cuda",)  # where buckets_agree runs before a shape's first use
 
 
 @triton.jit
@@ -101,6 +143,156 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _linear_kernel(
+    w_desc,
+    x_desc,
+    out_desc,
+    bias_ptr,
+    M,
+    N,
+    K,
+    num_programs,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_T: tl.constexpr,
+):
+    """``out [M, N] = x [M, K] @ w [N, K]^T (+ bias)``, computed as ``w @ x^T`` tile by tile.
+
+    Persistent: program p takes tiles p, p + num_programs, ...; which program computes a tile
+    never changes how. Tiles are visited in groups of GROUP_T token tiles per weight tile.
+    """
+    w_tiles = tl.cdiv(N, BLOCK_W)
+    tiles = w_tiles * tl.cdiv(M, BLOCK_T)
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=True):
+        group_first = tile // (GROUP_T * w_tiles) * GROUP_T
+        group_size = tl.minimum(tl.cdiv(M, BLOCK_T) - group_first, GROUP_T)
+        in_group = tile % (GROUP_T * w_tiles)
+        t0 = (group_first + in_group % group_size) * BLOCK_T
+        w0 = in_group // group_size * BLOCK_W
+        # The only reduction: ascending BLOCK_K tiles into one fp32 accumulator. TMA fills
+        # out-of-range K with zeros, which add exact zeros at the same place for every row.
+        acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_desc.load([w0, k0])
+            x = x_desc.load([t0, k0])
+            acc = dot_acc(w, tl.trans(x), acc, UPCAST)
+        if HAS_BIAS:  # epilogue in fp32, then the one rounding to the output dtype
+            features = w0 + tl.arange(0, BLOCK_W)
+            bias = tl.load(bias_ptr + features, mask=features < N, other=0.0)
+            acc += bias.to(tl.float32)[:, None]
+        out_desc.store([t0, w0], tl.trans(acc).to(out_desc.dtype))
+
+
+def weight_block(n: int) -> int:
+    """Output features per tile of ``_linear_kernel``: a function of N only."""
+    return 64 if n <= 4096 else 128
+
+
+def token_bucket(rows: int) -> TokenBucket:
+    """The bucket ``rows`` rows run in."""
+    return next(b for b in TOKEN_BUCKETS if b.max_rows is None or rows <= b.max_rows)
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    if device.type == "cuda":
+        return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(tiles, HOPPER_SMS if device.type == "meta" else 4)
+
+
+def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
+    """The launch computing ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])``."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_w = weight_block(n)
+
+    def descriptor(tensor, block):
+        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
+
+    tiles = triton.cdiv(n, block_w) * triton.cdiv(rows, bucket.block_t)
+    programs = _programs(x.device, tiles)
+    return Launch(
+        _linear_kernel,
+        (programs,),
+        dict(
+            w_desc=descriptor(weight, [block_w, LINEAR_BLOCK_K]),
+            x_desc=descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
+            out_desc=descriptor(out, [bucket.block_t, block_w]),
+            bias_ptr=bias if bias is not None else weight,
+            M=rows,
+            N=n,
+            K=k,
+            num_programs=programs,
+            HAS_BIAS=bias is not None,
+            UPCAST=upcast_dot_operands(x.dtype),
+            BLOCK_W=block_w,
+            BLOCK_T=bucket.block_t,
+            BLOCK_K=LINEAR_BLOCK_K,
+            GROUP_T=GROUP_T,
+        ),
+        num_warps=bucket.num_warps,
+        num_stages=bucket.num_stages,
+    )
+
+
+def takes_tma(weight: torch.Tensor) -> bool:
+    """Whether ``weight [N, K]`` suits ``_linear_kernel``: 16-bit (fp32's IEEE dot runs on FMA
+    units, and at these tiles it spills and outgrows shared memory), K-contiguous, and rows
+    (its own, and the activations' and outputs') whose strides are multiples of 16 bytes."""
+    size = weight.element_size()
+    return (
+        size == 2
+        and weight.stride(1) == 1
+        and (weight.stride(0) * size) % ALIGNMENT == 0
+        and (weight.shape[1] * size) % ALIGNMENT == 0
+        and (weight.shape[0] * size) % ALIGNMENT == 0
+    )
+
+
+def _run_linear(x, weight, bias, bucket: TokenBucket) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    linear_launch(x, weight, bias, out, bucket)()
+    return out
+
+
+def buckets_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether every token bucket gives each row the bits the single-row bucket gives it, for
+    this weight's (N, K, dtype): random rows through each bucket against the smallest."""
+    rows = TOKEN_BUCKETS[-2].max_rows + 1  # reaches the last bucket
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=generator, device=weight.device)
+    x = x.to(weight.dtype)
+    single = _run_linear(x, weight, bias, TOKEN_BUCKETS[0])
+    return all(
+        torch.equal(_run_linear(x[: b.max_rows or rows], weight, bias, b), single[: b.max_rows])
+        for b in TOKEN_BUCKETS[1:]
+    )
+
+
+_bucket_check: dict[tuple, bool] = {}
+
+
+def _bucket(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenBucket:
+    """The token bucket for ``rows``, once :func:`buckets_agree` has passed for this (N, K,
+    dtype, device) on a device that needs the check; the single-row bucket if it failed."""
+    if weight.device.type not in SELF_CHECK_DEVICES:
+        return token_bucket(rows)
+    key = (*weight.shape, weight.dtype, weight.device)
+    if key not in _bucket_check:
+        _bucket_check[key] = buckets_agree(weight, bias)
+        if not _bucket_check[key]:
+            warnings.warn(
+                f"bik triton matmul: token buckets disagree for (N, K) = {tuple(weight.shape)}, "
+                f"{weight.dtype} on {weight.device}; every row count uses the single-row "
+                "bucket for this shape (bit-exact, slower)",
+                stacklevel=3,
+            )
+    return token_bucket(rows) if _bucket_check[key] else TOKEN_BUCKETS[0]
+
+
 def matmul_launch(a, b, bias, out) -> Launch:
     """The launch computing ``out [B, M, N] = a [B, M, K] @ b [B or 1, K, N] (+ bias [N])``."""
     batch, m, k = a.shape
@@ -136,6 +328,13 @@ def matmul_launch(a, b, bias, out) -> Launch:
 
 def matmul(a, b, bias):
     """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
+    batch, m, k = a.shape
+    weight = b[0].t()  # [N, K]
+    if b.shape[0] == 1 and takes_tma(weight):
+        x = aligned(a.reshape(batch * m, k).contiguous())
+        weight, bias = aligned(weight), bias if bias is None else aligned(bias)
+        out = _run_linear(x, weight, bias, _bucket(batch * m, weight, bias))
+        return out.reshape(batch, m, -1)
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     matmul_launch(aligned(a), aligned(b), bias if bias is None else aligned(bias), out)()
     return out
@@ -213,33 +412,42 @@ def _row_tiles(offsets, rows):
     return torch.where(used, group, -1), start, end
 
 
+def grouped_matmul_launch(a, b, offsets, out) -> Launch:
+    """The launch computing rows ``offsets[g]:offsets[g+1]`` of ``out [R, N]`` as those rows of
+    ``a [R, K]`` times ``b[g] [K, N]`` (``b [G, K, N]``, any strides)."""
+    rows, k = a.shape
+    n = b.shape[2]
+    tile_group, tile_start, tile_end = _row_tiles(offsets, rows)
+    return Launch(
+        _grouped_matmul_kernel,
+        (tile_group.numel(), triton.cdiv(n, BLOCK_N)),
+        dict(
+            a_ptr=a,
+            b_ptr=b,
+            c_ptr=out,
+            tile_group_ptr=tile_group,
+            tile_start_ptr=tile_start,
+            tile_end_ptr=tile_end,
+            N=n,
+            K=k,
+            stride_am=a.stride(0),
+            stride_ak=a.stride(1),
+            stride_bg=b.stride(0),
+            stride_bk=b.stride(1),
+            stride_bn=b.stride(2),
+            stride_cm=out.stride(0),
+            stride_cn=out.stride(1),
+            UPCAST=upcast_dot_operands(a.dtype),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+        ),
+    )
+
+
 def grouped_matmul(a, b, offsets):
     """Rows ``offsets[g]:offsets[g+1]`` of ``a [R, K]`` times ``b[g] [K, N]`` (``b [G, K, N]``,
     any strides) -> ``[R, N]`` in a's dtype."""
-    rows, k = a.shape
-    n = b.shape[2]
-    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    tile_group, tile_start, tile_end = _row_tiles(offsets, rows)
-    grid = (tile_group.numel(), triton.cdiv(n, BLOCK_N))
-    _grouped_matmul_kernel[grid](
-        a,
-        b,
-        out,
-        tile_group,
-        tile_start,
-        tile_end,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        out.stride(0),
-        out.stride(1),
-        UPCAST=upcast_dot_operands(a.dtype),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-    )
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    grouped_matmul_launch(aligned(a), aligned(b), offsets, out)()
     return out

@@ -1,0 +1,127 @@
+"""The Triton linear kernel's token buckets: every bucket gives a row its single-row bits.
+
+``_linear_kernel`` (bf16 / fp16 weights that TMA can describe) changes its token tile, warps
+and stages with the row count; these tests run it in the interpreter and check that no bucket
+changes a row's bits, that the shape-level self-check and its fallback work, and that views
+with unaligned storage are computed like aligned ones.
+"""
+
+import importlib
+
+import pytest
+import torch
+from conftest import invariant_backends
+from helpers import assert_bitwise, assert_close_to_reference, randn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bik
+
+pytestmark = pytest.mark.skipif(
+    "triton" not in invariant_backends(torch.device("cpu")), reason="triton backend not usable"
+)
+
+matmul = importlib.import_module("bik.backends.triton.matmul")
+HALF = [torch.bfloat16, torch.float16]
+PROBE_ROWS = 300  # two tiles of the widest bucket, the second one a tail
+# Row counts at every bucket edge, and one past it.
+EDGES = sorted({1} | {b.max_rows + d for b in matmul.TOKEN_BUCKETS[:-1] for d in (0, 1)})
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    with bik.use_backend("triton"):
+        yield
+
+
+@pytest.fixture
+def bucket_spy(monkeypatch):
+    """The token bucket of every linear launch, in order."""
+    seen = []
+    run = matmul._run_linear
+
+    def spy(x, weight, bias, bucket):
+        seen.append(bucket)
+        return run(x, weight, bias, bucket)
+
+    monkeypatch.setattr(matmul, "_run_linear", spy)
+    return seen
+
+
+@settings(max_examples=6)
+@given(
+    dtype=st.sampled_from(HALF),
+    n=st.integers(1, 17).map(lambda i: 8 * i),
+    k=st.integers(1, 20).map(lambda i: 8 * i),
+    bias=st.booleans(),
+)
+def test_every_bucket_gives_the_single_row_bucket_bits(dtype, n, k, bias):
+    weight, x = randn((n, k), dtype, seed=1), randn((PROBE_ROWS, k), dtype, seed=2)
+    b = randn((n,), dtype, seed=3) if bias else None
+    single = matmul._run_linear(x, weight, b, matmul.TOKEN_BUCKETS[0])
+    for bucket in matmul.TOKEN_BUCKETS[1:]:
+        rows = bucket.max_rows or x.shape[0]
+        got = matmul._run_linear(x[:rows], weight, b, bucket)
+        assert_bitwise(got, single[:rows], f"bucket {bucket.block_t} vs 16, n={n} k={k}")
+    reference = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    assert_close_to_reference(single, reference, dtype, "linear vs float64")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_rows_keep_their_bits_across_bucket_edges(dtype, bucket_spy):
+    weight, bias = randn((72, 96), dtype, seed=4), randn((72,), dtype, seed=5)
+    x = randn((EDGES[-1], 96), dtype, seed=6)
+    alone = {i: bik.linear(x[i : i + 1], weight, bias) for i in (0, 15, 16, 63, EDGES[-1] - 1)}
+    for rows in EDGES:
+        batched = bik.linear(x[:rows], weight, bias)
+        for i, row in alone.items():
+            if i < rows:
+                assert_bitwise(batched[i : i + 1], row, f"row {i} of {rows}")
+    assert {b.block_t for b in bucket_spy} == {b.block_t for b in matmul.TOKEN_BUCKETS}
+
+
+def test_fp32_and_untma_able_shapes_take_the_tile_kernel(bucket_spy):
+    bik.linear(randn((3, 64), torch.float32, 7), randn((32, 64), torch.float32, 8))
+    bik.linear(randn((3, 60), torch.bfloat16, 7), randn((32, 60), torch.bfloat16, 8))  # K*2 % 16
+    assert bucket_spy == []
+    bik.linear(randn((3, 64), torch.bfloat16, 7), randn((32, 64), torch.bfloat16, 8))
+    assert bucket_spy == [matmul.TOKEN_BUCKETS[0]]
+
+
+def test_buckets_agree_in_the_interpreter():
+    assert matmul.buckets_agree(randn((40, 48), torch.bfloat16, 9))
+
+
+def test_a_failed_bucket_check_falls_back_to_the_single_row_bucket(monkeypatch, bucket_spy):
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "_bucket_check", {})
+    monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: False)
+    weight, x = randn((24, 32), torch.bfloat16, 10), randn((100, 32), torch.bfloat16, 11)
+    with pytest.warns(UserWarning, match=r"buckets disagree for \(N, K\) = \(24, 32\)"):
+        batched = bik.linear(x, weight)
+    bik.linear(x, weight)  # checked once per shape: no second warning, same bucket
+    assert bucket_spy == [matmul.TOKEN_BUCKETS[0]] * 2
+    assert_bitwise(batched[99:], bik.linear(x[99:], weight), "last row")
+
+
+def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
+    calls = []
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "_bucket_check", {})
+    monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: calls.append(1) or True)
+    weight = randn((24, 32), torch.bfloat16, 10)
+    for rows in (1, 100, 300):
+        bik.linear(randn((rows, 32), torch.bfloat16, 12), weight)
+    assert calls == [1]
+    assert [b.block_t for b in bucket_spy] == [16, 128, 256]
+
+
+def test_an_unaligned_view_gives_the_aligned_bits():
+    storage = randn((1 + 5 * 64,), torch.bfloat16, 13)
+    view = storage[1:].view(5, 64)  # 2 bytes past a 16-byte boundary
+    assert view.data_ptr() % 16 != 0
+    weight = randn((32, 64), torch.bfloat16, 14)
+    assert_bitwise(bik.linear(view, weight), bik.linear(view.clone(), weight), "unaligned view")
+    common = importlib.import_module("bik.backends.triton._common")
+    assert common.aligned(view).data_ptr() % 16 == 0
+    assert common.aligned(storage) is storage

@@ -1,0 +1,100 @@
+"""Hopper (sm_90a) proof on a machine with no GPU: the matmul launches bik makes, compiled by
+the Triton wheel's own ptxas, use the instructions the design relies on.
+
+- the linear kernel: HGMMA (wgmma) at every token bucket, never HMMA; TMA loads; no
+  local-memory spills; shared memory within Hopper's 227 KiB;
+- a row count never changes the binary inside a bucket (no specialisation on M);
+- the tile and grouped kernels: HGMMA for 16-bit inputs, FMA (IEEE, never TF32) for fp32.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+sm90 = pytest.importorskip("bik.tools.sm90")
+if not (sm90.TOOLS / "ptxas").exists():
+    pytest.skip("the triton wheel ships no ptxas", allow_module_level=True)
+
+matmul = importlib.import_module("bik.backends.triton.matmul")
+HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use on sm_90
+
+
+def linear(rows, n, k, dtype=torch.bfloat16, bucket=None):
+    x, out = sm90.meta(rows, k, dtype=dtype), sm90.meta(rows, n, dtype=dtype)
+    weight, bias = sm90.meta(n, k, dtype=dtype), sm90.meta(n, dtype=dtype)
+    return matmul.linear_launch(x, weight, bias, out, bucket or matmul.token_bucket(rows))
+
+
+def tile_matmul(rows, n, k, dtype):
+    a, out = sm90.meta(1, rows, k, dtype=dtype), sm90.meta(1, rows, n, dtype=dtype)
+    b = sm90.meta(n, k, dtype=dtype).t().unsqueeze(0)
+    return matmul.matmul_launch(a, b, None, out)
+
+
+def grouped():
+    a, out = sm90.meta(512, 4096), sm90.meta(512, 1024)
+    b = sm90.meta(8, 1024, 4096).transpose(1, 2)
+    offsets = torch.zeros(9, dtype=torch.int64, device="meta")
+    return matmul.grouped_matmul_launch(a, b, offsets, out)
+
+
+LAUNCHES = {
+    **{
+        ("linear", n, b.block_t): linear(b.max_rows or 4096, n, 4096, bucket=b)
+        for n in (4096, 14336)
+        for b in matmul.TOKEN_BUCKETS
+    },
+    "linear fp16": linear(1, 4096, 4096, torch.float16),
+    "linear M=13": linear(13, 4096, 4096),
+    "linear M=300": linear(300, 4096, 4096),
+    "linear M=8192": linear(8192, 4096, 4096),
+    **{("tile", rows): tile_matmul(rows, 256, 4096, torch.bfloat16) for rows in (1, 17, 4096)},
+    "tile fp32": tile_matmul(64, 256, 4096, torch.float32),
+    "grouped": grouped(),
+}
+
+
+@pytest.fixture(scope="module")
+def binary():
+    """Every launch above compiled for sm_90a, in one go."""
+    return dict(zip(LAUNCHES, sm90.compile_launches(list(LAUNCHES.values()))))
+
+
+def assert_hopper_grade(binary):
+    assert binary.mma and all(m.startswith("HGMMA.64x") for m in binary.mma), binary.mma
+    assert binary.count("HMMA") == 0
+    assert binary.local_bytes == 0, f"spills: {binary.local_bytes} bytes of local memory"
+    assert binary.shared_bytes <= HOPPER_SHARED_BYTES
+
+
+@pytest.mark.parametrize("bucket", matmul.TOKEN_BUCKETS, ids=lambda b: f"T{b.block_t}")
+@pytest.mark.parametrize("n", [4096, 14336])
+def test_linear_uses_wgmma_and_tma_at_every_bucket(binary, bucket, n):
+    compiled = binary["linear", n, bucket.block_t]
+    assert_hopper_grade(compiled)
+    assert compiled.count("UTMALDG") > 0, "operands should arrive by TMA"
+    assert (compiled.num_warps, compiled.num_stages) == (bucket.num_warps, bucket.num_stages)
+
+
+def test_linear_fp16_uses_wgmma(binary):
+    assert_hopper_grade(binary["linear fp16"])
+
+
+def test_the_row_count_never_changes_the_binary_inside_a_bucket(binary):
+    assert binary["linear", 4096, 16].code() == binary["linear M=13"].code()  # M = 16 vs 13
+    assert binary["linear M=300"].code() == binary["linear M=8192"].code()
+
+
+def test_tile_kernel_is_one_binary_for_every_row_count_and_uses_wgmma(binary):
+    assert_hopper_grade(binary["tile", 1])
+    assert len({binary["tile", rows].code() for rows in (1, 17, 4096)}) == 1
+
+
+def test_fp32_matmul_is_ieee_fma_not_tf32(binary):
+    assert not binary["tile fp32"].mma, "fp32 must not run on tensor cores (TF32)"
+    assert binary["tile fp32"].count("FFMA") > 0
+
+
+def test_grouped_kernel_uses_wgmma(binary):
+    assert_hopper_grade(binary["grouped"])
