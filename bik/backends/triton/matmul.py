@@ -6,11 +6,11 @@ number of rows, so a row's bits do not change with the batch:
 - ``_linear_kernel`` (bf16 / fp16, one weight for every row, stored K-contiguous as
   ``nn.Linear`` keeps it, rows that TMA can describe): persistent, fed by TMA (tensor
   descriptors), software pipelined. Operands are swapped so that the weight is the MMA's M
-  side (``BLOCK_W`` output features, a function of N) and the tokens its N side
+  side (``BLOCK_W`` = 64 output features for every N) and the tokens its N side
   (``BLOCK_T``). The row count picks a token bucket (:data:`TOKEN_BUCKETS`) that changes only
   ``BLOCK_T``, warps and stages; each output element is still one accumulator over the same
   ascending K tiles. On Hopper every bucket compiles to ``HGMMA.64xNx16`` with N from 16 to
-  256 (tests/test_sm90.py). No document promises that the instruction's N cannot change an
+  128 (tests/test_sm90.py). No document promises that the instruction's N cannot change an
   element's bits, so the interpreter tests compare every bucket with single-row runs, and on
   a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use and falls
   back to the single-row bucket for every row count if it fails.
@@ -52,6 +52,9 @@ TOKEN_BUCKETS = (
     TokenBucket(128, 128, 8, 4),
     TokenBucket(None, 256, 8, 3),
 )
+# Output features per tile: one m64 wgmma, for every N, so a fused projection (q/k/v in one
+# weight, as vLLM keeps it) gives each feature the bits of the separate ones.
+LINEAR_BLOCK_W = 64
 LINEAR_BLOCK_K = 64  # K tile of _linear_kernel: 128-byte rows in bf16, TMA's widest swizzle
 GROUP_T = 8  # token tiles visited together, so a weight tile is reused from L2
 HOPPER_SMS = 132  # programs of a persistent launch described without a device (H100 SXM)
@@ -187,11 +190,6 @@ def _linear_kernel(
         out_desc.store([t0, w0], tl.trans(acc).to(out_desc.dtype))
 
 
-def weight_block(n: int) -> int:
-    """Output features per tile of ``_linear_kernel``: a function of N only."""
-    return 64 if n <= 4096 else 128
-
-
 def token_bucket(rows: int) -> TokenBucket:
     """The bucket ``rows`` rows run in."""
     return next(b for b in TOKEN_BUCKETS if b.max_rows is None or rows <= b.max_rows)
@@ -207,20 +205,19 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
     """The launch computing ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])``."""
     rows, k = x.shape
     n = weight.shape[0]
-    block_w = weight_block(n)
 
     def descriptor(tensor, block):
         return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
 
-    tiles = triton.cdiv(n, block_w) * triton.cdiv(rows, bucket.block_t)
+    tiles = triton.cdiv(n, LINEAR_BLOCK_W) * triton.cdiv(rows, bucket.block_t)
     programs = _programs(x.device, tiles)
     return Launch(
         _linear_kernel,
         (programs,),
         dict(
-            w_desc=descriptor(weight, [block_w, LINEAR_BLOCK_K]),
+            w_desc=descriptor(weight, [LINEAR_BLOCK_W, LINEAR_BLOCK_K]),
             x_desc=descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
-            out_desc=descriptor(out, [bucket.block_t, block_w]),
+            out_desc=descriptor(out, [bucket.block_t, LINEAR_BLOCK_W]),
             bias_ptr=bias if bias is not None else weight,
             M=rows,
             N=n,
@@ -228,7 +225,7 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
             num_programs=programs,
             HAS_BIAS=bias is not None,
             UPCAST=upcast_dot_operands(x.dtype),
-            BLOCK_W=block_w,
+            BLOCK_W=LINEAR_BLOCK_W,
             BLOCK_T=bucket.block_t,
             BLOCK_K=LINEAR_BLOCK_K,
             GROUP_T=GROUP_T,
