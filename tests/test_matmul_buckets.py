@@ -125,3 +125,13 @@ def test_an_unaligned_view_gives_the_aligned_bits():
     common = importlib.import_module("bik.backends.triton._common")
     assert common.aligned(view).data_ptr() % 16 == 0
     assert common.aligned(storage) is storage
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_a_fused_projection_gives_the_separate_projections_bits(rows):
+    # vLLM keeps q/k/v (and gate/up) as one weight; transformers as separate ones.
+    parts = [randn((n, 64), torch.bfloat16, 20 + n) for n in (128, 32, 32)]
+    x = randn((rows, 64), torch.bfloat16, 15)
+    fused = bik.linear(x, torch.cat(parts))
+    separate = torch.cat([bik.linear(x, w) for w in parts], dim=-1)
+    assert_bitwise(fused, separate, "fused q/k/v vs separate")
