@@ -116,6 +116,16 @@ def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
     assert [b.block_t for b in bucket_spy] == [16, 128, 256]
 
 
+def test_an_unchecked_shape_uses_the_single_row_bucket_while_a_graph_records(
+    monkeypatch, bucket_spy
+):
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "_bucket_check", {})
+    monkeypatch.setattr(matmul, "_capturing", lambda device: True)
+    bik.linear(randn((100, 32), torch.bfloat16, 12), randn((24, 32), torch.bfloat16, 10))
+    assert bucket_spy == [matmul.TOKEN_BUCKETS[0]] and matmul._bucket_check == {}
+
+
 def test_an_unaligned_view_gives_the_aligned_bits():
     storage = randn((1 + 5 * 64,), torch.bfloat16, 13)
     view = storage[1:].view(5, 64)  # 2 bytes past a 16-byte boundary

@@ -272,12 +272,18 @@ def buckets_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) -> boo
 _bucket_check: dict[tuple, bool] = {}
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _bucket(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenBucket:
     """The token bucket for ``rows``, once :func:`buckets_agree` has passed for this (N, K,
     dtype, device) on a device that needs the check; the single-row bucket if it failed."""
     if weight.device.type not in SELF_CHECK_DEVICES:
         return token_bucket(rows)
     key = (*weight.shape, weight.dtype, weight.device)
+    if key not in _bucket_check and _capturing(weight.device):
+        return TOKEN_BUCKETS[0]  # no host sync while a CUDA graph records: check it later
     if key not in _bucket_check:
         _bucket_check[key] = buckets_agree(weight, bias)
         if not _bucket_check[key]:
