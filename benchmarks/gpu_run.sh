@@ -1,18 +1,323 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one call: build bik with the CUDA backend, run the whole test suite on
-# the GPU (the invariance suite runs on every backend that can use the device), and benchmark.
-# Writes benchmarks/results/<gpu>-<date>.{json,md,png}. Needs a CUDA build of torch installed.
-# Usage: bash benchmarks/gpu_run.sh [PYTHON] [extra bench args, e.g. --quick]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${1:-python3}
-shift || true
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
-BIK_BUILD_CUDA=1 "$PY" -m pip install --quiet -e ".[dev]"
-"$PY" -c "import bik.backends.cuda" # fails loudly if the CUDA backend did not build
-"$PY" -m pytest -q tests
-gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
-out="benchmarks/results/${gpu}-$(date +%F)"
-"$PY" -m bik bench --device cuda --dtypes bfloat16 float32 --json "$out.json" --markdown "$out.md" \
-  --plot "$out.png" "$@"
-echo "wrote $out.json $out.md $out.png"
+# bik on a GPU machine, in steps that each end inside a 10-minute command and can run as
+# separate commands. Needs a CUDA build of torch, Triton, transformers, pytest and hypothesis
+# installed (pybind11, setuptools and nvcc to build); installs nothing from the network.
+#
+#   bash benchmarks/gpu_run.sh env                 versions, GPU, nvcc (seconds)
+#   bash benchmarks/gpu_run.sh build               install bik with its C++ and CUDA backends
+#   bash benchmarks/gpu_run.sh test [PART] [-- PYTEST ARGS]
+#        PART: all (default; the whole suite), kernels, models (hf / verify / vllm),
+#        rl (rl_harness, distributed, cli, bench); after `--`, pytest arguments replace PART's
+#        files (e.g. `test -- tests/test_gpu.py -k decode`); `files PART` lists a part's files
+#   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
+#        GROUP: matmul (linear), attention (decode, prefill), rows (rms_norm, log_softmax,
+#        token_logprobs), e2e (patched models, MoE), quick (every op, small), all (long);
+#        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
+#
+# Every step but env builds bik first when this tree is not built yet (a fresh machine), in
+# the same time budget. Run one step per command: each stops itself after BIK_STEP_SECONDS
+# (default 540) counted from its start, keeping what it has (pytest's summary and JUnit XML,
+# the bench records so far), so a 10-minute command limit is never hit.
+#
+# Outputs, in ${OUT:-benchmarks/results} (at most 5 files per step, the build log included), named <gpu>-<what>-<date>:
+#   env:   <gpu>-env-<date>.txt
+#   build: <gpu>-build-<date>.log (pip's full output, then which backends load)
+#   test:  <gpu>-test-<part>-<date>.{log,xml} (the pytest log with a failure/skip summary and
+#          the slowest tests; JUnit XML of every test)
+#   bench: <gpu>-<group>-<date>.{json,md,png,log} (with BIK_BACKEND=cuda:
+#          <gpu>-<group>-cuda-<date>.*, the portable reference backend)
+# The bench JSON and markdown record the torch, Triton and CUDA versions, the GPU's L2 size
+# and SM count, and the peaks (torch matmul TFLOP/s, copy GB/s) measured in the same run.
+#
+# Environment: PYTHON (default python3), OUT, BIK_STEP_SECONDS, BIK_TEST_WORKERS (pytest-xdist
+# workers when xdist is installed, default 4, 0 = none), BIK_TEST_TIMEOUT (seconds per test
+# when pytest-timeout is installed, default 300), BIK_BENCH_DTYPES (default
+# "bfloat16 float32"), BIK_BACKEND (bench another backend than the default, e.g. cuda).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT:-benchmarks/results}
+STEP_SECONDS=${BIK_STEP_SECONDS:-540}
+START=$(date +%s)
+DATE=$(date +%F)
+STAMP=build/gpu_run.stamp
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this tree's bik, in every subprocess too
+unset TRITON_INTERPRET # the Triton kernels must compile for the GPU, not run interpreted
+mkdir -p "$OUT_DIR" build
+
+die() {
+  echo "gpu_run.sh: $*" >&2
+  exit 1
+}
+
+usage() {
+  sed -n '2,/^set -uo/p' "$ROOT/benchmarks/gpu_run.sh" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit "${1:-0}"
+}
+
+# nvcc is often installed off the PATH (setup.py calls it by name)
+if ! command -v nvcc >/dev/null; then
+  for dir in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+    if [ -x "$dir/nvcc" ]; then
+      export PATH="$dir:$PATH"
+      break
+    fi
+  done
+fi
+
+remaining() { echo $((STEP_SECONDS - ($(date +%s) - START))); }
+
+need_gpu() { # sets TAG, the GPU's name for file names (nvidia-h100-80gb-hbm3), or exits
+  TAG=$("$PY" -c "
+import re, sys, torch
+if not torch.cuda.is_available():
+    sys.exit(f'torch {torch.__version__} sees no CUDA device')
+print(re.sub(r'[^a-z0-9._-]+', '-', torch.cuda.get_device_name().lower()).strip('-'))
+") || die "no usable CUDA device for $PY"
+  [ -n "$TAG" ] || die "no GPU name from $PY"
+}
+
+source_hash() {
+  { echo "$PY $("$PY" -c 'import sys; print(sys.executable)')"; cat setup.py pyproject.toml \
+    $(find csrc -type f | sort); } | sha256sum | cut -d' ' -f1
+}
+
+report_env() {
+  echo "date: $(date -u +%FT%TZ)"
+  echo "host: $(uname -a)"
+  echo "cpus: $(nproc)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+      --format=csv 2>&1
+  else
+    echo "nvidia-smi: not found"
+  fi
+  echo "nvcc: $(command -v nvcc || echo 'not found')"
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  "$PY" - <<'EOF'
+import importlib.metadata
+import sys
+
+import torch
+
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    l2 = getattr(p, "L2_cache_size", 0)
+    print(
+        f"gpu {p.name}: capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+        f"{p.total_memory / 2**30:.1f} GiB, L2 {l2 / 2**20:.1f} MiB"
+    )
+for name in ("triton", "transformers", "numpy", "pybind11", "setuptools", "pytest",
+             "hypothesis", "pytest-xdist", "pytest-timeout", "matplotlib", "vllm"):
+    try:
+        print(name, importlib.metadata.version(name))
+    except importlib.metadata.PackageNotFoundError:
+        print(name, "not installed")
+EOF
+}
+
+# Which backends load and what "auto" picks on the GPU, plus one call of each GPU backend.
+check_backends() {
+  "$PY" - <<'EOF'
+import os
+import sys
+
+import torch
+
+import bik
+from bik import backends
+
+here = os.path.dirname(bik.__file__)
+print("bik", bik.__version__, "from", here)
+ok = here == os.path.join(os.getcwd(), "bik")
+for name, device in (("cpu", "cpu"), ("triton", "cuda"), ("cuda", "cuda")):
+    try:
+        backend = backends.load(name)
+        backend.check_device(torch.device(device))
+        x = torch.randn(3, 64, device=device)
+        w = torch.randn(16, 64, device=device)
+        with bik.use_backend(name):
+            bik.linear(x, w), bik.rms_norm(x, torch.ones(64, device=device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        print(f"backend {name}: loads and runs on {device}")
+    except Exception as error:  # report every backend, then fail
+        print(f"backend {name}: FAILED: {type(error).__name__}: {error}")
+        ok = False
+print("auto on cuda ->", backends.resolve(torch.device("cuda")).name)
+sys.exit(0 if ok else 1)
+EOF
+}
+
+do_build() { # $1: log file
+  local log=$1 rc
+  {
+    report_env
+    echo
+    echo "== BIK_BUILD_CUDA=1 BIK_REQUIRE_CPU=1 pip install --no-index --no-build-isolation --no-deps -e ."
+  } >"$log" 2>&1
+  rm -f "$STAMP"
+  BIK_BUILD_CUDA=1 BIK_REQUIRE_CPU=1 "$PY" -m pip install -v --no-index --no-build-isolation \
+    --no-deps -e . >>"$log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ]; then # e.g. a read-only environment: build in place (PYTHONPATH finds it)
+    tail -5 "$log"
+    echo "== pip failed (rc $rc): BIK_BUILD_CUDA=1 BIK_REQUIRE_CPU=1 setup.py build_ext --inplace" |
+      tee -a "$log"
+    BIK_BUILD_CUDA=1 BIK_REQUIRE_CPU=1 "$PY" setup.py build_ext --inplace >>"$log" 2>&1
+    rc=$?
+  fi
+  grep -E "WARNING: bik|error:" "$log" | tail -20
+  if [ $rc -ne 0 ]; then
+    tail -30 "$log"
+    die "the build failed (rc $rc); see $log"
+  fi
+  echo "== backends" >>"$log"
+  check_backends 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  source_hash >"$STAMP" # bik is installed (the cpu backend at least): later steps reuse it
+  return "$rc"
+}
+
+ensure_built() { # build unless this tree, as it is now, is already installed
+  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(source_hash)" ] &&
+    "$PY" -c "import os, bik, bik._cpu; assert os.path.dirname(bik.__file__) == '$ROOT/bik'" \
+      2>/dev/null; then
+    return 0
+  fi
+  echo "gpu_run.sh: building bik first ($TAG-build-$DATE.log)"
+  do_build "$OUT_DIR/$TAG-build-$DATE.log" ||
+    echo "gpu_run.sh: WARNING: not every backend loads (see the build log); going on" >&2
+}
+
+test_files() { # the test files of a part
+  local part=$1 file base
+  for file in tests/test_*.py; do
+    base=$(basename "$file")
+    case "$part:$base" in
+    all:*) echo "$file" ;;
+    models:test_hf*.py | models:test_verify*.py | models:test_vllm*.py) echo "$file" ;;
+    rl:test_rl*.py | rl:test_distributed*.py | rl:test_cli.py | rl:test_bench*.py) echo "$file" ;;
+    kernels:test_hf*.py | kernels:test_verify*.py | kernels:test_vllm*.py) ;;
+    kernels:test_rl*.py | kernels:test_distributed*.py | kernels:test_cli.py) ;;
+    kernels:test_bench*.py) ;;
+    kernels:*) echo "$file" ;;
+    esac
+  done
+}
+
+step_test() {
+  local part=all args=() name rc budget
+  if [ $# -gt 0 ] && [ "$1" != "--" ]; then
+    part=$1
+    shift
+  fi
+  case "$part" in all | kernels | models | rl) ;; *) die "test: unknown part '$part'" ;; esac
+  if [ $# -gt 0 ] && [ "$1" = "--" ]; then
+    shift
+    args=("$@")
+    part=custom
+  else
+    mapfile -t args < <(test_files "$part")
+  fi
+  need_gpu
+  ensure_built
+  name="$OUT_DIR/$TAG-test-$part-$DATE"
+  local opts=(-rfEs --durations=30 -p no:cacheprovider --junitxml="$name.xml")
+  if [ "${BIK_TEST_WORKERS:-4}" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
+    opts+=(-n "${BIK_TEST_WORKERS:-4}" --dist loadfile)
+  fi
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    opts+=(--timeout "${BIK_TEST_TIMEOUT:-300}")
+  fi
+  budget=$(remaining)
+  [ "$budget" -gt 60 ] || die "test: only ${budget}s left of BIK_STEP_SECONDS=$STEP_SECONDS"
+  echo "gpu_run.sh: pytest ${opts[*]} (${#args[@]} paths), stops after ${budget}s"
+  timeout -s INT -k 20 "$budget" "$PY" -m pytest "${opts[@]}" "${args[@]}" 2>&1 | tee "$name.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 124 ]; then
+    echo "gpu_run.sh: pytest stopped at the step's time limit: the tests after the last" \
+      "reported one did not run (split the part, or raise BIK_STEP_SECONDS)" | tee -a "$name.log"
+  fi
+  echo "wrote $name.log $name.xml (pytest exit status $rc)"
+  return "$rc"
+}
+
+step_bench() {
+  [ $# -gt 0 ] || die "bench: expected a group: matmul, attention, rows, e2e, quick or all"
+  local group=$1 ops=() extra=()
+  shift
+  case "$group" in
+  matmul) ops=(linear) ;;
+  attention) ops=(attention_decode attention_prefill) ;;
+  rows) ops=(rms_norm log_softmax token_logprobs) ;;
+  e2e) ops=(e2e_forward e2e_decode moe_block e2e_moe_forward) ;;
+  quick) extra=(--quick) ;;
+  all) ;;
+  *) die "bench: unknown group '$group'; expected matmul, attention, rows, e2e, quick or all" ;;
+  esac
+  need_gpu
+  ensure_built
+  local name rc budget suffix=""
+  if [ -n "${BIK_BACKEND:-}" ] && [ "$BIK_BACKEND" != auto ]; then
+    suffix="-$BIK_BACKEND"
+  fi
+  name="$OUT_DIR/$TAG-$group$suffix-$DATE"
+  [ ${#ops[@]} -gt 0 ] && extra+=(--ops "${ops[@]}")
+  if "$PY" -c "import matplotlib" 2>/dev/null; then
+    extra+=(--plot "$name.png")
+  else
+    echo "gpu_run.sh: matplotlib is not installed: no plot"
+  fi
+  read -r -a dtypes <<<"${BIK_BENCH_DTYPES:-bfloat16 float32}"
+  budget=$(remaining)
+  [ "$budget" -gt 60 ] || die "bench: only ${budget}s left of BIK_STEP_SECONDS=$STEP_SECONDS"
+  echo "gpu_run.sh: bench $group, stops after ${budget}s"
+  timeout -s INT -k 20 "$budget" "$PY" -m bik bench --device cuda --dtypes "${dtypes[@]}" \
+    "${extra[@]}" --json "$name.json" --markdown "$name.md" "$@" 2>&1 |
+    tee "$name.log"
+  rc=${PIPESTATUS[0]}
+  echo "wrote $name.{json,md,png,log} (bench exit status $rc: 0 ok, 1 a case failed," \
+    "124/130 stopped at the time limit with the records so far)"
+  return "$rc"
+}
+
+main() {
+  [ $# -gt 0 ] || usage 2
+  step=$1
+  shift
+  case "$step" in
+  -h | --help | help) usage 0 ;;
+  env)
+    need_gpu
+    report_env 2>&1 | tee "$OUT_DIR/$TAG-env-$DATE.txt"
+    ;;
+  build)
+    [ $# -eq 0 ] || die "build takes no arguments"
+    need_gpu
+    do_build "$OUT_DIR/$TAG-build-$DATE.log"
+    rc=$?
+    echo "wrote $OUT_DIR/$TAG-build-$DATE.log"
+    exit "$rc"
+    ;;
+  files) # the test files of a part, one a line (no GPU needed)
+    [ $# -eq 1 ] || die "files: expected one part: all, kernels, models or rl"
+    case "$1" in all | kernels | models | rl) test_files "$1" ;; *) die "files: unknown part '$1'" ;; esac
+    ;;
+  test) step_test "$@" ;;
+  bench) step_bench "$@" ;;
+  *)
+    echo "gpu_run.sh: unknown step '$step'" >&2
+    usage 2
+    ;;
+  esac
+}
+
+# sourced (tests): the functions only
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main "$@"
+fi

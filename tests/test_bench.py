@@ -4,6 +4,9 @@ before any timing."""
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +333,49 @@ def test_markdown_names_versions_timer_rotation_peaks_and_failures():
 def test_plot_skips_failed_cases(tmp_path):
     bench.plot(_result("cuda"), str(tmp_path / "out.png"))
     assert (tmp_path / "out.png").stat().st_size > 0
+
+
+# -- benchmarks/gpu_run.sh, what can be checked without a GPU ------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gpu_run(*args, out):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_run.sh"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_gpu_run_test_parts_split_the_suite(tmp_path):
+    parts = {
+        part: _gpu_run("files", part, out=tmp_path).stdout.split()
+        for part in ("all", "kernels", "models", "rl")
+    }
+    assert sorted(parts["kernels"] + parts["models"] + parts["rl"]) == sorted(parts["all"])
+    assert set(parts["all"]) == {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+    assert "tests/test_gpu.py" in parts["kernels"] and "tests/test_attention.py" in parts["kernels"]
+    assert "tests/test_hf.py" in parts["models"] and "tests/test_rl_harness.py" in parts["rl"]
+
+
+def test_gpu_run_names_bad_steps(tmp_path):
+    done = _gpu_run("help", out=tmp_path)
+    assert done.returncode == 0 and "bench GROUP" in done.stdout
+    done = _gpu_run("bench", "bogus", out=tmp_path)
+    assert done.returncode == 1 and "unknown group 'bogus'" in done.stderr
+    done = _gpu_run("frobnicate", out=tmp_path)
+    assert done.returncode == 2 and "unknown step 'frobnicate'" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPU")
+def test_gpu_run_stops_before_building_without_a_gpu(tmp_path):
+    for step in (["build"], ["test", "kernels"], ["bench", "matmul"]):
+        done = _gpu_run(*step, out=tmp_path)
+        assert done.returncode == 1 and "no usable CUDA device" in done.stderr, step
+        assert "building" not in done.stdout
+    assert list(tmp_path.iterdir()) == []
