@@ -32,7 +32,9 @@
 # Environment: PYTHON (default python3), OUT, BIK_STEP_SECONDS, BIK_TEST_WORKERS (pytest-xdist
 # workers when xdist is installed, default 4, 0 = none), BIK_TEST_TIMEOUT (seconds per test
 # when pytest-timeout is installed, default 300), BIK_BENCH_DTYPES (default
-# "bfloat16 float32"), BIK_BACKEND (bench another backend than the default, e.g. cuda).
+# "bfloat16 float32"), BIK_BACKEND (bench another backend than the default, e.g. cuda),
+# BIK_EXAMPLES (hypothesis examples per property test, default 25). The fast pass of the whole
+# suite (`make test-fast`): BIK_EXAMPLES=5 bash benchmarks/gpu_run.sh test -- -m "not slow" tests
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
