@@ -47,7 +47,6 @@ STAMP=build/gpu_run.stamp
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this tree's bik, in every subprocess too
 unset TRITON_INTERPRET # the Triton kernels must compile for the GPU, not run interpreted
-mkdir -p "$OUT_DIR" build
 
 die() {
   echo "gpu_run.sh: $*" >&2
@@ -79,6 +78,7 @@ if not torch.cuda.is_available():
 print(re.sub(r'[^a-z0-9._-]+', '-', torch.cuda.get_device_name().lower()).strip('-'))
 ") || die "no usable CUDA device for $PY"
   [ -n "$TAG" ] || die "no GPU name from $PY"
+  mkdir -p "$OUT_DIR" build
 }
 
 source_hash() {
