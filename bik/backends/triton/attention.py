@@ -1,21 +1,51 @@
-"""Split-KV attention with a fixed split size; prefill, chunks and decode share it.
+"""FlashAttention-style attention with a fixed split size: one kernel design for prefill,
+chunked prefill and decode.
 
-Two kernels:
-  1. ``_split_partials_kernel``: one program per (query block, batch*head, split). It runs an
-     online softmax over the split's key blocks in ascending order, blocks counted from the
-     row's first valid key, and writes the unnormalised partial (acc, max, sum) per query.
-  2. ``_combine_kernel``: merges each query's split partials in ascending split order and
-     normalises. A query reads exactly the splits that hold its visible keys.
-Blocks a query cannot see (future keys of its query block) only multiply by exp(0) = 1 and
-add exact zeros, so a query's bits do not depend on its neighbours in the block.
+Reduction order (bik.contract): each query row visits its keys in blocks of ``BLOCK_N =
+KEY_BLOCK`` counted from the row's first valid key ``kv_start[b]``; blocks are grouped into
+splits of ``split_size`` keys. A split's state (running max, sum of exponentials, unnormalised
+fp32 output ``acc``) is computed from an empty state over the split's blocks in ascending
+order (:func:`_split_state`); the split states are then folded in ascending split order by
+the one merge function :func:`_merge`, and :func:`_finish` divides by the sum.
 
-Sliding window: the blocks stay counted from the row's first valid key; a program skips the
-key blocks wholly before the window of its tile's first query, and the combine skips a
-query's splits wholly before its window. A block before the window of a later query of the
-tile is processed for that query while its state is still empty (max -inf, sum 0, acc 0):
-rescale exp(-inf) = 0 and probabilities 0 leave the empty state exactly as it was, so the
-bits equal those of skipping it. Soft-capping (``_tanh``) is applied to the scores before
-the mask.
+Tiles. A program owns a tile of ``BLOCK_M = 64`` query rows of one (batch, kv head). Row ``r``
+of that pair is query position ``r // G`` of query head ``kv_head * G + r % G`` (G = Hq / Hkv),
+so the query heads of a GQA group share a tile and read each key/value block once, and decode
+(Tq = 1) packs its G heads into one tile instead of wasting a tile per head. Every tile has 64
+rows whatever Tq is, so prefill and decode run the same tensor-core instructions (HGMMA on
+Hopper, checked by tests/test_sm90_attention.py). Each row keeps its own position
+``p = Tk - Tq + r // G`` and its own causal and window masks.
+
+Two paths, the same bits (tests force each one):
+  * in-register (prefill, long chunks): a program per (tile, batch x kv head) loops over the
+    tile's splits in ascending order and merges each split state into registers at once; no
+    workspace at all.
+  * split-parallel (decode, short chunks: one tile per batch x kv head, see
+    :func:`_use_split_parallel`): a program per (tile, batch x kv head, split) writes its split
+    state to an fp32 workspace ``[B * Hkv, splits, Tq * G, D]`` (small because Tq is small),
+    and ``_combine_kernel`` merges the splits in ascending order with the same :func:`_merge`.
+Both compute a split state with the same code, tile shape and warps (so the same dot
+instructions and reduction trees), store it in fp32 exactly, and merge it with the same
+elementwise formula (no FMA contraction), so a row's bits do not depend on the path.
+
+Work a row does not need is exact identity, which is why a row's bits do not depend on the
+other rows of its tile nor on the tile's bounds. A tile visits the union of its rows' key
+blocks and splits; for a row that sees none of a block's keys, the scores are -inf, so its
+state is unchanged (non-empty: rescale exp(0) = 1, probabilities 0, exact zeros added; empty:
+max -inf, sum 0, acc 0 stays so). A split that holds none of a row's keys leaves the row's
+split state empty, and merging an empty state changes nothing (and merging anything into an
+empty state copies it exactly). A split never shares a key block with the next one (splits
+are multiples of the block), and the masks mark keys past Tk or past the row's position.
+
+Sliding window: blocks stay counted from the row's first valid key; a tile skips the key blocks
+and splits wholly before the window of its first query (the skipped work would be identity for
+every row, as above). Soft-capping (``_tanh``) is applied to the scores before the mask.
+
+Binaries: every launch is a :class:`~._common.Launch` (FP contraction off, warps and stages
+fixed). Query and key lengths, split and row counts and the batch / head / position strides
+are never specialised on: the strides travel in units of ``UNIT`` elements (16 bytes when
+every stride allows it, a property of the layout and head dim, not of the lengths) so loads
+stay vectorised while the binary is the same for every sequence length.
 """
 
 import torch
@@ -23,10 +53,27 @@ import triton
 import triton.language as tl
 
 from ...contract import KEY_BLOCK
-from ._common import dot_acc, upcast_dot_operands
+from ._common import Launch, aligned, dot_acc, upcast_dot_operands
 
-QUERY_BLOCK = 16
+BLOCK_M = 64  # query rows per tile: one Hopper warpgroup MMA (m64)
+BLOCK_N = KEY_BLOCK
+NUM_WARPS = 4  # one warpgroup
+NUM_STAGES = 3
+MAX_BLOCK_DV = 128
+"""Value dims per program: a wider head (Gemma's 256) is cut into chunks of output dims, each
+computing the same scores, so the two fp32 accumulators of the in-register path fit in
+registers."""
 NEG_INF = tl.constexpr(float("-inf"))
+
+SPLIT_PARALLEL_MAX_PROGRAMS = 512
+"""Split-parallel only while batch x kv heads is below this (otherwise the in-register path
+has programs enough to fill a GPU)."""
+SPLIT_PARALLEL_MAX_BYTES = 256 * 2**20
+"""Split-parallel only while its fp32 workspace stays below this."""
+
+# Batch-like integers: the binary must not change with any of them.
+_LENGTHS = ["Tq", "Tk", "n_splits"]
+_STRIDES = [f"s{t}{d}" for t in "qkvo" for d in "bht"]
 
 
 @triton.jit
@@ -53,36 +100,61 @@ def _tanh(x):
 
 
 @triton.jit
-def _split_partials_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    kv_start_ptr,
-    acc_ptr,
-    max_ptr,
-    sum_ptr,
-    Hq,
-    GROUPS,
-    Tq,
+def _tile(tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N):
+    """A tile's rows and the key range its rows may see.
+
+    Returns the rows' query position ``t`` (row r: position r // GROUPS of head r % GROUPS),
+    which rows exist, the first key block to visit (block-aligned from ``first_key``) and the
+    half-open range of the tile's keys ``[.., key_hi)`` and splits ``[split_lo, split_hi)``.
+    """
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // GROUPS
+    ok = t < Tq
+    first_t = tile * BLOCK_M // GROUPS
+    last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUPS, Tq - 1)
+    if CAUSAL:  # no row sees past the tile's last position
+        key_hi = Tk - Tq + last_t + 1
+    else:
+        key_hi = Tk
+    key_lo = first_key
+    if WINDOW:  # nor before the window of its first position (>= -2**31 + 2: no overflow)
+        key_lo = tl.maximum(first_key, Tk - Tq + first_t - window + 1)
+    block_lo = first_key + (key_lo - first_key) // BLOCK_N * BLOCK_N
+    split_lo = (key_lo - first_key) // split_size
+    split_hi = tl.cdiv(tl.maximum(key_hi - first_key, 0), split_size)
+    return t, ok, block_lo, key_hi, split_lo, split_hi
+
+
+@triton.jit
+def _in_head(dims, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``[1, len(dims)]``: which of the (padded) head dims ``dims`` exist; all of them, with
+    no mask to evaluate, when D is a power of two."""
+    if D == BLOCK_D:
+        return tl.full((1, dims.shape[0]), 1, tl.int1)
+    return dims[None, :] < D
+
+
+@triton.jit
+def _split_state(
+    q,
+    k_base,
+    v_base,
+    skt,
+    skd,
+    svt,
+    svd,
+    vdims,
+    split,
+    first_key,
+    block_lo,
+    key_hi,
+    pos,
     Tk,
-    D,
-    n_splits,
+    D: tl.constexpr,
     split_size,
     scale,
     softcap,
     window,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_vd,
     CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -90,208 +162,439 @@ def _split_partials_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
-    q_block, bh, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    b, h = bh // Hq, bh % Hq
-    kv_h = h // GROUPS
-    first_key = tl.load(kv_start_ptr + b)
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    positions = Tk - Tq + rows  # absolute key position of each query
-    dims = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        q_ptr
-        + b * stride_qb
-        + h * stride_qh
-        + rows[:, None] * stride_qt
-        + dims[None, :] * stride_qd,
-        mask=(rows[:, None] < Tq) & (dims[None, :] < D),
-        other=0.0,
-    )
-    k_base = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_h * stride_vh
+    """Online softmax of the tile's rows over split ``split``, from an empty state.
 
+    The split's key blocks run in ascending order; inside a block the row maximum is exact
+    and the row sum of probabilities is one fixed tree (the dot layout, the same in every
+    kernel that calls this). Returns the unnormalised state (max, sum, acc) per row, acc for
+    the value dims ``vdims`` only (every chunk of value dims computes the same scores).
+    """
     lo = first_key + split * split_size
-    hi = tl.minimum(lo + split_size, Tk)
-    if CAUSAL:  # no query of this block sees past its last position
-        hi = tl.minimum(hi, Tk - Tq + tl.minimum((q_block + 1) * BLOCK_M, Tq))
-    if WINDOW:  # nor before the window of its first query: skip whole blocks up to there
-        tile_first = Tk - Tq + q_block * BLOCK_M - window + 1  # >= -2**31 + 2: no overflow
-        skipped = (tl.maximum(tile_first, first_key) - first_key) // BLOCK_N * BLOCK_N
-        lo = tl.maximum(lo, first_key + skipped)
-    run_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Ascending key blocks of this split: the online-softmax reduction order.
+    hi = tl.minimum(lo + split_size, key_hi)
+    if WINDOW:
+        lo = tl.maximum(lo, block_lo)
+    offs = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    # 64-bit split bases, 32-bit offsets inside the split (fewer registers than pointers).
+    k_split = k_base + lo.to(tl.int64) * skt
+    v_split = v_base + lo.to(tl.int64) * svt
+    k_offs = offs[:, None] * skt + dims[None, :] * skd
+    v_offs = offs[:, None] * svt + vdims[None, :] * svd
+    row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = (keys[:, None] < Tk) & (dims[None, :] < D)
-        k = tl.load(
-            k_base + keys[:, None] * stride_kt + dims[None, :] * stride_kd, mask=kv_mask, other=0.0
-        )
-        scores = (
-            dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST) * scale
-        )
+        keys = n0 + offs
+        k_mask = (keys[:, None] < Tk) & _in_head(dims, D, BLOCK_D)
+        k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
+        scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
+        scores = scores * scale
         if SOFTCAP:  # transformers' order: divide, tanh, multiply
             scores = _tanh(scores / softcap) * softcap
         visible = keys[None, :] < Tk
         if CAUSAL:
-            visible = visible & (keys[None, :] <= positions[:, None])
+            visible = visible & (keys[None, :] <= pos[:, None])
         if WINDOW:
-            visible = visible & (keys[None, :] > positions[:, None] - window)
+            visible = visible & (keys[None, :] > pos[:, None] - window)
         scores = tl.where(visible, scores, NEG_INF)
-        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)  # queries with nothing seen yet
-        rescale = tl.exp(run_max - safe_max)
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)  # rows with nothing seen yet
+        rescale = tl.exp(row_max - safe_max)
         probs = tl.exp(scores - safe_max[:, None])
-        run_sum = run_sum * rescale + tl.sum(probs, axis=1)
-        v = tl.load(
-            v_base + keys[:, None] * stride_vt + dims[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        v_mask = (keys[:, None] < Tk) & _in_head(vdims, D, BLOCK_D)
+        v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
         acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
-        run_max = new_max
-
-    part = (bh * n_splits + split) * Tq + rows
-    ok = rows < Tq
-    tl.store(
-        acc_ptr + part[:, None] * D + dims[None, :], acc, mask=ok[:, None] & (dims[None, :] < D)
-    )
-    tl.store(max_ptr + part, run_max, mask=ok)
-    tl.store(sum_ptr + part, run_sum, mask=ok)
+        row_max = new_max
+    return row_max, row_sum, acc
 
 
 @triton.jit
-def _combine_kernel(
-    acc_ptr,
-    max_ptr,
-    sum_ptr,
+def _merge(row_max, row_sum, acc, part_max, part_sum, part_acc):
+    """The running state with one more split's state folded in. Elementwise (and FP
+    contraction is off), so its bits do not depend on the register layout of the kernel that
+    calls it."""
+    new_max = tl.maximum(row_max, part_max)
+    safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)
+    old_scale = tl.exp(row_max - safe_max)
+    part_scale = tl.exp(part_max - safe_max)
+    row_sum = row_sum * old_scale + part_sum * part_scale
+    acc = acc * old_scale[:, None] + part_acc * part_scale[:, None]
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _finish(row_sum, acc):
+    """The normalised output; a row that sees no key (before its first key) gives zeros."""
+    empty = row_sum[:, None] == 0.0
+    return tl.where(empty, 0.0, acc / tl.where(empty, 1.0, row_sum[:, None]))
+
+
+@triton.jit
+def _program(pid, Hkv, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Grid axis 1 -> (batch, kv head, chunk of value dims)."""
+    chunks: tl.constexpr = BLOCK_D // BLOCK_DV
+    bh = (pid // chunks).to(tl.int64)
+    return bh // Hkv, bh % Hkv, bh, pid % chunks
+
+
+@triton.jit
+def _out_ptrs(out_ptr, b, heads, t, cols, sob, soh, sot, sod, UNIT: tl.constexpr):
+    """Where rows (head, position) and value dims ``cols`` of batch ``b`` go in the output."""
+    return (
+        out_ptr
+        + b * (sob * UNIT)
+        + heads[:, None] * (soh * UNIT)
+        + t[:, None].to(tl.int64) * (sot * UNIT)
+        + (cols[None, :] * sod)
+    )
+
+
+@triton.jit(do_not_specialize=_LENGTHS + _STRIDES)
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
     kv_start_ptr,
     out_ptr,
-    Hq,
+    ws_acc_ptr,
+    ws_max_ptr,
+    ws_sum_ptr,
+    Hkv,
+    GROUPS,
     Tq,
     Tk,
-    D,
+    n_splits,
+    split_size,
+    scale,
+    softcap,
+    window,
+    sqb,
+    sqh,
+    sqt,
+    sqd,
+    skb,
+    skh,
+    skt,
+    skd,
+    svb,
+    svh,
+    svt,
+    svd,
+    sob,
+    soh,
+    sot,
+    sod,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_PARALLEL: tl.constexpr,
+    UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # Last tiles first: under a causal mask they have the most keys (better load balance).
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
+    first_key = tl.load(kv_start_ptr + b)
+    t, ok, block_lo, key_hi, split_lo, split_hi = _tile(
+        tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
+    )
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUPS + rows % GROUPS
+    pos = Tk - Tq + t  # each row's own key position
+    dims = tl.arange(0, BLOCK_D)
+    vdims = chunk * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr
+        + b * (sqb * UNIT)
+        + heads[:, None] * (sqh * UNIT)
+        + t[:, None].to(tl.int64) * (sqt * UNIT)
+        + dims[None, :] * sqd,
+        mask=ok[:, None] & _in_head(dims, D, BLOCK_D),
+        other=0.0,
+    )
+    k_base = k_ptr + b * (skb * UNIT) + kv_head * (skh * UNIT)
+    v_base = v_ptr + b * (svb * UNIT) + kv_head * (svh * UNIT)
+    out_mask = ok[:, None] & _in_head(vdims, D, BLOCK_D)
+    if SPLIT_PARALLEL:
+        # One split per program. A split outside the tile's range is never read: not stored.
+        split = tl.program_id(2)
+        row_max, row_sum, acc = _split_state(
+            q,
+            k_base,
+            v_base,
+            skt * UNIT,
+            skd,
+            svt * UNIT,
+            svd,
+            vdims,
+            split,
+            first_key,
+            block_lo,
+            key_hi,
+            pos,
+            Tk,
+            D,
+            split_size,
+            scale,
+            softcap,
+            window,
+            CAUSAL,
+            SOFTCAP,
+            WINDOW,
+            UPCAST,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            BLOCK_DV,
+        )
+        # (masks from comparisons only: the interpreter mishandles tensor & scalar bool)
+        in_range = (split >= split_lo) & (split < split_hi)
+        keep = t < tl.where(in_range, Tq, 0)
+        keep_stats = t < tl.where(in_range & (chunk == 0), Tq, 0)  # one chunk writes them
+        part = (bh * n_splits + split) * (Tq * GROUPS) + rows
+        tl.store(ws_max_ptr + part, row_max, mask=keep_stats)
+        tl.store(ws_sum_ptr + part, row_sum, mask=keep_stats)
+        tl.store(
+            ws_acc_ptr + part[:, None] * D + vdims[None, :],
+            acc,
+            mask=keep[:, None] & _in_head(vdims, D, BLOCK_D),
+        )
+    else:
+        row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+        # The tile's splits in ascending order, each merged as soon as it is complete.
+        for split in range(split_lo, split_hi):
+            part_max, part_sum, part_acc = _split_state(
+                q,
+                k_base,
+                v_base,
+                skt * UNIT,
+                skd,
+                svt * UNIT,
+                svd,
+                vdims,
+                split,
+                first_key,
+                block_lo,
+                key_hi,
+                pos,
+                Tk,
+                D,
+                split_size,
+                scale,
+                softcap,
+                window,
+                CAUSAL,
+                SOFTCAP,
+                WINDOW,
+                UPCAST,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_D,
+                BLOCK_DV,
+            )
+            row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
+        out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
+        tl.store(
+            _out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask
+        )
+
+
+@triton.jit(do_not_specialize=_LENGTHS + ["sob", "soh", "sot"])
+def _combine_kernel(
+    ws_acc_ptr,
+    ws_max_ptr,
+    ws_sum_ptr,
+    kv_start_ptr,
+    out_ptr,
+    Hkv,
+    GROUPS,
+    Tq,
+    Tk,
     n_splits,
     split_size,
     window,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
+    sob,
+    soh,
+    sot,
+    sod,
+    D: tl.constexpr,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
+    UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
-    q_block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b, h = bh // Hq, bh % Hq
+    tile = tl.program_id(0)
+    b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
     first_key = tl.load(kv_start_ptr + b)
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    if CAUSAL:
-        last_key = Tk - Tq + rows
-    else:
-        last_key = tl.full((BLOCK_M,), Tk - 1, dtype=tl.int32)
-    # Splits holding this query's visible keys (0 for a query before its row's first key).
-    n_own = tl.where(
-        (last_key >= first_key) & (rows < Tq), (last_key - first_key) // split_size + 1, 0
+    t, ok, _, _, split_lo, split_hi = _tile(
+        tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
     )
-    if WINDOW:  # the first split holding a key of the query's window
-        first_own = (tl.maximum(last_key - window + 1, first_key) - first_key) // split_size
-    else:
-        first_own = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    run_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # Merge the split partials in ascending split order.
-    for split in range(tl.min(first_own, axis=0), tl.max(n_own, axis=0)):
-        take = (split >= first_own) & (split < n_own)
-        part = (bh * n_splits + split) * Tq + rows
-        part_max = tl.load(max_ptr + part, mask=take, other=NEG_INF)
-        part_sum = tl.load(sum_ptr + part, mask=take, other=0.0)
-        part_acc = tl.load(
-            acc_ptr + part[:, None] * D + dims[None, :],
-            mask=take[:, None] & (dims[None, :] < D),
-            other=0.0,
-        )
-        new_max = tl.maximum(run_max, part_max)
-        safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)
-        old_scale, part_scale = tl.exp(run_max - safe_max), tl.exp(part_max - safe_max)
-        run_sum = run_sum * old_scale + part_sum * part_scale
-        acc = acc * old_scale[:, None] + part_acc * part_scale[:, None]
-        run_max = new_max
-    # A query that sees no key (before its row's first key) returns zeros.
-    empty = run_sum[:, None] == 0.0
-    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, run_sum[:, None]))
-    tl.store(
-        out_ptr
-        + b * stride_ob
-        + h * stride_oh
-        + rows[:, None] * stride_ot
-        + dims[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=(rows[:, None] < Tq) & (dims[None, :] < D),
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUPS + rows % GROUPS
+    vdims = chunk * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    out_mask = ok[:, None] & _in_head(vdims, D, BLOCK_D)
+    row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    # The tile's splits in ascending order: the in-register path's merge sequence.
+    for split in range(split_lo, split_hi):
+        part = (bh * n_splits + split) * (Tq * GROUPS) + rows
+        part_max = tl.load(ws_max_ptr + part, mask=ok, other=NEG_INF)
+        part_sum = tl.load(ws_sum_ptr + part, mask=ok, other=0.0)
+        part_acc = tl.load(ws_acc_ptr + part[:, None] * D + vdims[None, :], mask=out_mask)
+        row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
+    out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
+    tl.store(_out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask)
+
+
+def _stride_unit(*tensors):
+    """Elements per 16 bytes when every batch / head / position stride is a multiple of it,
+    else 1. Strides are passed divided by it (unspecialised) and multiplied back in the
+    kernel, so the compiler still knows rows start 16-byte aligned. In the usual layouts each
+    of these strides is a multiple of the head dim, so the unit depends on D and the dtype,
+    never on the sequence lengths."""
+    unit = 16 // tensors[0].element_size()
+    if all(s % unit == 0 for t in tensors for s in t.stride()[:3]):
+        return unit
+    return 1
+
+
+def _use_split_parallel(batch, hkv, rows, n_splits, d):
+    """The split-parallel path for few query rows (one tile per batch x kv head: decode,
+    short chunks) while the in-register path would leave a GPU idle and the workspace is
+    small. Either path gives the same bits; this only chooses the faster."""
+    workspace = batch * hkv * n_splits * rows * (d + 2) * 4
+    return (
+        rows <= BLOCK_M
+        and n_splits > 1
+        and batch * hkv < SPLIT_PARALLEL_MAX_PROGRAMS
+        and workspace <= SPLIT_PARALLEL_MAX_BYTES
     )
 
 
-def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
-    """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` None: off."""
+def attention_launches(
+    q,
+    k,
+    v,
+    kv_start,
+    out,
+    causal,
+    scale,
+    split_size,
+    softcap=None,
+    window=None,
+    split_parallel=None,
+) -> list[Launch]:
+    """The launches computing ``out = attention(q, k, v)`` (shapes as :func:`attention`;
+    tensors already :func:`aligned`). ``split_parallel`` None: chosen by
+    :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
+    allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90)."""
     batch, hq, tq, d = q.shape
-    tk = k.shape[2]
+    hkv, tk = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    rows = tq * groups
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
+    if split_parallel is None:
+        split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d)
+    unit = _stride_unit(q, k, v, out)
+    tiles = triton.cdiv(rows, BLOCK_M)
     block_d = max(16, triton.next_power_of_2(d))
-    f32 = dict(dtype=torch.float32, device=q.device)
-    part_acc = torch.empty(batch * hq, n_splits, tq, d, **f32)
-    part_max = torch.empty(batch * hq, n_splits, tq, **f32)
-    part_sum = torch.empty(batch * hq, n_splits, tq, **f32)
-    q_blocks = triton.cdiv(tq, QUERY_BLOCK)
-    _split_partials_kernel[(q_blocks, batch * hq, n_splits)](
-        q,
-        k,
-        v,
-        kv_start,
-        part_acc,
-        part_max,
-        part_sum,
-        hq,
-        hq // k.shape[1],
-        tq,
-        tk,
-        d,
-        n_splits,
-        split_size,
-        scale,
-        1.0 if softcap is None else softcap,
-        0 if window is None else window,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
+    block_dv = min(block_d, MAX_BLOCK_DV)
+    programs = batch * hkv * (block_d // block_dv)  # (batch, kv head, chunk of value dims)
+    common = dict(
+        kv_start_ptr=kv_start,
+        out_ptr=out,
+        Hkv=hkv,
+        GROUPS=groups,
+        Tq=tq,
+        Tk=tk,
+        n_splits=n_splits,
+        split_size=split_size,
+        window=0 if window is None else window,
         CAUSAL=causal,
-        SOFTCAP=softcap is not None,
         WINDOW=window is not None,
-        UPCAST=upcast_dot_operands(q.dtype),
-        BLOCK_M=QUERY_BLOCK,
-        BLOCK_N=KEY_BLOCK,
+        UNIT=unit,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        D=d,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
     )
+    strides = {}
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
+        for axis, s in zip("bhtd", t.stride()):
+            strides[f"s{name}{axis}"] = s if axis == "d" else s // unit
+    if split_parallel:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        ws_acc = torch.empty(batch * hkv, n_splits, rows, d, **f32)
+        ws_max = torch.empty(batch * hkv, n_splits, rows, **f32)
+        ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
+    else:  # no workspace: the unused pointers point at the output
+        ws_acc = ws_max = ws_sum = out
+    pinned = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    launches = [
+        Launch(
+            _attention_kernel,
+            (tiles, programs, n_splits if split_parallel else 1),
+            dict(
+                q_ptr=q,
+                k_ptr=k,
+                v_ptr=v,
+                ws_acc_ptr=ws_acc,
+                ws_max_ptr=ws_max,
+                ws_sum_ptr=ws_sum,
+                scale=scale,
+                softcap=1.0 if softcap is None else softcap,
+                **strides,
+                SOFTCAP=softcap is not None,
+                UPCAST=upcast_dot_operands(q.dtype),
+                SPLIT_PARALLEL=split_parallel,
+                **common,
+            ),
+            **pinned,
+        )
+    ]
+    if split_parallel:
+        launches.append(
+            Launch(
+                _combine_kernel,
+                (tiles, programs),
+                dict(
+                    ws_acc_ptr=ws_acc,
+                    ws_max_ptr=ws_max,
+                    ws_sum_ptr=ws_sum,
+                    **{f"so{axis}": strides[f"so{axis}"] for axis in "bhtd"},
+                    **common,
+                ),
+                **pinned,
+            )
+        )
+    return launches
+
+
+def attention(
+    q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, *, split_parallel=None
+):
+    """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
+    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` None: off. ``split_parallel``: see
+    :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _combine_kernel[(q_blocks, batch * hq)](
-        part_acc,
-        part_max,
-        part_sum,
-        kv_start,
-        out,
-        hq,
-        tq,
-        tk,
-        d,
-        n_splits,
-        split_size,
-        0 if window is None else window,
-        *out.stride(),
-        CAUSAL=causal,
-        WINDOW=window is not None,
-        BLOCK_M=QUERY_BLOCK,
-        BLOCK_D=block_d,
-    )
+    q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
+    for launch in attention_launches(
+        q, k, v, kv_start, out, causal, scale, split_size, softcap, window, split_parallel
+    ):
+        launch()
     return out
