@@ -1,0 +1,166 @@
+"""Triton attention internals: the in-register and the split-parallel path give the same bits,
+GQA-packed decode equals prefill, prefill has no workspace, both paths are accurate."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+from conftest import invariant_backends
+from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bik.backends import reference
+from bik.backends.triton.attention import (
+    BLOCK_M,
+    _use_split_parallel,
+    attention,
+    attention_launches,
+)
+
+pytestmark = pytest.mark.skipif(
+    "triton" not in invariant_backends(), reason="the triton backend cannot run here"
+)
+
+SOFTCAPS = st.sampled_from([None, 1.5, 30.0])
+WINDOWS = st.sampled_from([None, 1, 5, 17, 40])
+
+
+def inputs(batch, hkv, groups, tq, tk, dim, dtype, seed):
+    q = randn((batch, hkv * groups, tq, dim), dtype, seed)
+    k = randn((batch, hkv, tk, dim), dtype, seed + 1)
+    v = randn((batch, hkv, tk, dim), dtype, seed + 2)
+    return q, k, v
+
+
+def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=None):
+    args = (q, k, v, causal, scale, kv_start, split, softcap, window)
+    return attention(*args, split_parallel=False), attention(*args, split_parallel=True)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    batch=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    groups=st.sampled_from([1, 2, 3, 4, 8]),
+    tq=st.integers(1, 90),
+    extra=st.integers(0, 100),
+    dim=st.sampled_from([8, 16, 40]),
+    split=st.sampled_from([32, 64]),  # several splits: their merge order shows in the bits
+    causal=st.booleans(),
+    softcap=SOFTCAPS,
+    window=WINDOWS,
+    data=st.data(),
+)
+def test_in_register_and_split_parallel_paths_give_the_same_bits(
+    dtype, batch, hkv, groups, tq, extra, dim, split, causal, softcap, window, data
+):
+    # Random shapes: Tq * G rows end anywhere inside a 64-row tile (tile tails), rows of a
+    # tile span several query positions and heads, each batch row has its own first key.
+    tk = tq + extra
+    q, k, v = inputs(batch, hkv, groups, tq, tk, dim, dtype, seed=tq * 7 + extra)
+    starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=batch, max_size=batch))
+    kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    in_registers, split_parallel = both_paths(
+        q, k, v, causal, 0.3, kv_start, split, softcap, window if causal else None
+    )
+    assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
+
+
+@pytest.mark.parametrize("dim", [160, 256])
+def test_wide_heads_run_in_value_chunks_on_both_paths(dim):
+    # D > 128 is cut into 128-wide chunks of output dims (160: a masked tail chunk).
+    q, k, v = inputs(1, 1, 2, 20, 70, dim, torch.bfloat16, seed=3)
+    kv_start = torch.tensor([5], dtype=torch.int32, device=q.device)
+    in_registers, split_parallel = both_paths(q, k, v, True, 0.1, kv_start, 32, 30.0, 40)
+    assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
+    wide = [t.double() for t in (q, k, v)]
+    expected = reference.attention(*wide, True, 0.1, kv_start, None, 30.0, 40)
+    assert_close_to_reference(in_registers, expected, torch.bfloat16, "wide head")
+
+
+@pytest.mark.parametrize("groups", [4, 8])
+def test_gqa_packed_decode_equals_prefill_and_each_head_alone(groups):
+    batch, hkv, length, split = 2, 2, 75, 32
+    q, k, v = inputs(batch, hkv, groups, length, length, 16, torch.bfloat16, seed=groups)
+    kv_start = torch.tensor([0, 11], dtype=torch.int32, device=q.device)
+    options = (True, 0.25, kv_start, split)
+    full = attention(q, k, v, *options)
+    for t in range(length - 12, length):
+        qt, kt, vt = q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1]
+        out = torch.empty_like(qt)
+        launches = attention_launches(qt, kt, vt, kv_start, out, True, 0.25, split)
+        # Split-parallel decode: one 64-row tile holds a kv head's whole query group, so a
+        # program per (batch, kv head, split) reads each key block once for G query heads.
+        assert len(launches) == 2 and launches[0].grid == (1, batch * hkv, t // split + 1)
+        assert_bitwise(attention(qt, kt, vt, *options), full[:, :, t : t + 1], f"decode {t}")
+    # A few-token decode step (speculative decoding): positions x heads packed in one tile.
+    assert_bitwise(attention(q[:, :, -3:], k, v, *options), full[:, :, -3:], "three-token decode")
+    # A query head alone (not packed with the rest of its group) gets the same bits.
+    head = groups + 1  # second head of kv head 1
+    alone = attention(q[:, head : head + 1], k[:, 1:2], v[:, 1:2], *options)
+    assert_bitwise(alone, full[:, head : head + 1], "head alone")
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("length", [4096, 32768])
+def test_prefill_has_no_workspace(length):
+    # The old split kernel kept an fp32 partial per (query, split): O(T^2), out of memory
+    # near 32k tokens. The in-register path allocates nothing beyond its output.
+    q, out = _meta(1, 32, length, 128), _meta(1, 32, length, 128)
+    k, v = _meta(1, 8, length, 128), _meta(1, 8, length, 128)
+    kv_start = _meta(1, dtype=torch.int32)
+    (launch,) = attention_launches(q, k, v, kv_start, out, True, 0.088, 256)
+    tensors = [a for a in launch.args.values() if isinstance(a, torch.Tensor)]
+    assert all(any(t is x for x in (q, k, v, kv_start, out)) for t in tensors)
+
+
+def test_decode_workspace_is_one_state_per_split_and_query_row():
+    batch, hq, hkv, tq, tk, dim = 3, 32, 8, 2, 8192, 128
+    q, out = _meta(batch, hq, tq, dim), _meta(batch, hq, tq, dim)
+    k, v = _meta(batch, hkv, tk, dim), _meta(batch, hkv, tk, dim)
+    launches = attention_launches(q, k, v, _meta(batch, dtype=torch.int32), out, True, 0.1, 256)
+    assert len(launches) == 2  # split-parallel, then the combine
+    args = launches[0].args
+    rows, splits = tq * hq // hkv, tk // 256
+    assert args["ws_acc_ptr"].shape == (batch * hkv, splits, rows, dim)
+    assert args["ws_max_ptr"].shape == args["ws_sum_ptr"].shape == (batch * hkv, splits, rows)
+
+
+def test_path_choice():
+    assert _use_split_parallel(1, 8, 4, 32, 128)  # decode over 8k keys
+    assert not _use_split_parallel(1, 8, 4, 1, 128)  # one split: nothing to parallelise
+    assert not _use_split_parallel(1, 8, BLOCK_M + 1, 32, 128)  # more than one tile
+    assert not _use_split_parallel(4096, 8, 4, 32, 128)  # programs enough without splits
+    assert not _use_split_parallel(64, 8, 64, 2048, 128)  # workspace too large
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_in_registers_equals_split_parallel_and_float64(dtype):
+    length = 600  # 10 query tiles, 19 splits of 32 keys
+    q, k, v = inputs(1, 1, 1, length, length, 16, dtype, seed=5)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    assert not _use_split_parallel(1, 1, length, length // 32 + 1, 16)
+    in_registers, split_parallel = both_paths(q, k, v, True, 0.25, kv_start, 32)
+    assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
+    expected = reference.attention(q.double(), k.double(), v.double(), True, 0.25, kv_start, None)
+    assert_close_to_reference(in_registers, expected, dtype, "long prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_parallel", [False, True])
+@pytest.mark.parametrize(
+    "causal, softcap, window", [(True, None, None), (False, None, None), (True, 1.5, 17)]
+)
+def test_both_paths_accurate_against_float64(dtype, split_parallel, causal, softcap, window):
+    q, k, v = inputs(2, 2, 3, 50, 90, 40, dtype, seed=9)
+    kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
+    args = (causal, 0.3, kv_start, 32, softcap, window)
+    out = attention(q, k, v, *args, split_parallel=split_parallel)
+    wide = [t.double() for t in (q, k, v)]
+    expected = reference.attention(*wide, causal, 0.3, kv_start, None, softcap, window)
+    assert_close_to_reference(out, expected, dtype, "attention")
