@@ -15,7 +15,22 @@ rms_norm, log_softmax, token_logprobs
     row length only (:func:`row_chunk`, never of the number of rows); per-lane partials over
     ascending chunks, then one fixed tree across lanes. fp32 math. ``token_logprobs`` is
     fp32 ``log_softmax(logits / temperature)`` gathered at the token: the one log-prob formula
-    of sampler and trainer.
+    of sampler and trainer. The Triton kernels refine this:
+
+    - rms_norm: a row of up to :data:`RMS_NORM_ONE_PASS` elements is one chunk of
+      ``row_chunk(D, RMS_NORM_ONE_PASS)`` lanes held in registers (x read once); a longer row
+      runs the per-lane scheme above in chunks of :data:`ROW_CHUNK_CAP`.
+    - log_softmax, token_logprobs: one program per (row, segment), the row cut into
+      segments of ``row_chunk(V, LOG_SOFTMAX_SEGMENT)`` elements. A segment gives its max
+      (a fixed tree) and the sum of ``exp(x/T - max)`` (a fixed tree, one exp per element);
+      a row's segments are then folded in ascending order by one merge,
+      ``(m, s) + (m', s') = (M, s*exp(m - M) + s'*exp(m' - M))``, ``M = max(m, m')`` (0 in
+      the exponents when both are -inf). Both ops share the segment statistics, the fold and
+      the output expression ``(x/T - max) - log(sum)``.
+
+    The trees' shapes follow the GPU register layout, which the widths above, the warp
+    count (a function of the width) and the 16-byte vector width (a function of the row
+    length and dtype) fix.
 attention
     Online softmax over blocks of :data:`KEY_BLOCK` keys counted from each row's first valid
     key (so left padding never moves a boundary). Blocks are grouped into splits of a FIXED
@@ -39,6 +54,15 @@ DEFAULT_SPLIT_SIZE: int = 256
 
 ROW_CHUNK_CAP: int = 4096
 """Widest chunk a one-row-per-program Triton kernel reads at once (see :func:`row_chunk`)."""
+
+RMS_NORM_ONE_PASS: int = 16384
+"""Triton rms_norm: the longest row kept in registers as one chunk (read once); longer rows
+are read twice in chunks of :data:`ROW_CHUNK_CAP`."""
+
+LOG_SOFTMAX_SEGMENT: int = 4096
+"""Triton log_softmax / token_logprobs: a row longer than this is cut into segments of this
+many elements (each segment's statistics are one program's work, so a few long rows still fill
+a GPU); a shorter row is one segment of :func:`row_chunk` elements."""
 
 MATMUL_BLOCK_K: int = 32
 """K tile of the Triton matmul: each output element adds its K tiles in ascending order."""
