@@ -1,0 +1,118 @@
+"""The Triton attention compiled for Hopper (sm_90a) with no GPU, its SASS read back.
+
+bf16, head dim 128, GQA 32 query / 8 kv heads: prefill (Tq = Tk = 8192) and decode (Tq = 1,
+Tk = 8192) use only HGMMA (never HMMA) and the same MMA instructions, spill nothing to local
+memory, and their binaries do not change with Tk (8192 vs 8193) nor with the decode's Tq
+(1 vs 3): the bits cannot depend on a length through the compiler's choices.
+
+The launches are compiled in a subprocess without TRITON_INTERPRET (under the interpreter
+``triton.jit`` gives Python functions, not compilable kernels); running this file as a script
+prints the facts as JSON.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+sm90 = pytest.importorskip("bik.tools.sm90")
+
+pytestmark = pytest.mark.skipif(
+    not all((sm90.TOOLS / tool).exists() for tool in ("ptxas", "cuobjdump")),
+    reason="the triton wheel ships no ptxas / cuobjdump",
+)
+
+HQ, HKV, DIM = 32, 8, 128
+CASES = {  # name: (Tq, Tk)
+    "prefill": (8192, 8192),
+    "prefill_8193": (8193, 8193),
+    "decode": (1, 8192),
+    "decode_8193": (1, 8193),
+    "decode_tq3": (3, 8192),
+}
+
+
+def compile_cases():
+    """{case: [facts of each launch's binary]} (run without the interpreter)."""
+    import torch
+
+    from bik.backends.triton.attention import attention_launches
+
+    facts = {}
+    for name, (tq, tk) in CASES.items():
+        q, out = sm90.meta(1, HQ, tq, DIM), sm90.meta(1, HQ, tq, DIM)
+        k, v = sm90.meta(1, HKV, tk, DIM), sm90.meta(1, HKV, tk, DIM)
+        kv_start = sm90.meta(1, dtype=torch.int32)
+        facts[name] = []
+        for launch in attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256):
+            binary = sm90.compile_launch(launch)
+            facts[name].append(
+                dict(
+                    kernel=binary.name,
+                    split_parallel=launch.args.get("SPLIT_PARALLEL"),
+                    mma=sorted(binary.mma),
+                    hmma=binary.count("HMMA"),
+                    registers=binary.registers,
+                    shared_bytes=binary.shared_bytes,
+                    local_bytes=binary.local_bytes,
+                    num_warps=binary.num_warps,
+                    num_stages=binary.num_stages,
+                    code=hashlib.sha256(binary.code().encode()).hexdigest(),
+                    # what the binary is specialised on (integers equal to 1 or divisible
+                    # by 16, aligned pointers): the compile cache key
+                    specialisation=repr(sm90._specialize(launch.kernel, launch.args)),
+                )
+            )
+    return facts
+
+
+@pytest.fixture(scope="module")
+def facts():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_paths(facts):
+    # Prefill merges its splits in registers (one kernel); decode runs split-parallel plus
+    # the combine.
+    assert [f["split_parallel"] for f in facts["prefill"]] == [False]
+    assert [f["kernel"] for f in facts["decode"]] == ["_attention_kernel", "_combine_kernel"]
+    assert facts["decode"][0]["split_parallel"] is True
+
+
+def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
+    for case, binaries in facts.items():
+        for f in binaries:
+            assert f["hmma"] == 0, (case, f)
+            if f["kernel"] == "_attention_kernel":  # the combine does no dot
+                assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
+    assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"]
+    assert facts["prefill"][0]["num_warps"] == facts["decode"][0]["num_warps"]
+
+
+def test_no_spills(facts):
+    for case, binaries in facts.items():
+        for f in binaries:
+            assert f["local_bytes"] == 0, (case, f)
+
+
+def test_binaries_do_not_change_with_lengths(facts):
+    # Same specialisation (so the same compile-cache entry) and the same instructions.
+    for case, same_as in [
+        ("prefill_8193", "prefill"),
+        ("decode_8193", "decode"),
+        ("decode_tq3", "decode"),
+    ]:
+        for key in ("specialisation", "code"):
+            assert [f[key] for f in facts[case]] == [f[key] for f in facts[same_as]], (case, key)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_cases()))
