@@ -1,7 +1,9 @@
 """log_softmax over the last dim and token log-probs, both fp32 math, one row at a time.
 
-Backends find each row's max and sum of exponentials with an online softmax over fixed-size
-chunks in ascending order (per-lane partials, then one fixed reduction tree across lanes).
+Backends find each row's max and sum of exponentials in an order fixed by the row length
+alone: an online softmax over fixed-size chunks in ascending order (per-lane partials, then
+one fixed reduction tree across lanes), or, in Triton, statistics of fixed-width segments
+folded in ascending segment order (bik.contract states each).
 ``token_logprobs`` is THE log-prob formula of bik: the sampler and the trainer both call it.
 """
 

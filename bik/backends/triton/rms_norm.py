@@ -7,8 +7,8 @@ read once, y written once. A longer row is read twice in chunks of
 Every compile-time choice is a function of the row length D (and the dtypes) alone, never of
 the number of rows, because the reduction tree follows the register layout Triton derives from
 them: D and the block width are constexprs, ``num_warps`` comes from the block width, and the
-row stride is passed in units of :func:`vector_width` elements (not specialised), so the
-compiler can prove every row starts 16-byte aligned whatever the batch.
+row stride is passed in units of :func:`~._rows.vector_width` elements (not specialised), so
+the compiler can prove every row starts 16-byte aligned whatever the batch.
 """
 
 import torch
@@ -64,8 +64,9 @@ def _rms_norm_kernel(
 def block_and_warps(d: int, one_pass: int = RMS_NORM_ONE_PASS) -> tuple[int, int]:
     """(block width, num_warps) for rows of ``d`` elements: the whole row (next power of two)
     up to ``one_pass`` (a power of two), else chunks of :data:`~bik.contract.ROW_CHUNK_CAP`
-    (or ``one_pass`` if narrower). 16 elements per thread (two 16-byte bf16 loads) from 8
-    warps up, at most 16 warps. A function of ``d`` only."""
+    (or ``one_pass`` if narrower). ``block / 512`` warps, so 16 elements per thread (two
+    16-byte bf16 loads), up to 16 warps (32 elements per thread at 16384). A function of
+    ``d`` only."""
     assert one_pass & (one_pass - 1) == 0, "one_pass: expected a power of two"
     block = row_chunk(d, cap=one_pass if d <= one_pass else min(one_pass, ROW_CHUNK_CAP))
     return block, min(16, max(1, block // 512))
