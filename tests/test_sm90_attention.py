@@ -3,7 +3,8 @@
 bf16, head dim 128, GQA 32 query / 8 kv heads: prefill (Tq = Tk = 8192) and decode (Tq = 1,
 Tk = 8192) use only HGMMA (never HMMA) and the same MMA instructions, spill nothing to local
 memory, and their binaries do not change with Tk (8192 vs 8193) nor with the decode's Tq
-(1 vs 3): the bits cannot depend on a length through the compiler's choices.
+(1 vs 3): the bits cannot depend on a length through the compiler's choices. fp32 uses no
+tensor-core instruction at all (IEEE, never TF32) and spills nothing either.
 
 The launches are compiled in a subprocess without TRITON_INTERPRET (under the interpreter
 ``triton.jit`` gives Python functions, not compilable kernels); running this file as a script
@@ -26,12 +27,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 HQ, HKV, DIM = 32, 8, 128
-CASES = {  # name: (Tq, Tk)
-    "prefill": (8192, 8192),
-    "prefill_8193": (8193, 8193),
-    "decode": (1, 8192),
-    "decode_8193": (1, 8193),
-    "decode_tq3": (3, 8192),
+CASES = {  # name: (Tq, Tk, dtype)
+    "prefill": (8192, 8192, "bfloat16"),
+    "prefill_8193": (8193, 8193, "bfloat16"),
+    "decode": (1, 8192, "bfloat16"),
+    "decode_8193": (1, 8193, "bfloat16"),
+    "decode_tq3": (3, 8192, "bfloat16"),
+    # IEEE fp32: no tensor cores (never TF32), 16-row tiles
+    "fp32_prefill": (8192, 8192, "float32"),
+    "fp32_decode": (1, 8192, "float32"),
 }
 
 
@@ -42,9 +46,10 @@ def compile_cases():
     from bik.backends.triton.attention import attention_launches
 
     facts = {}
-    for name, (tq, tk) in CASES.items():
-        q, out = sm90.meta(1, HQ, tq, DIM), sm90.meta(1, HQ, tq, DIM)
-        k, v = sm90.meta(1, HKV, tk, DIM), sm90.meta(1, HKV, tk, DIM)
+    for name, (tq, tk, dtype) in CASES.items():
+        dtype = getattr(torch, dtype)
+        q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
+        k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
         kv_start = sm90.meta(1, dtype=torch.int32)
         facts[name] = []
         for launch in attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256):
@@ -91,7 +96,9 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
     for case, binaries in facts.items():
         for f in binaries:
             assert f["hmma"] == 0, (case, f)
-            if f["kernel"] == "_attention_kernel":  # the combine does no dot
+            if case.startswith("fp32"):  # IEEE fp32 dots: no tensor-core instruction at all
+                assert f["mma"] == [], (case, f)
+            elif f["kernel"] == "_attention_kernel":  # the combine does no dot
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
     assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"]
     assert facts["prefill"][0]["num_warps"] == facts["decode"][0]["num_warps"]

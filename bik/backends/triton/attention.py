@@ -11,10 +11,13 @@ the one merge function :func:`_merge`, and :func:`_finish` divides by the sum.
 Tiles. A program owns a tile of ``BLOCK_M = 64`` query rows of one (batch, kv head). Row ``r``
 of that pair is query position ``r // G`` of query head ``kv_head * G + r % G`` (G = Hq / Hkv),
 so the query heads of a GQA group share a tile and read each key/value block once, and decode
-(Tq = 1) packs its G heads into one tile instead of wasting a tile per head. Every tile has 64
-rows whatever Tq is, so prefill and decode run the same tensor-core instructions (HGMMA on
-Hopper, checked by tests/test_sm90_attention.py). Each row keeps its own position
-``p = Tk - Tq + r // G`` and its own causal and window masks.
+(Tq = 1) packs its G heads into one tile instead of wasting a tile per head. Every bf16 / fp16
+tile has 64 rows whatever Tq is, so prefill and decode run the same tensor-core instructions
+(HGMMA on Hopper, checked by tests/test_sm90_attention.py); fp32 (IEEE dots on the FMA units,
+no tensor cores) uses 16-row tiles on both paths. Each row keeps its own position
+``p = Tk - Tq + r // G`` and its own causal and window masks. Heads wider than 128 are cut into
+128-wide chunks of value dims, one program each (every chunk computes the same scores), so the
+fp32 accumulators fit in registers.
 
 Two paths, the same bits (tests force each one):
   * in-register (prefill, long chunks): a program per (tile, batch x kv head) loops over the
@@ -55,7 +58,11 @@ import triton.language as tl
 from ...contract import KEY_BLOCK
 from ._common import Launch, aligned, dot_acc, upcast_dot_operands
 
-BLOCK_M = 64  # query rows per tile: one Hopper warpgroup MMA (m64)
+BLOCK_M = 64
+"""Query rows per tile for bf16 / fp16: one Hopper warpgroup MMA (m64), prefill and decode
+alike. fp32 runs IEEE fp32 dots on the FMA units (no tensor-core instruction to agree on):
+its tiles have :data:`FP32_BLOCK_M` rows, whose operands fit in registers."""
+FP32_BLOCK_M = 16
 BLOCK_N = KEY_BLOCK
 NUM_WARPS = 4  # one warpgroup
 NUM_STAGES = 3
@@ -472,13 +479,18 @@ def _stride_unit(*tensors):
     return 1
 
 
-def _use_split_parallel(batch, hkv, rows, n_splits, d):
+def _block_m(dtype):
+    """Query rows per tile: a function of the dtype only, the same on both paths."""
+    return FP32_BLOCK_M if dtype == torch.float32 else BLOCK_M
+
+
+def _use_split_parallel(batch, hkv, rows, n_splits, d, block_m=BLOCK_M):
     """The split-parallel path for few query rows (one tile per batch x kv head: decode,
     short chunks) while the in-register path would leave a GPU idle and the workspace is
     small. Either path gives the same bits; this only chooses the faster."""
     workspace = batch * hkv * n_splits * rows * (d + 2) * 4
     return (
-        rows <= BLOCK_M
+        rows <= block_m
         and n_splits > 1
         and batch * hkv < SPLIT_PARALLEL_MAX_PROGRAMS
         and workspace <= SPLIT_PARALLEL_MAX_BYTES
@@ -507,10 +519,11 @@ def attention_launches(
     groups = hq // hkv
     rows = tq * groups
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
+    block_m = _block_m(q.dtype)
     if split_parallel is None:
-        split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d)
+        split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
-    tiles = triton.cdiv(rows, BLOCK_M)
+    tiles = triton.cdiv(rows, block_m)
     block_d = max(16, triton.next_power_of_2(d))
     block_dv = min(block_d, MAX_BLOCK_DV)
     programs = batch * hkv * (block_d // block_dv)  # (batch, kv head, chunk of value dims)
@@ -527,7 +540,7 @@ def attention_launches(
         CAUSAL=causal,
         WINDOW=window is not None,
         UNIT=unit,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         D=d,
         BLOCK_D=block_d,
