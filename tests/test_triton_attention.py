@@ -46,7 +46,7 @@ def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=Non
     groups=st.sampled_from([1, 2, 3, 4, 8]),
     tq=st.integers(1, 90),
     extra=st.integers(0, 100),
-    dim=st.sampled_from([8, 16, 40]),
+    dim=st.sampled_from([8, 12, 16, 40]),  # 12: bf16 strides not 16-byte multiples (UNIT 1)
     split=st.sampled_from([32, 64]),  # several splits: their merge order shows in the bits
     causal=st.booleans(),
     softcap=SOFTCAPS,
@@ -103,6 +103,29 @@ def test_gqa_packed_decode_equals_prefill_and_each_head_alone(groups):
     assert_bitwise(alone, full[:, head : head + 1], "head alone")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [12, 16])
+def test_strided_views_give_the_bits_of_contiguous_tensors(dtype, dim):
+    # Queries as a transposed [B, T, H, D] tensor, keys and values as the first Tk positions
+    # of a bigger [B, T, Hkv, D] cache (its capacity in every stride), one view starting at
+    # an odd element (copied to aligned storage): the kernel sees other strides and stride
+    # units, the rows the same numbers.
+    batch, hkv, groups, tq, tk, capacity = 2, 2, 2, 9, 70, 100
+    q = randn((batch, tq, hkv * groups, dim), dtype, 1).transpose(1, 2)
+    cache_k = randn((batch, capacity, hkv, dim), dtype, 2).transpose(1, 2)
+    flat_v = randn((batch * capacity * hkv * dim + 1,), dtype, 3)
+    cache_v = flat_v[1:].view(batch, capacity, hkv, dim).transpose(1, 2)
+    k, v = cache_k[:, :, :tk], cache_v[:, :, :tk]
+    kv_start = torch.tensor([0, 7], dtype=torch.int32, device=q.device)
+    for split_parallel in (False, True):
+        args = (True, 0.3, kv_start, 32, None, None)
+        strided = attention(q, k, v, *args, split_parallel=split_parallel)
+        dense = attention(
+            *(t.contiguous() for t in (q, k, v)), *args, split_parallel=split_parallel
+        )
+        assert_bitwise(strided, dense, f"strided views, split_parallel={split_parallel}")
+
+
 def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -139,9 +162,9 @@ def test_path_choice():
     assert not _use_split_parallel(64, 8, 64, 2048, 128)  # workspace too large
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_long_prefill_in_registers_equals_split_parallel_and_float64(dtype):
-    length = 600  # 10 query tiles, 19 splits of 32 keys
+    length = 600  # 10 query tiles of 64 rows, 19 splits of 32 keys
     q, k, v = inputs(1, 1, 1, length, length, 16, dtype, seed=5)
     kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
     assert not _use_split_parallel(1, 1, length, length // 32 + 1, 16)
