@@ -65,7 +65,7 @@ def backends(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("_cpu", out)
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
-    return native, native_backend("cpu-portable", "cpu", lib)
+    return native, native_backend("cpu-portable", "cpu", lib, attention_sinks=True)
 
 
 def _has_avx512_bf16():
@@ -106,8 +106,8 @@ def test_row_ops_match_the_portable_build(backends, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 20)])
-def test_attention_matches_the_portable_build(backends, dtype, softcap, window):
+@pytest.mark.parametrize("softcap, window, sinks", [(None, None, False), (1.5, 20, True)])
+def test_attention_matches_the_portable_build(backends, dtype, softcap, window, sinks):
     native, portable = backends
     q, k, v = (
         randn((2, 4, 9, 40), dtype, 7),
@@ -116,4 +116,6 @@ def test_attention_matches_the_portable_build(backends, dtype, softcap, window):
     )
     kv_start = torch.tensor([0, 11], dtype=torch.int32)
     args = (q, k, v, True, 40**-0.5, kv_start, 32, softcap, window)
+    if sinks:
+        args += (torch.linspace(-2.0, 3.0, 4),)
     assert_bitwise(native.attention(*args), portable.attention(*args), "attention")

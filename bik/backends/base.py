@@ -10,7 +10,8 @@ Kernel layouts:
   log_softmax(x [R, V], temperature, out_dtype) -> [R, V] in out_dtype
   token_logprobs(logits [R, V], tokens [R], temperature) -> fp32 [R]
   attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], causal, scale, kv_start int32 [B],
-            split_size, softcap (float | None), window (int | None, only when causal))
+            split_size, softcap (float | None), window (int | None, only when causal)
+            [, sinks fp32 [Hq]: passed only when set, to backends that have attention sinks])
             -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
 

@@ -14,4 +14,4 @@ except ImportError as error:
         "(`pip install -e .` in the bik checkout builds csrc/cpu)"
     ) from error
 
-BACKEND = native_backend("cpu", "cpu", _cpu)
+BACKEND = native_backend("cpu", "cpu", _cpu, attention_sinks=True)

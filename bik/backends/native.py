@@ -23,8 +23,10 @@ def _inner_contiguous(t):
 class _NativeKernels:
     """The five kernels over one compiled extension ``lib``."""
 
-    def __init__(self, lib, launch_args, attention_scratch):
-        self.lib, self.launch_args, self.attention_scratch = lib, launch_args, attention_scratch
+    def __init__(self, name, lib, launch_args, attention_scratch, attention_sinks):
+        self.name, self.lib = name, lib
+        self.launch_args, self.attention_scratch = launch_args, attention_scratch
+        self.attention_sinks = attention_sinks
 
     def matmul(self, a, b, bias):
         """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
@@ -100,8 +102,16 @@ class _NativeKernels:
         )
         return out
 
-    def attention(self, q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
-        """Split-KV attention; the kernels take ``softcap`` 0 and ``window`` 0 for "off"."""
+    def attention(
+        self, q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, sinks=None
+    ):
+        """Split-KV attention; the kernels take ``softcap`` 0, ``window`` 0 and ``sinks``
+        (a pointer to fp32 [Hq]) 0 for "off"."""
+        if sinks is not None and not self.attention_sinks:
+            raise NotImplementedError(
+                f"sinks: the {self.name} backend has no attention sinks; "
+                "use the triton or cpu backend"
+            )
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         kv_start = kv_start.to(torch.int32).contiguous()
         batch, hq, tq, d = q.shape
@@ -127,6 +137,7 @@ class _NativeKernels:
             causal,
             0.0 if softcap is None else softcap,
             0 if window is None else window,
+            *((0 if sinks is None else sinks.data_ptr(),) if self.attention_sinks else ()),
             *extra,
             *self.launch_args(q.device),
         )
@@ -140,9 +151,11 @@ def native_backend(
     lib: ModuleType,
     launch_args: Callable[[torch.device], tuple] = lambda device: (),
     attention_scratch: Callable | None = None,
+    attention_sinks: bool = False,
 ) -> Backend:
-    """A :class:`Backend` running the kernels of the compiled extension ``lib``."""
-    kernels = _NativeKernels(lib, launch_args, attention_scratch)
+    """A :class:`Backend` running the kernels of the compiled extension ``lib``;
+    ``attention_sinks``: its attention takes a sinks pointer after ``window``."""
+    kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name,
         (device_type,),

@@ -53,13 +53,14 @@ def attention_mask(tq, tk, kv_start, causal, window=None):
     return visible.unsqueeze(1)
 
 
-def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None):
+def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, sinks=None):
     """Softmax attention, GQA by head groups; queries with no visible key give zeros.
 
     ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)`` before masking (None:
     off). ``window``: a causal sliding window, query at position p sees keys in
-    ``(p - window, p]`` (None: off). ``split_size`` is ignored: plain torch has no fixed
-    split structure.
+    ``(p - window, p]`` (None: off). ``sinks [Hq]``: one more logit per head in the softmax,
+    attending no value (gpt-oss; None: off). ``split_size`` is ignored: plain torch has no
+    fixed split structure.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
@@ -67,7 +68,12 @@ def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window
     scores = _at_least_fp32(torch.matmul(q, k.transpose(-1, -2))) * scale
     if softcap is not None:  # transformers' Gemma 2 order: divide, tanh, multiply
         scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # gpt-oss: the sink as one more column of logits, dropped after the softmax
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     probs = probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # no visible key -> 0
     return torch.matmul(probs.to(v.dtype), v)
 

@@ -14,7 +14,8 @@ A sliding ``window`` only masks more keys: the blocks and splits stay counted fr
 that is processed anyway (a Triton query tile shares its blocks) leaves the query's online
 softmax state exactly as it was (max -inf, sum 0, acc 0), so skipping and processing agree
 bit for bit. ``softcap`` maps each score through ``softcap * tanh(score / softcap)`` before
-masking, inside the same order.
+masking, inside the same order. Attention ``sinks`` join after the last split: one more state
+(max = the head's sink logit, sum 1, no value) merged the way the splits are.
 """
 
 import math
@@ -37,6 +38,7 @@ def attention(
     split_size: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, Tq, D]`` over ``k, v [B, Hkv, Tk, D]``; returns ``[B, Hq, Tq, D]``.
 
@@ -51,6 +53,12 @@ def attention(
     needs ``causal=True``): the sliding window as transformers defines it, the query at key
     position p sees the keys j with ``p - window < j <= p`` (and ``j >= kv_start[b]``), so at
     least its own key.
+
+    ``sinks [Hq]`` (None: off): attention sinks as gpt-oss defines them, a learned logit per
+    query head that joins each row's softmax denominator and attends no value: the row's
+    output is ``sum_j exp(s_j) v_j / (exp(sinks[h]) + sum_j exp(s_j))`` over its visible
+    scores ``s_j`` (after ``scale`` and ``softcap``; the sink itself is neither scaled, capped
+    nor masked). A query that sees no key still returns zeros. Differentiable in ``sinks``.
     """
     _validate_qkv(q, k, v)
     batch, _, _, dim = q.shape
@@ -71,8 +79,21 @@ def attention(
         # Wider windows hide no key of any sequence a kernel indexes (int32 positions); the
         # clamp is a constant, so kernels never see an argument that depends on Tk.
         window = min(window, _WIDEST_WINDOW)
+    if sinks is not None:
+        _validate_sinks(sinks, q)
     return run(
-        _attention_op, _attention, q, k, v, causal, scale, kv_start, split_size, softcap, window
+        _attention_op,
+        _attention,
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        kv_start,
+        split_size,
+        softcap,
+        window,
+        sinks,
     )
 
 
@@ -101,6 +122,16 @@ def _validate_qkv(q, k, v):
         )
 
 
+def _validate_sinks(sinks, q):
+    _checks.floating("sinks", sinks)
+    _checks.same_device("sinks", sinks, "q", q)
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sinks: expected shape ({q.shape[1]},) (one logit per query head), "
+            f"got {tuple(sinks.shape)}"
+        )
+
+
 def _validate_kv_start(kv_start, batch, tk, device):
     if kv_start is None:
         return torch.zeros(batch, dtype=torch.int32, device=device)
@@ -125,36 +156,42 @@ def _attention(
     split_size: int,
     softcap: float | None,
     window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     if q.numel() == 0:
         return q.new_empty(q.shape)
     backend = backends.resolve(q.device)
-    return backend.attention(q, k, v, causal, scale, kv_start, split_size, softcap, window)
+    args = (q, k, v, causal, scale, kv_start, split_size, softcap, window)
+    if sinks is None:  # (backends without sinks keep their signature)
+        return backend.attention(*args)
+    return backend.attention(*args, sinks.float().contiguous())
 
 
 _attention_op = custom_op("bik::attention", _attention)
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, kv_start, split_size, softcap, window):
+def _(q, k, v, causal, scale, kv_start, split_size, softcap, window, sinks):
     return q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, kv_start, _, ctx.softcap, ctx.window = inputs
-    ctx.save_for_backward(q, k, v, kv_start)
+    q, k, v, ctx.causal, ctx.scale, kv_start, _, ctx.softcap, ctx.window, sinks = inputs
+    ctx.save_for_backward(q, k, v, kv_start, *([] if sinks is None else [sinks]))
 
 
 def _backward(ctx, grad):
-    q, k, v, kv_start = ctx.saved_tensors
+    q, k, v, kv_start, *sinks = ctx.saved_tensors
 
-    def formula(q_, k_, v_):
+    def formula(q_, k_, v_, *sinks_):
         return reference.attention(
-            q_, k_, v_, ctx.causal, ctx.scale, kv_start, None, ctx.softcap, ctx.window
+            q_, k_, v_, ctx.causal, ctx.scale, kv_start, None, ctx.softcap, ctx.window, *sinks_
         )
 
-    grads = _recompute.grads(formula, (q, k, v), ctx.needs_input_grad[:3], grad)
-    return (*grads, None, None, None, None, None, None)
+    needs = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[9:] if sinks else ())
+    q_grad, k_grad, v_grad, *sinks_grad = _recompute.grads(formula, (q, k, v, *sinks), needs, grad)
+    sinks_grad = sinks_grad[0] if sinks_grad else None
+    return (q_grad, k_grad, v_grad, None, None, None, None, None, None, sinks_grad)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

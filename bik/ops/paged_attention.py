@@ -49,14 +49,15 @@ def paged_attention(
     split_size: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over paged keys; returns ``[T, H, D]``.
 
     query ``[T, H, D]``: sequence i's new tokens are rows ``query_start[i]:query_start[i+1]``,
     the last ones of its ``seq_lens[i]`` tokens, whose keys and values (the new ones included)
     are already in the caches ``[num_blocks, Hkv, block_size, D]`` at the pages listed in
-    ``block_table[i]``. ``softcap`` and ``window`` (logit soft-capping, sliding window) are
-    bik.attention's.
+    ``block_table[i]``. ``softcap``, ``window`` and ``sinks`` (logit soft-capping, sliding
+    window, attention sinks) are bik.attention's.
     """
     _checks.floating("query", query)
     _checks.rank("query", query, 3)
@@ -89,6 +90,7 @@ def paged_attention(
             split_size=split_size,
             softcap=softcap,
             window=window,
+            sinks=sinks,
         )
         out[start:end] = o[0].transpose(0, 1)
     if decodes:
@@ -101,7 +103,7 @@ def paged_attention(
             query_start,
             seq_lens,
             decodes,
-            dict(scale=scale, split_size=split_size, softcap=softcap, window=window),
+            dict(scale=scale, split_size=split_size, softcap=softcap, window=window, sinks=sinks),
         )
     return out
 

@@ -9,7 +9,9 @@
 // would leave the empty state max -inf, sum 0, acc 0 unchanged: the same bits); in the block
 // where the window starts, the keys before it score -inf, so exp gives them exactly 0.
 // Soft-capping maps each score s to softcap * tanh(s / softcap) with the scalar libm tanhf
-// (the build has no fast-math, so it is never swapped for a vector variant).
+// (the build has no fast-math, so it is never swapped for a vector variant). An attention
+// sink joins after the last split: one more partial (max = the head's sink logit, sum 1,
+// acc 0) merged like the splits.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -86,15 +88,18 @@ void attention_impl(const AttentionArgs& p) {
   const T* K = reinterpret_cast<const T*>(p.k);
   const T* V = reinterpret_cast<const T*>(p.v);
   const int32_t* starts = reinterpret_cast<const int32_t*>(p.kv_start);
+  const float* sinks = reinterpret_cast<const float*>(p.sinks);  // null: no sinks
   T* out = reinterpret_cast<T*>(p.out);
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const int64_t padded = (p.D + LANES - 1) / LANES * LANES;
 #pragma omp parallel if (rows > 1)
   {
     std::vector<float> q(padded, 0.0f);
-    Partial run, part;
+    Partial run, part, sink;
     run.acc.resize(padded);  // dims past D stay 0
     part.acc.resize(padded);
+    sink.acc.assign(padded, 0.0f);  // a sink attends no value
+    sink.sum = 1.0f;
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t b = row / (p.Hq * p.Tq), h = (row / p.Tq) % p.Hq, i = row % p.Tq;
@@ -115,6 +120,10 @@ void attention_impl(const AttentionArgs& p) {
         split_partial(q.data(), kh, vh, p.k_strides[2], p.v_strides[2], p.D, p.scale, p.softcap,
                       lo, hi, visible, part);
         merge(run, part);
+      }
+      if (sinks != nullptr) {
+        sink.max = sinks[h];
+        merge(run, sink);
       }
       T* o = out + row * p.D;  // a query before its row's first key sees nothing: zeros
       for (int64_t d = 0; d < p.D; ++d)

@@ -24,9 +24,9 @@ void matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t bias, uintptr_t c, in
 void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,
                std::array<int64_t, 7> sizes, std::array<int64_t, 3> q_strides,
                std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, float scale,
-               bool causal, float softcap, int64_t window) {
+               bool causal, float softcap, int64_t window, uintptr_t sinks) {
   const auto args = bik::attention_args(q, k, v, kv_start, out, sizes, q_strides, k_strides,
-                                        v_strides, scale, causal, softcap, window);
+                                        v_strides, scale, causal, softcap, window, sinks);
   bik::attention(dtype, args);
 }
 
@@ -42,5 +42,5 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("token_logprobs", &bik::token_logprobs, release);
   m.def("attention", &attention, release,
         "sizes = (B, Hq, Hkv, Tq, Tk, D, split_size); strides = (batch, head, position); "
-        "softcap 0 and window 0 mean off");
+        "softcap 0, window 0 and sinks 0 (fp32 [Hq] logits) mean off");
 }

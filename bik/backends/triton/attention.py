@@ -233,6 +233,14 @@ def _merge(row_max, row_sum, acc, part_max, part_sum, part_acc):
 
 
 @triton.jit
+def _with_sink(row_max, row_sum, acc, sinks_ptr, heads, ok):
+    """The attention sink joins after the last split: one more state (max = the head's sink
+    logit, sum 1, acc 0) folded in by the same :func:`_merge`."""
+    sink = tl.load(sinks_ptr + heads, mask=ok, other=NEG_INF)
+    return _merge(row_max, row_sum, acc, sink, tl.where(ok, 1.0, 0.0), tl.zeros_like(acc))
+
+
+@triton.jit
 def _finish(row_sum, acc):
     """The normalised output; a row that sees no key (before its first key) gives zeros."""
     empty = row_sum[:, None] == 0.0
@@ -266,6 +274,7 @@ def _attention_kernel(
     v_ptr,
     kv_start_ptr,
     out_ptr,
+    sinks_ptr,
     ws_acc_ptr,
     ws_max_ptr,
     ws_sum_ptr,
@@ -300,6 +309,7 @@ def _attention_kernel(
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     SPLIT_PARALLEL: tl.constexpr,
+    SINKS: tl.constexpr,
     UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -410,6 +420,8 @@ def _attention_kernel(
                 BLOCK_DV,
             )
             row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
+        if SINKS:
+            row_max, row_sum, acc = _with_sink(row_max, row_sum, acc, sinks_ptr, heads, ok)
         out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
         tl.store(
             _out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask
@@ -423,6 +435,7 @@ def _combine_kernel(
     ws_sum_ptr,
     kv_start_ptr,
     out_ptr,
+    sinks_ptr,
     Hkv,
     GROUPS,
     Tq,
@@ -437,6 +450,7 @@ def _combine_kernel(
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
     UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -463,6 +477,8 @@ def _combine_kernel(
         part_sum = tl.load(ws_sum_ptr + part, mask=ok, other=0.0)
         part_acc = tl.load(ws_acc_ptr + part[:, None] * D + vdims[None, :], mask=out_mask)
         row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
+    if SINKS:
+        row_max, row_sum, acc = _with_sink(row_max, row_sum, acc, sinks_ptr, heads, ok)
     out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
     tl.store(_out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask)
 
@@ -508,9 +524,11 @@ def attention_launches(
     split_size,
     softcap=None,
     window=None,
+    sinks=None,
+    *,
     split_parallel=None,
 ) -> list[Launch]:
-    """The launches computing ``out = attention(q, k, v)`` (shapes as :func:`attention`;
+    """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
     :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
     allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90)."""
@@ -539,6 +557,8 @@ def attention_launches(
         window=0 if window is None else window,
         CAUSAL=causal,
         WINDOW=window is not None,
+        sinks_ptr=out if sinks is None else sinks,  # (unused without sinks)
+        SINKS=sinks is not None,
         UNIT=unit,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -599,15 +619,39 @@ def attention_launches(
 
 
 def attention(
-    q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, *, split_parallel=None
+    q,
+    k,
+    v,
+    causal,
+    scale,
+    kv_start,
+    split_size,
+    softcap=None,
+    window=None,
+    sinks=None,
+    *,
+    split_parallel=None,
 ):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` None: off. ``split_parallel``: see
-    :func:`attention_launches` (the bits are the same either way)."""
+    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` / ``sinks`` (fp32 ``[Hq]``) None: off.
+    ``split_parallel``: see :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
+    if sinks is not None:
+        sinks = aligned(sinks)
     for launch in attention_launches(
-        q, k, v, kv_start, out, causal, scale, split_size, softcap, window, split_parallel
+        q,
+        k,
+        v,
+        kv_start,
+        out,
+        causal,
+        scale,
+        split_size,
+        softcap,
+        window,
+        sinks,
+        split_parallel=split_parallel,
     ):
         launch()
     return out

@@ -22,18 +22,20 @@ struct AttentionArgs {  // see bik/ops/attention.py for the semantics
   bool causal;
   float softcap;   // > 0: scores s become softcap * tanh(s / softcap); 0: off
   int64_t window;  // > 0 (causal only): the query at position p sees keys (p - window, p]; 0: off
+  uintptr_t sinks = 0;  // fp32 [Hq]: attention sinks, one logit per query head (cpu); 0: off
 };
 
 // AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
-// strides = (batch, head, position) of q, k and v.
+// strides = (batch, head, position) of q, k and v; sinks 0: none.
 inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start,
                                     uintptr_t out, const std::array<int64_t, 7>& sizes,
                                     const std::array<int64_t, 3>& q_strides,
                                     const std::array<int64_t, 3>& k_strides,
                                     const std::array<int64_t, 3>& v_strides, float scale,
-                                    bool causal, float softcap, int64_t window) {
+                                    bool causal, float softcap, int64_t window,
+                                    uintptr_t sinks = 0) {
   AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
-                     sizes[5], sizes[6], {}, {}, {}, scale, causal, softcap, window};
+                     sizes[5], sizes[6], {}, {}, {}, scale, causal, softcap, window, sinks};
   for (int i = 0; i < 3; ++i) {
     args.q_strides[i] = q_strides[i];
     args.k_strides[i] = k_strides[i];
