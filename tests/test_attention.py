@@ -173,6 +173,106 @@ def test_softcap_and_window_accuracy_against_float64(backend, dtype, softcap, wi
     torch.testing.assert_close(expected[:1], eager, rtol=1e-12, atol=1e-12)
 
 
+def sink_logits(heads, seed):
+    """Attention-sink logits near 4 (the scores here are a few units): each takes a real
+    share of its rows' softmax weight."""
+    return randn((heads,), torch.float32, seed, scale=2.0) + 4.0
+
+
+def gpt_oss_eager_attention(q, k, v, scale, sinks):
+    """gpt-oss's eager attention as transformers writes it (the sinks as one more column of
+    the causal logits, max subtracted, softmax, the column dropped): an oracle for the sinks
+    that shares no code with bik.backends.reference."""
+    tq, tk = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = torch.matmul(q, k.transpose(2, 3)) * scale
+    future = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(tk - tq + 1)
+    logits = logits.masked_fill(future, float("-inf"))
+    combined = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)], -1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1], v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tq", [1, 70])
+@pytest.mark.parametrize("softcap, window", [(None, None), (30.0, 17)])
+def test_sinks_accuracy_against_float64(backend, dtype, tq, softcap, window):
+    q, k, v = qkv(2, 2, 2, 70, 24, dtype, seed=30)
+    q = q[:, :, 70 - tq :]
+    sinks = sink_logits(4, 31)
+    kv_start = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
+    options = dict(scale=0.5, softcap=softcap, window=window)
+    out = bik.attention(q, k, v, kv_start=kv_start, split_size=32, sinks=sinks, **options)
+    wide = [t.double() for t in (q, k, v)]
+    args = (True, 0.5, kv_start, None, softcap, window)
+    expected = reference.attention(*wide, *args, sinks.double())
+    assert_close_to_reference(out, expected, dtype, "attention with sinks")
+    # The sinks matter (here by far more than the tolerance), and the oracle itself agrees
+    # with gpt-oss's formula (row 0: no left padding).
+    assert (expected - reference.attention(*wide, *args)).abs().max() > 0.05
+    if softcap is None:
+        eager = gpt_oss_eager_attention(*(t[:1] for t in wide), 0.5, sinks.double())
+        torch.testing.assert_close(expected[:1], eager, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 40)])
+def test_sinks_prefill_equals_chunks_equals_decode_with_left_padding(backend, softcap, window):
+    # Two left-padded rows: prefill, chunks and the last tokens decoded one by one give the
+    # same bits with sinks on, and a padding query still returns zeros.
+    length, split = 60, 32
+    q, k, v = qkv(2, 2, 2, length, 16, torch.bfloat16, seed=32)
+    kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
+    options = dict(kv_start=kv_start, split_size=split, softcap=softcap, window=window)
+    options["sinks"] = sink_logits(4, 33)
+    full = bik.attention(q, k, v, **options)
+    assert torch.equal(full[1, :, :13], torch.zeros_like(full[1, :, :13]))
+    chunks = [
+        bik.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], **options)
+        for a, b in [(0, 20), (20, 21), (21, 55), (55, length)]
+    ]
+    assert_bitwise(torch.cat(chunks, dim=2), full, "chunked prefill")
+    for t in range(length - 8, length):
+        step = bik.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], **options)
+        assert_bitwise(step, full[:, :, t : t + 1], f"decode {t}")
+
+
+def test_sinks_of_minus_infinity_give_the_bits_of_no_sinks(backend):
+    # A sink of -inf has weight exp(-inf) = 0: merging it changes no bit.
+    q, k, v = qkv(2, 1, 2, 70, 16, torch.bfloat16, seed=34)
+    kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
+    plain = bik.attention(q, k, v, kv_start=kv_start, split_size=32)
+    sinks = torch.full((2,), float("-inf"), device=q.device)
+    assert_bitwise(bik.attention(q, k, v, kv_start=kv_start, split_size=32, sinks=sinks), plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_backward_matches_float64(backend, dtype):
+    q, k, v = qkv(2, 1, 2, 20, 16, dtype, seed=35)
+    kv_start = torch.tensor([0, 4], dtype=torch.int32, device=q.device)
+    sinks = sink_logits(2, 36).to(dtype)
+    grad = randn(q.shape, dtype, 37)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    *qkv_leaves, sink_leaf = leaves
+    bik.attention(*qkv_leaves, kv_start=kv_start, window=6, sinks=sink_leaf).backward(grad)
+    ref = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    out = reference.attention(*ref[:3], True, 0.25, kv_start, None, None, 6, ref[3])
+    out.backward(grad.double())
+    for got, want, name in zip(leaves, ref, ["q", "k", "v", "sinks"]):
+        assert got.grad.dtype == got.dtype
+        assert_close_to_reference(got.grad, want.grad, dtype, f"grad {name}")
+
+
+def test_a_backend_without_sinks_says_so():
+    from bik.backends.native import native_backend
+
+    backend = native_backend("no-sinks", "cpu", lib=None)
+    q, k, v = qkv(1, 1, 1, 4, 8, torch.float32, seed=38)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    with pytest.raises(NotImplementedError, match="sinks: the no-sinks backend has no"):
+        backend.attention(q, k, v, True, 1.0, kv_start, 32, None, None, torch.zeros(1))
+
+
 def test_softcap_bounds_the_scores(backend):
     # A tiny softcap flattens every score to about +-softcap: the output nears the mean of v.
     q, k, v = qkv(1, 1, 1, 40, 16, torch.float32, seed=21)
@@ -362,6 +462,17 @@ def _qkv():
             ValueError,
             "window: a sliding window needs causal=True",
         ),
+        (
+            lambda: bik.attention(*_qkv(), sinks=torch.zeros(3)),
+            ValueError,
+            r"sinks: expected shape \(2,\) \(one logit per query head\)",
+        ),
+        (
+            lambda: bik.attention(*_qkv(), sinks=torch.zeros(2, dtype=torch.int32)),
+            TypeError,
+            "sinks: expected dtype",
+        ),
+        (lambda: bik.attention(*_qkv(), sinks=[0.0, 0.0]), TypeError, "sinks: expected a torch"),
     ],
 )
 def test_bad_inputs_raise(call, error, match):

@@ -80,15 +80,20 @@ def test_each_sequence_equals_contiguous_attention(
         assert_bitwise(out[starts[i] : starts[i + 1]], expected, f"sequence {i} of {seq_lens}")
 
 
-@pytest.mark.parametrize("softcap, window", [(1.5, 5), (30.0, 40)])
-def test_softcap_and_window_equal_contiguous_attention(backend, softcap, window):
+@pytest.mark.parametrize(
+    "softcap, window, sinks", [(1.5, 5, None), (30.0, 40, None), (None, None, [0.5, -1, 2, 3])]
+)
+def test_softcap_window_and_sinks_equal_contiguous_attention(backend, softcap, window, sinks):
     # One step mixing a prefill, a chunk and two decodes of different lengths (a left-padded
-    # decode batch): soft-capping and the window are forwarded and keep paged == contiguous.
+    # decode batch): soft-capping, the window and attention sinks are forwarded and keep
+    # paged == contiguous.
     seq_lens, query_lens, dtype, scale = [45, 70, 3, 38], [45, 1, 1, 10], torch.bfloat16, 0.3
     keys, values, queries, kc, vc, table, starts = make_step(
         seq_lens, query_lens, 2, 2, 16, 16, dtype, 5
     )
-    options = dict(softcap=softcap, window=window)
+    if sinks is not None:
+        sinks = torch.tensor(sinks, device=kc.device)
+    options = dict(softcap=softcap, window=window, sinks=sinks)
     out = paged_attention(
         torch.cat(queries), kc, vc, table, starts, seq_lens, scale=scale, **options
     )

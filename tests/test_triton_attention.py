@@ -34,8 +34,8 @@ def inputs(batch, hkv, groups, tq, tk, dim, dtype, seed):
     return q, k, v
 
 
-def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=None):
-    args = (q, k, v, causal, scale, kv_start, split, softcap, window)
+def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=None, sinks=None):
+    args = (q, k, v, causal, scale, kv_start, split, softcap, window, sinks)
     return attention(*args, split_parallel=False), attention(*args, split_parallel=True)
 
 
@@ -51,10 +51,11 @@ def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=Non
     causal=st.booleans(),
     softcap=SOFTCAPS,
     window=WINDOWS,
+    sinks=st.booleans(),
     data=st.data(),
 )
 def test_in_register_and_split_parallel_paths_give_the_same_bits(
-    dtype, batch, hkv, groups, tq, extra, dim, split, causal, softcap, window, data
+    dtype, batch, hkv, groups, tq, extra, dim, split, causal, softcap, window, sinks, data
 ):
     # Random shapes: Tq * G rows end anywhere inside a 64-row tile (tile tails), rows of a
     # tile span several query positions and heads, each batch row has its own first key.
@@ -62,8 +63,9 @@ def test_in_register_and_split_parallel_paths_give_the_same_bits(
     q, k, v = inputs(batch, hkv, groups, tq, tk, dim, dtype, seed=tq * 7 + extra)
     starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=batch, max_size=batch))
     kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    logits = randn((hkv * groups,), torch.float32, tq, scale=2.0) if sinks else None
     in_registers, split_parallel = both_paths(
-        q, k, v, causal, 0.3, kv_start, split, softcap, window if causal else None
+        q, k, v, causal, 0.3, kv_start, split, softcap, window if causal else None, logits
     )
     assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
 
