@@ -43,6 +43,8 @@ are multiples of the block), and the masks mark keys past Tk or past the row's p
 Sliding window: blocks stay counted from the row's first valid key; a tile skips the key blocks
 and splits wholly before the window of its first query (the skipped work would be identity for
 every row, as above). Soft-capping (``_tanh``) is applied to the scores before the mask.
+Attention sinks join after the last split on both paths: one more state (max = the head's
+sink logit, sum 1, acc 0) folded in by the same :func:`_merge` (:func:`_with_sink`).
 
 Binaries: every launch is a :class:`~._common.Launch` (FP contraction off, warps and stages
 fixed). Query and key lengths, split and row counts and the batch / head / position strides
