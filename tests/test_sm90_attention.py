@@ -6,18 +6,11 @@ memory, and their binaries do not change with Tk (8192 vs 8193) nor with the dec
 (1 vs 3): the bits cannot depend on a length through the compiler's choices. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32) and spills nothing either.
 
-The launches are compiled in a subprocess without TRITON_INTERPRET (under the interpreter
-``triton.jit`` gives Python functions, not compilable kernels); running this file as a script
-prints the facts as JSON.
+The launches are described here with meta tensors and compiled by ``bik.tools.sm90``.
 """
 
-import hashlib
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import torch
 
 sm90 = pytest.importorskip("bik.tools.sm90")
 
@@ -39,49 +32,36 @@ CASES = {  # name: (Tq, Tk, dtype)
 }
 
 
-def compile_cases():
-    """{case: [facts of each launch's binary]} (run without the interpreter)."""
-    import torch
-
+def launches(tq, tk, dtype):
     from bik.backends.triton.attention import attention_launches
 
-    facts = {}
-    for name, (tq, tk, dtype) in CASES.items():
-        dtype = getattr(torch, dtype)
-        q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
-        k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
-        kv_start = sm90.meta(1, dtype=torch.int32)
-        facts[name] = []
-        for launch in attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256):
-            binary = sm90.compile_launch(launch)
-            facts[name].append(
-                dict(
-                    kernel=binary.name,
-                    split_parallel=launch.args.get("SPLIT_PARALLEL"),
-                    mma=sorted(binary.mma),
-                    hmma=binary.count("HMMA"),
-                    registers=binary.registers,
-                    shared_bytes=binary.shared_bytes,
-                    local_bytes=binary.local_bytes,
-                    num_warps=binary.num_warps,
-                    num_stages=binary.num_stages,
-                    code=hashlib.sha256(binary.code().encode()).hexdigest(),
-                    # what the binary is specialised on (integers equal to 1 or divisible
-                    # by 16, aligned pointers): the compile cache key
-                    specialisation=repr(sm90._specialize(launch.kernel, launch.args)),
-                )
-            )
-    return facts
+    dtype = getattr(torch, dtype)
+    q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
+    k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
+    kv_start = sm90.meta(1, dtype=torch.int32)
+    return attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256)
 
 
 @pytest.fixture(scope="module")
 def facts():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    """{case: [facts of each launch's binary]}, every case compiled in one go."""
+    cases = [(name, launch) for name, shape in CASES.items() for launch in launches(*shape)]
+    binaries = sm90.compile_launches([launch for _, launch in cases])
+    facts = {name: [] for name in CASES}
+    for (name, launch), binary in zip(cases, binaries):
+        facts[name].append(
+            dict(
+                kernel=binary.name,
+                split_parallel=launch.args.get("SPLIT_PARALLEL"),
+                mma=sorted(binary.mma),
+                hmma=binary.count("HMMA"),
+                local_bytes=binary.local_bytes,
+                num_warps=binary.num_warps,
+                code=binary.code(),
+                specialisation=binary.specialization,
+            )
+        )
+    return facts
 
 
 def test_paths(facts):
@@ -119,7 +99,3 @@ def test_binaries_do_not_change_with_lengths(facts):
     ]:
         for key in ("specialisation", "code"):
             assert [f[key] for f in facts[case]] == [f[key] for f in facts[same_as]], (case, key)
-
-
-if __name__ == "__main__":
-    print(json.dumps(compile_cases()))

@@ -40,6 +40,7 @@ class Binary:
     registers: int
     shared_bytes: int
     local_bytes: int  # per-thread stack: > 0 means registers spilled to local memory
+    specialization: str  # what the binary was specialised on: the compile-cache key's part
     sass: str
 
     @property
@@ -115,6 +116,7 @@ def _compile_here(launch) -> Binary:
         registers=field("REG"),
         shared_bytes=compiled.metadata.shared,
         local_bytes=field("STACK") + field("LOCAL"),
+        specialization=repr((signature, constexprs, attrs)),
         sass=sass,
     )
 
