@@ -19,6 +19,7 @@ number of rows, so a row's bits do not change with the batch:
   (mixture-of-experts) kernel shares its tile loop, :func:`_tile_product`.
 """
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -195,10 +196,16 @@ def token_bucket(rows: int) -> TokenBucket:
     return next(b for b in TOKEN_BUCKETS if b.max_rows is None or rows <= b.max_rows)
 
 
-def _programs(device: torch.device, tiles: int) -> int:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Programs a persistent launch keeps resident: the GPU's SMs (read once per device)."""
     if device.type == "cuda":
-        return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tiles, HOPPER_SMS if device.type == "meta" else 4)
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return HOPPER_SMS if device.type == "meta" else 4  # the interpreter: a few, to test the loop
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    return min(tiles, _multiprocessors(device))
 
 
 def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
