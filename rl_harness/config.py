@@ -22,7 +22,7 @@ from bik.contract import check_split_size
 from bik.hf import MOE_FAMILIES, SUPPORTED_FAMILIES
 
 from .errors import ConfigError
-from .remedies import Precision, precision
+from .remedies import IS_REMEDIES, Precision, precision
 
 __all__ = [
     "CollapseConfig",
@@ -50,6 +50,7 @@ REMEDIES = (
     "geo_is",
     "geo_rs",
     "token_mis",
+    "seq_mis",
     "k1_rs",
     "k3_rs",
     "token_veto",
@@ -256,6 +257,9 @@ class RolloutConfig(_Section):
     logit_noise_std: float = spec(0.0, ge=0)
     logit_noise_bias: float = spec(0.0)
     logit_round_bits: int = spec(0, ge=0, le=23)  # 0: off
+    # The rollout copy's linear weights rounded to this many mantissa bits after every
+    # refresh, as an fp8 rollout serves them (e4m3: 3, e5m2: 2; the exponent is not limited).
+    weight_round_bits: int = spec(0, ge=0, le=23)  # 0: off
 
     def _validate(self) -> None:
         if self.split_size:
@@ -277,6 +281,7 @@ class RolloutConfig(_Section):
                 ("logit_noise_std", 0.0),
                 ("logit_noise_bias", 0.0),
                 ("logit_round_bits", 0),
+                ("weight_round_bits", 0),
                 ("top_p", 1.0),
             ):
                 if getattr(self, key) != off:
@@ -305,13 +310,20 @@ class TrainConfig(_Section):
 
 @dataclass(frozen=True)
 class RemedyConfig(_Section):
-    """The mismatch remedy (rl_harness.remedies) and its thresholds."""
+    """The mismatch remedy (rl_harness.remedies) and its thresholds.
+
+    ``low`` / ``high`` bound the token ratio of ``token_mis`` (IcePop) and the sequence IS
+    weight of ``seq_mis``. One-sided MIS (an upper bound only, as with verl's single-number
+    threshold): set ``low`` to a tiny positive number (e.g. 1e-9; it must be > 0), so only
+    ratios above ``high`` are dropped. ``bypass`` (pi_old := pi_rollout) is refused with an
+    importance-sampling remedy under the PPO loss (see ``Config``).
+    """
 
     SECTION: ClassVar[str] = "remedy"
     name: str = spec("none", choices=REMEDIES)
     clip: float = spec(2.0, ge=1)  # C of the truncated IS remedies and the IS metrics
-    low: float = spec(0.5, gt=0)
-    high: float = spec(2.0, gt=0)
+    low: float = spec(0.5, gt=0)  # token_mis / seq_mis lower bound (tiny: one-sided MIS)
+    high: float = spec(2.0, gt=0)  # token_mis / seq_mis upper bound
     geo_low: float = spec(0.999, gt=0)
     geo_high: float = spec(1.001, gt=0)
     k_threshold: float = spec(0.01, ge=0)
@@ -389,6 +401,14 @@ class Config(_Section):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"{name}: expected a {kind.__name__}")
         precision(self.remedy.name, self.train.dtype, self.rollout.dtype)  # fp16's own check
+        if self.remedy.bypass and self.remedy.name in IS_REMEDIES and self.train.loss == "ppo":
+            # verl refuses it too: with pi_old := pi_rollout the PPO ratio pi_theta / pi_rollout
+            # already corrects for the rollout policy; an IS weight would correct twice.
+            raise ConfigError(
+                f"remedy.bypass=true: the PPO ratio already uses the rollout log-probs as "
+                f"pi_old; remedy.name={self.remedy.name} would correct for the rollout policy "
+                f"twice (use remedy.bypass=false, or a rejection remedy)"
+            )
         if self.model.moe and self.rollout.engine == "vllm":
             raise ConfigError(
                 f"rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
@@ -412,6 +432,7 @@ class Config(_Section):
             and r.logit_noise_std == 0
             and r.logit_noise_bias == 0
             and r.logit_round_bits == 0
+            and r.weight_round_bits == 0
         )
 
     def to_json(self) -> str:
