@@ -9,6 +9,8 @@ Where the conventions deliberately differ from verl's (rollout_corr_helper):
 - Sequence-level statistics (``log_ppl_abs_diff``, ``chi2_seq``, ``seq_is_weight_*``) skip
   rows without a response token, where verl averages over every row of the batch. In the
   harness every row has at least one response token, so this never changes its figures.
+- ``log_ppl_diff`` keeps verl's sign: per sequence, mean_t l_rollout - mean_t l_train
+  (= -mean_t r; positive when the trainer gives the sequence the lower probability).
 - Log ratios are not clamped: exp(r) is taken of the float64 r as it is, so a huge mismatch
   shows as a huge (or infinite) chi2 / IS weight rather than a capped one. verl clamps the
   log ratio to [-20, 20] (its SAFETY_BOUND) before exponentiating; ``clamp_log_ratio=20.0``
@@ -19,9 +21,18 @@ Where the conventions deliberately differ from verl's (rollout_corr_helper):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 PREFIX = "mismatch/"
+# Rollout-probability buckets of the per-bucket mismatch: p = exp(l_rollout) of the sampled
+# token falls in [0, 0.5), [0.5, 0.9) or [0.9, 1]. Low-probability tokens carry most mismatch.
+PROB_BUCKETS = (
+    ("p_lt_0.5", 0.0, 0.5),
+    ("p_0.5_to_0.9", 0.5, 0.9),
+    ("p_ge_0.9", 0.9, math.inf),
+)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -42,6 +53,17 @@ def mismatch_metrics(
     (1 = response token). ``clip`` is C of the IS-weight fraction and ESS statistics.
     ``clamp_log_ratio``: None (the harness's convention) or verl's bound (20.0) on the log
     ratios that are exponentiated (see the module docstring).
+
+    Sequence-level log-perplexity statistics (over the sequences with a response token; 0
+    when there are none): ``log_ppl_diff`` (mean of d_i = mean_t l_rollout - mean_t l_train,
+    verl's sign), ``log_ppl_diff_max`` / ``log_ppl_diff_min`` (max / min of d_i),
+    ``log_ppl_abs_diff`` (mean of abs(d_i)) and ``log_ppl_abs_diff_sum`` (mean of
+    abs(sum_t r), the per-sequence sum of log-prob differences of Beyond Precision,
+    arXiv 2602.01826, eq. 8: unlike the per-token mean it grows with the response length).
+
+    Per rollout-probability bucket (``PROB_BUCKETS``, p = exp(l_rollout)):
+    ``abs_diff_<bucket>`` is the mean abs(r) over the bucket's tokens (0 when it has none)
+    and ``tokens_<bucket>`` their count, e.g. ``abs_diff_p_lt_0.5`` / ``tokens_p_lt_0.5``.
     """
     if train_logp.shape != rollout_logp.shape or mask.shape != train_logp.shape:
         raise ValueError(
@@ -64,6 +86,15 @@ def mismatch_metrics(
     clamped = weights.clamp(1.0 / clip, clip)
     normalised = clamped / clamped.mean() if weights.numel() else clamped
     per_seq_mean = lambda x: (x * m).sum(-1) / tokens_per_seq.clamp(min=1)
+    # per sequence: mean_t l_rollout - mean_t l_train (verl's log_ppl_diff), and sum_t r
+    log_ppl_diff = -per_seq_mean(r)  # r is 0 off the mask: no -inf * 0 from padding
+    seq_extreme = lambda x, pick: pick(x[has_tokens]) if bool(has_tokens.any()) else r.new_zeros(())
+    p_rollout = torch.exp(rollout_logp.double())
+    buckets = {}
+    for bucket, low, high in PROB_BUCKETS:
+        inside = (valid & (p_rollout >= low) & (p_rollout < high)).double()
+        buckets[f"abs_diff_{bucket}"] = masked_mean(r.abs(), inside)  # 0 when empty
+        buckets[f"tokens_{bucket}"] = inside.sum()
     stats = {
         "logprob_abs_diff_mean": masked_mean(r.abs(), m),
         "logprob_abs_diff_max": r.abs().max() if r.numel() else r.new_zeros(()),
@@ -72,9 +103,11 @@ def mismatch_metrics(
         "k1_kl": masked_mean(-r, m),
         "k2_kl": masked_mean(0.5 * r * r, m),
         "k3_kl": masked_mean(rho - r_exp - 1.0, m),
-        "log_ppl_abs_diff": seq_mean(
-            (per_seq_mean(train_logp.double()) - per_seq_mean(rollout_logp.double())).abs()
-        ),
+        "log_ppl_abs_diff": seq_mean(log_ppl_diff.abs()),
+        "log_ppl_diff": seq_mean(log_ppl_diff),
+        "log_ppl_diff_max": seq_extreme(log_ppl_diff, torch.max),
+        "log_ppl_diff_min": seq_extreme(log_ppl_diff, torch.min),
+        "log_ppl_abs_diff_sum": seq_mean(r.sum(-1).abs()),
         "chi2_token": masked_mean(rho * rho, m) - 1.0,
         "chi2_seq": seq_mean(torch.exp(2.0 * seq_log_ratio)) - 1.0,
         "is_weight_mean": weights.mean() if weights.numel() else r.new_ones(()),
@@ -89,5 +122,6 @@ def mismatch_metrics(
         "is_frac_below_inv_c": (weights < 1.0 / clip).double().mean()
         if weights.numel()
         else r.new_zeros(()),
+        **buckets,
     }
     return {PREFIX + name: float(value) for name, value in stats.items()}
