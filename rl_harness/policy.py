@@ -24,6 +24,7 @@ from bik.hf import generation_position_ids
 
 from . import tasks
 from .errors import ConfigError
+from .logits import round_mantissa
 from .rundir import write_atomic
 
 if TYPE_CHECKING:
@@ -101,9 +102,16 @@ def working_copy(
 
 
 @torch.no_grad()
-def refresh(work: torch.nn.Module, master: torch.nn.Module) -> None:
+def refresh(work: torch.nn.Module, master: torch.nn.Module, weight_round_bits: int = 0) -> None:
+    """Copy the master's weights into ``work``; with ``weight_round_bits``, then round the
+    weight of every linear layer to that many mantissa bits (an fp8-like rollout copy)."""
     for w, m in zip(work.parameters(), master.parameters()):
         w.copy_(m)
+    if weight_round_bits:
+        for module in work.modules():
+            if isinstance(module, torch.nn.Linear):
+                weight = module.weight
+                weight.copy_(round_mantissa(weight.float(), weight_round_bits))
 
 
 def sft_batch(

@@ -138,7 +138,7 @@ class Run:
             share = self.engine.sample(prompts, seed)
         else:
             assert self.rollout_model is not None
-            policy.refresh(self.rollout_model, self.master)
+            policy.refresh(self.rollout_model, self.master, cfg.rollout.weight_round_bits)
             generator = torch.Generator().manual_seed(seed)
             share = rollout.sample(
                 self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows

@@ -146,3 +146,4 @@ def test_fp16_remedy_sets_both_sides_and_the_loss_scale():
     p = config.build({}, ["rollout.dtype=bfloat16"]).precision
     assert (p.train_dtype, p.rollout_dtype, p.loss_scale) == ("float32", "bfloat16", 1.0)
     assert not config.build({}, ["rollout.dtype=bfloat16"]).zero_mismatch
+    assert not config.build({}, ["rollout.weight_round_bits=3"]).zero_mismatch

@@ -1,5 +1,6 @@
 """rl_harness end to end on tiny configs: zero mismatch, every source, determinism, resume."""
 
+import copy
 import json
 import math
 
@@ -8,6 +9,7 @@ import torch
 from rl_helpers import TINY as RL_TINY
 
 from rl_harness import config, policy, runner
+from rl_harness.logits import round_mantissa
 
 TINY = [*RL_TINY, "steps=3"]
 
@@ -77,6 +79,7 @@ def test_zero_mismatch_is_exactly_zero_every_step(tmp_path, cache):
         ["rollout.logit_noise_std=0.1"],
         ["rollout.logit_noise_bias=0.5"],
         ["rollout.logit_round_bits=7"],
+        ["rollout.weight_round_bits=3"],
     ],
 )
 def test_each_mismatch_source_gives_nonzero_mismatch(tmp_path, cache, source):
@@ -177,3 +180,18 @@ def test_warmup_cache_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", save)
     path = policy.warmup(master, cfg, tmp_path / "cache")
     assert set(torch.load(path)) == set(master.state_dict())
+
+
+def test_weight_rounding_rounds_the_rollout_copys_linear_weights_only():
+    torch.manual_seed(0)
+    master = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    work = copy.deepcopy(master)
+    policy.refresh(work, master, weight_round_bits=3)
+    linear, norm = master[0], master[1]
+    assert torch.equal(work[0].weight, round_mantissa(linear.weight, 3))
+    assert not torch.equal(work[0].weight, linear.weight)
+    assert torch.equal(work[0].bias, linear.bias) and torch.equal(work[1].weight, norm.weight)
+    mantissa, _ = torch.frexp(work[0].weight)
+    assert torch.equal(mantissa * 8, torch.round(mantissa * 8))  # 3 bits: multiples of 1/8
+    policy.refresh(work, master)  # 0 bits: an exact copy again
+    assert all(torch.equal(w, m) for w, m in zip(work.parameters(), master.parameters()))

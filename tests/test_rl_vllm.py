@@ -125,6 +125,7 @@ def test_native_engine_measures_a_real_mismatch(tmp_path, cache):
         (["rollout.logit_noise_std=0.1"], "rollout.logit_noise_std: expected 0.0 .off."),
         (["rollout.logit_noise_bias=0.5"], "rollout.logit_noise_bias"),
         (["rollout.logit_round_bits=7"], "rollout.logit_round_bits"),
+        (["rollout.weight_round_bits=3"], "rollout.weight_round_bits"),
         (["rollout.top_p=0.9"], "rollout.top_p"),
         (["rollout.split_size=32"], "rollout.split_size"),
     ],
