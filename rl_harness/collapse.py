@@ -1,6 +1,17 @@
 """Collapse detection: per-step flags, recorded into the metrics as ``collapse/<flag>``.
 
 The reports (rl_harness.report) read the first step of each flag back from the metrics.
+
+Grad-norm flags (w = ``collapse.window``):
+
+- ``grad_norm_blowup``: this step's grad norm exceeds ``grad_norm_factor`` x the median of
+  the w steps before it (a single-step spike).
+- ``grad_norm_drop``: the smoothed grad norm, the rolling median of the last w steps (this
+  one included; :func:`smoothed_grad_norm`), falls below the same rolling median one window
+  earlier (steps t-2w+1 .. t-w) divided by ``grad_norm_drop_factor`` (default 3: a ~3.5x
+  grad-norm drop is reported as a precursor of MoE RL collapse), while that earlier median
+  exceeds ``grad_norm_floor``. The median ignores a lone small step; a sustained drop raises
+  the flag once more than half the window has dropped. Needs 2w steps of history.
 """
 
 from __future__ import annotations
@@ -22,6 +33,15 @@ FLAGS = (
 COLLAPSE_FLAGS = ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
 
 
+def smoothed_grad_norm(grad_norms: list[float], window: int, lag: int = 0) -> float | None:
+    """The rolling median of the ``window`` grad norms ending ``lag`` steps before the last
+    one (None while there are fewer than ``window + lag`` of them)."""
+    if len(grad_norms) < window + lag:
+        return None
+    end = len(grad_norms) - lag
+    return statistics.median(grad_norms[end - window : end])
+
+
 class Detector:
     def __init__(self, cfg: CollapseConfig) -> None:
         self.cfg = cfg
@@ -29,10 +49,14 @@ class Detector:
         self.best_reward: float | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "best_reward": self.best_reward}
+        """A copy of everything the flags depend on: a detector loading it raises the flags
+        an uninterrupted one would."""
+        history = {key: list(values) for key, values in self.history.items()}
+        return {"history": history, "best_reward": self.best_reward}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history, self.best_reward = state["history"], state["best_reward"]
+        self.history = {key: list(values) for key, values in state["history"].items()}
+        self.best_reward = state["best_reward"]
 
     def update(self, metrics: dict[str, Any]) -> dict[str, bool]:
         """Flags raised by this step's ``metrics`` (dict flag -> bool)."""
@@ -52,9 +76,11 @@ class Detector:
             flags["grad_norm_blowup"] = metrics["grad_norm"] > cfg.grad_norm_factor * max(
                 median, 1e-8
             )
+        level = smoothed_grad_norm(h["grad_norm"], w)
+        earlier = smoothed_grad_norm(h["grad_norm"], w, lag=w)
+        if level is not None and earlier is not None:
             flags["grad_norm_drop"] = (
-                median > cfg.grad_norm_floor
-                and metrics["grad_norm"] < median / cfg.grad_norm_factor
+                earlier > cfg.grad_norm_floor and level < earlier / cfg.grad_norm_drop_factor
             )
         flags["k3_growth"] = metrics.get("mismatch/k3_kl", 0.0) > cfg.k3_max
         flags["ess_collapse"] = metrics.get("mismatch/is_ess", 1.0) < cfg.ess_min

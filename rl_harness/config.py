@@ -355,12 +355,18 @@ class LRScheduleConfig(_Section):
 
 @dataclass(frozen=True)
 class CollapseConfig(_Section):
-    """Thresholds of the per-step collapse flags (rl_harness.collapse)."""
+    """Thresholds of the per-step collapse flags (rl_harness.collapse).
+
+    ``grad_norm_factor``: the blow-up flag (a step above factor x the median of the window
+    before it). ``grad_norm_drop_factor``: the drop flag, on the smoothed grad norm (the
+    rolling median over ``window`` steps) against its value one window earlier.
+    """
 
     SECTION: ClassVar[str] = "collapse"
     window: int = spec(5, ge=1)
     reward_drop: float = spec(0.5, ge=0, le=1)
     grad_norm_factor: float = spec(10.0, ge=1)
+    grad_norm_drop_factor: float = spec(3.0, ge=1)
     grad_norm_floor: float = spec(0.01, ge=0)
     k3_max: float = spec(0.05, ge=0)
     ess_min: float = spec(0.5, ge=0, le=1)
