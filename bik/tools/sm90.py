@@ -27,6 +27,7 @@ HOPPER = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 _MMA = re.compile(r"\b((?:HGMMA|HMMA|QGMMA|IMMA)(?:\.\w+)+)")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)")
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
@@ -58,8 +59,9 @@ class Binary:
         return sum(n for op, n in self.opcodes.items() if op.split(".")[0] == prefix)
 
     def code(self) -> str:
-        """The instructions alone (addresses and comments dropped): equal for equal binaries."""
-        return "\n".join(_OPCODE.findall(self.sass))
+        """The instructions with their operands, addresses and encodings dropped: equal for
+        binaries that compute the same way."""
+        return "\n".join(" ".join(i.split()) for i in _INSTRUCTION.findall(self.sass))
 
 
 def _specialize(kernel, args: dict) -> tuple[dict, dict, dict]:
