@@ -45,6 +45,7 @@ LAUNCHES = {
         for b in matmul.TOKEN_BUCKETS
     },
     "linear fp16": linear(1, 4096, 4096, torch.float16),
+    "linear M=1": linear(1, 4096, 4096),
     "linear M=13": linear(13, 4096, 4096),
     "linear M=300": linear(300, 4096, 4096),
     "linear M=8192": linear(8192, 4096, 4096),
@@ -80,13 +81,18 @@ def test_linear_fp16_uses_wgmma(binary):
 
 
 def test_the_row_count_never_changes_the_binary_inside_a_bucket(binary):
-    assert binary["linear", 16].code() == binary["linear M=13"].code()  # M = 16 vs 13
-    assert binary["linear M=300"].code() == binary["linear M=8192"].code()
+    # M = 1 would be a constant, M = 16 "divisible by 16", if M were specialised on.
+    for group in (["linear M=1", "linear M=13", ("linear", 16)], ["linear M=300", "linear M=8192"]):
+        first = binary[group[0]]
+        for other in group[1:]:
+            assert binary[other].specialization == first.specialization, other
+            assert binary[other].code() == first.code(), other
 
 
 def test_tile_kernel_is_one_binary_for_every_row_count_and_uses_wgmma(binary):
     assert_hopper_grade(binary["tile", 1])
-    assert len({binary["tile", rows].code() for rows in (1, 17, 4096)}) == 1
+    tiles = [binary["tile", rows] for rows in (1, 17, 4096)]
+    assert len({(b.specialization, b.code()) for b in tiles}) == 1
 
 
 def test_fp32_matmul_is_ieee_fma_not_tf32(binary):
