@@ -1,4 +1,4 @@
-"""python -m rl_harness run | recipes | compare  (see README). ``run`` under
+"""python -m rl_harness run | sweep | recipes | compare  (see README). ``run`` under
 ``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import distributed, recipes, report, rundir, runner
+from . import distributed, recipes, report, rundir, runner, sweep
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -44,6 +44,21 @@ def _run(args: argparse.Namespace) -> int:
             summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=recipe)
     if world.main:
         print(report.summary_markdown(summary))
+    return 0
+
+
+def _configs(recipe_names: Sequence[str], sets: Sequence[str], steps: int | None) -> dict:
+    sets = [*sets, *([f"steps={steps}"] if steps is not None else [])]
+    return {name: config_lib.build(recipes.overrides(name), sets) for name in recipe_names}
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    if args.seeds < 1:
+        raise HarnessError(f"sweep --seeds: expected an integer >= 1, got {args.seeds}")
+    if len(set(args.recipe)) != len(args.recipe):
+        raise HarnessError(f"sweep --recipe: each recipe once, got {args.recipe}")
+    configs = _configs(args.recipe, args.set or [], args.steps)
+    print(sweep.sweep(configs, args.seeds, args.out, cache_dir=args.cache_dir))
     return 0
 
 
@@ -80,6 +95,15 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR")
     run.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
+    arms = commands.add_parser(
+        "sweep", help="recipes on N seeds, each beside its zero-mismatch twin, with 95% CIs"
+    )
+    arms.add_argument("--recipe", action="append", required=True, help="an arm (repeatable)")
+    arms.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    arms.add_argument("--steps", type=int, help="number of RL steps of every run")
+    arms.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every arm")
+    arms.add_argument("--out", default="runs/sweep", help="sweep directory (default runs/sweep)")
+    arms.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
     commands.add_parser("recipes", help="list the recipes")
     compare = commands.add_parser("compare", help="plots and a markdown table of several runs")
     compare.add_argument("dirs", nargs="+")
@@ -94,7 +118,7 @@ def _warning_line(message: Warning | str, *args: object, **kwargs: object) -> st
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; a HarnessError ends it with a one-line message and status 2."""
     args = parser().parse_args(argv)
-    command = {"run": _run, "recipes": _recipes, "compare": _compare}[args.command]
+    command = {"run": _run, "sweep": _sweep, "recipes": _recipes, "compare": _compare}[args.command]
     formatwarning, warnings.formatwarning = warnings.formatwarning, _warning_line
     try:
         return command(args)

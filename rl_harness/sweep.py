@@ -1,0 +1,208 @@
+"""Multi-seed sweeps: each arm on N seeds beside its zero-mismatch twin, with 95 % intervals.
+
+``python -m rl_harness sweep --recipe A [--recipe B ...] --seeds N --out DIR`` runs every
+arm (a recipe plus the ``--set`` overrides) on seeds 0..N-1 into ``DIR/<arm>/seed<k>``, and,
+for an arm that injects mismatch, its twin: the same config with every mismatch source off
+(bik kernels on both sides, the trainer's dtype, no synthetic rollout noise), into
+``DIR/<arm>__twin/seed<k>``, on the same seeds. Arm and twin share the seed, so the warm-up and
+the prompts agree and the per-seed difference isolates the mismatch (a paired design). A run
+already complete is kept, a cut one is resumed: rerunning the command finishes a sweep.
+
+``DIR/sweep.md`` gives per arm the mean and a 95 % confidence interval (Student's t over the
+seeds) of the reward at the start and the end, the peak k3, the share of unequal tokens and
+the collapsed seeds, then each arm's paired difference from its twin; ``DIR/sweep.png`` plots
+the mean reward per step with its interval as a band.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import collapse, rundir, runner
+from .config import Config
+from .errors import HarnessError
+from .rundir import write_atomic
+
+History = list[dict[str, Any]]
+
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's.
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+TWIN = "__twin"
+
+
+def interval(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95 % confidence interval); the half-width is NaN for one value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    df = len(values) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.960
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def twin(cfg: Config) -> Config:
+    """``cfg`` with every mismatch source off: the on-policy baseline of the same run."""
+    rollout = dataclasses.replace(
+        cfg.rollout,
+        kernels="bik",
+        dtype=cfg.train.dtype,
+        split_size=0,
+        logit_noise_std=0.0,
+        logit_noise_bias=0.0,
+        logit_round_bits=0,
+        weight_round_bits=0,
+    )
+    out = dataclasses.replace(
+        cfg, rollout=rollout, train=dataclasses.replace(cfg.train, kernels="bik")
+    )
+    if not out.zero_mismatch:  # a mismatch source this function does not know yet
+        raise HarnessError("sweep: could not turn every mismatch source off for the twin")
+    return out
+
+
+def arms(configs: dict[str, Config]) -> dict[str, Config]:
+    """The arms to run: each named config, and after it its twin when it injects mismatch."""
+    out = {}
+    for name, cfg in configs.items():
+        out[name] = cfg
+        if not cfg.zero_mismatch:
+            out[name + TWIN] = twin(cfg)
+    return out
+
+
+def run_seeds(
+    cfg: Config,
+    out: Path,
+    seeds: int,
+    cache_dir: str | Path,
+    progress: bool,
+    name: str,
+    say: Callable[[str], None] = print,
+) -> list[History]:
+    """Each seed of ``cfg`` into ``out/seed<k>``: kept when complete, resumed when cut."""
+    histories = []
+    for seed in range(seeds):
+        run_dir = out / f"seed{seed}"
+        seeded = dataclasses.replace(cfg, seed=seed)
+        done = len(rundir.read_metrics(run_dir)) if (run_dir / rundir.METRICS).exists() else 0
+        if (run_dir / rundir.CONFIG).exists() and rundir.load_config(run_dir) != seeded:
+            raise HarnessError(
+                f"sweep: {run_dir} holds a run of another config; remove it or choose --out"
+            )
+        if done >= cfg.steps:
+            say(f"{name} seed {seed}: complete, kept")
+        elif (run_dir / rundir.CONFIG).exists():
+            say(f"{name} seed {seed}: resuming at step {done}")
+            runner.resume(run_dir, cache_dir=cache_dir, progress=progress, name=name)
+        else:
+            say(f"{name} seed {seed}: running {cfg.steps} steps")
+            runner.run(seeded, run_dir, cache_dir=cache_dir, progress=progress, name=name)
+        histories.append(rundir.read_metrics(run_dir))
+    return histories
+
+
+def _reward(history: History, first: bool) -> float:
+    rows = history[:5] if first else history[-5:]
+    return statistics.fmean(m["reward/mean"] for m in rows)
+
+
+# (column, per-run statistic)
+STATISTICS: tuple[tuple[str, Callable[[History], float]], ...] = (
+    ("reward first 5", lambda h: _reward(h, True)),
+    ("reward last 5", lambda h: _reward(h, False)),
+    ("k3 max", lambda h: max(m["mismatch/k3_kl"] for m in h)),
+    ("unequal tokens", lambda h: statistics.fmean(m["mismatch/tokens_unequal_frac"] for m in h)),
+)
+
+
+def _cell(values: Sequence[float]) -> str:
+    mean, half = interval(values)
+    return f"{mean:.3g} ± {half:.2g}" if math.isfinite(half) else f"{mean:.3g}"
+
+
+def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -> str:
+    """Per arm: mean ± 95 % CI over seeds; then each arm's paired difference from its twin."""
+    seeds = len(next(iter(results.values())))
+    lines = [
+        f"Mean ± half-width of the 95 % confidence interval over {seeds} seeds (Student's t).",
+        "",
+        "| arm | " + " | ".join(c for c, _ in STATISTICS) + " | collapsed seeds |",
+        "|---|" + "---:|" * (len(STATISTICS) + 1),
+    ]
+    for arm, histories in results.items():
+        cells = [_cell([stat(h) for h in histories]) for _, stat in STATISTICS]
+        collapsed = sum(collapse.collapse_step(h) is not None for h in histories)
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {collapsed} of {len(histories)} |")
+    paired = [a for a in results if a + TWIN in results]
+    if paired:
+        lines += [
+            "",
+            "Paired difference, arm minus its zero-mismatch twin on the same seed:",
+            "",
+            "| arm | reward first 5 | reward last 5 |",
+            "|---|---:|---:|",
+        ]
+        for arm in paired:
+            cells = [
+                _cell([stat(a) - stat(t) for a, t in zip(results[arm], results[arm + TWIN])])
+                for _, stat in STATISTICS[:2]
+            ]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\n![sweep]({plot})\n"
+
+
+def plot_sweep(results: dict[str, list[History]], path: Path) -> None:
+    """Mean reward per step of each arm, with its 95 % interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, histories in results.items():
+        steps = min(len(h) for h in histories)
+        bands = [interval([h[s]["reward/mean"] for h in histories]) for s in range(steps)]
+        mean = [m for m, _ in bands]
+        half = [0.0 if math.isnan(w) else w for _, w in bands]
+        (line,) = ax.plot(range(steps), mean, label=arm, linewidth=1)
+        low = [m - w for m, w in zip(mean, half)]
+        high = [m + w for m, w in zip(mean, half)]
+        ax.fill_between(range(steps), low, high, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (mean over seeds, 95 % CI)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    plt.close(fig)
+
+
+def sweep(
+    configs: dict[str, Config],
+    seeds: int,
+    out: str | Path,
+    *,
+    cache_dir: str | Path = ".cache/rl_harness",
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> str:
+    """Run every arm of ``configs`` (and the twins) on ``seeds`` seeds into ``out``; write and
+    return sweep.md."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {
+        arm: run_seeds(cfg, out / arm, seeds, cache_dir, progress, arm, say)
+        for arm, cfg in arms(configs).items()
+    }
+    table = sweep_markdown(results)
+    plot_sweep(results, out / "sweep.png")
+    write_atomic(out / "sweep.md", table)
+    return table

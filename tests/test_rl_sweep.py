@@ -1,0 +1,95 @@
+"""rl_harness sweep: seeds beside zero-mismatch twins, 95 % intervals, resumable."""
+
+import math
+
+import pytest
+from rl_helpers import TINY
+
+from rl_harness import config, recipes, runner, sweep
+from rl_harness.__main__ import main
+
+
+def test_interval_is_students_t_over_the_seeds():
+    mean, half = sweep.interval([1.0, 2.0, 3.0])  # sd 1, 2 degrees of freedom: t = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert math.isnan(sweep.interval([5.0])[1])
+    assert sweep.interval([2.0] * 40)[1] == 0.0  # beyond the table: the normal quantile
+
+
+@pytest.mark.parametrize("recipe", ["kernel_swap", "dtype_swap", "fp8_weights", "noise_biased"])
+def test_a_twin_turns_every_mismatch_source_off_and_keeps_the_rest(recipe):
+    cfg = config.build(recipes.overrides(recipe), ["train.lr=1e-3", "remedy.name=token_tis"])
+    twin = sweep.twin(cfg)
+    assert not cfg.zero_mismatch and twin.zero_mismatch
+    assert (twin.train.lr, twin.remedy, twin.seed) == (1e-3, cfg.remedy, cfg.seed)
+
+
+def test_a_zero_mismatch_arm_has_no_twin():
+    cfg = config.build({}, [])
+    assert list(
+        sweep.arms({"zero": cfg, "swap": config.build({}, ["rollout.kernels=native"])})
+    ) == [
+        "zero",
+        "swap",
+        "swap__twin",
+    ]
+
+
+def _configs(steps):
+    sets = [*TINY, f"steps={steps}"]
+    return {"kernel_swap": config.build(recipes.overrides("kernel_swap"), sets)}
+
+
+def test_a_sweep_runs_arm_and_twin_on_each_seed_and_resumes_a_cut_run(tmp_path, monkeypatch):
+    cache, said = tmp_path / "cache", []
+    full = sweep.sweep(_configs(2), 2, tmp_path / "full", cache_dir=cache, progress=False)
+    assert "| kernel_swap | " in full and "| kernel_swap__twin | " in full
+    assert "Paired difference" in full and (tmp_path / "full" / "sweep.png").exists()
+    twin = runner.read_metrics(tmp_path / "full" / "kernel_swap__twin" / "seed1")
+    assert all(m["mismatch/tokens_unequal_count"] == 0 for m in twin)
+
+    original = runner.Run.step
+
+    def crash(self, step):
+        if step == 1 and self.cfg.seed == 1:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(runner.Run, "step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.sweep(_configs(2), 2, tmp_path / "cut", cache_dir=cache, progress=False)
+    monkeypatch.setattr(runner.Run, "step", original)
+    again = sweep.sweep(
+        _configs(2), 2, tmp_path / "cut", cache_dir=cache, progress=False, say=said.append
+    )
+    assert said[:2] == [
+        "kernel_swap seed 0: complete, kept",
+        "kernel_swap seed 1: resuming at step 1",
+    ]
+    assert again == full
+    for arm in ("kernel_swap", "kernel_swap__twin"):
+        for seed in (0, 1):
+            run = f"{arm}/seed{seed}"
+            assert runner.read_metrics(tmp_path / "cut" / run) == runner.read_metrics(
+                tmp_path / "full" / run
+            )
+
+
+def test_a_sweep_refuses_a_directory_of_another_config(tmp_path):
+    cache = tmp_path / "cache"
+    sweep.sweep(_configs(1), 1, tmp_path / "s", cache_dir=cache, progress=False)
+    with pytest.raises(sweep.HarnessError, match="holds a run of another config"):
+        sweep.sweep(_configs(2), 1, tmp_path / "s", cache_dir=cache, progress=False)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seeds", "0"], "sweep --seeds: expected an integer >= 1"),
+        (["--recipe", "kernel_swap"], "sweep --recipe: each recipe once"),
+    ],
+)
+def test_bad_sweep_arguments_stop_with_one_line(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        main(["sweep", "--recipe", "kernel_swap", *argv, "--out", str(tmp_path / "s")])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
