@@ -291,9 +291,24 @@ class RolloutConfig(_Section):
                     )
 
 
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
 @dataclass(frozen=True)
 class TrainConfig(_Section):
-    """Advantages, loss, optimiser and the trainer side's kernels."""
+    """Advantages, loss, optimiser and the trainer side's kernels.
+
+    PPO: each step's batch gets ``ppo_epochs`` passes; each pass updates on ``mini_batches``
+    mini-batches in a fixed order (mini-batch k: the k-th contiguous run of
+    rollout.prompts / mini_batches prompt groups), one optimiser step each. pi_old is the
+    trainer's forward over the whole batch before the first update (the one the mismatch
+    metrics use). The defaults (1, 1) are one update on the whole batch, whose PPO ratio is 1.
+
+    ``loss_agg``: how a mini-batch's per-token losses become one number.
+    ``token_mean``: their sum over the mini-batch's response tokens. ``seq_mean_token_mean``:
+    the mean over its sequences of each sequence's token mean. ``seq_mean_token_sum_norm``
+    (Dr. GRPO): their sum over a constant, its number of sequences x rollout.max_new_tokens.
+    """
 
     SECTION: ClassVar[str] = "train"
     advantage: str = spec("grpo", choices=("grpo", "rloo"))
@@ -306,6 +321,9 @@ class TrainConfig(_Section):
     dtype: str = spec("float32", choices=DTYPES)
     kernels: str = spec("bik", choices=KERNELS)
     micro_batch_size: int = spec(0, ge=0)  # 0: the whole batch in one forward
+    ppo_epochs: int = spec(1, ge=1)
+    mini_batches: int = spec(1, ge=1)  # whole prompt groups each: divides rollout.prompts
+    loss_agg: str = spec("token_mean", choices=LOSS_AGGS)
 
 
 @dataclass(frozen=True)
@@ -414,6 +432,12 @@ class Config(_Section):
                 f"remedy.bypass=true: the PPO ratio already uses the rollout log-probs as "
                 f"pi_old; remedy.name={self.remedy.name} would correct for the rollout policy "
                 f"twice (use remedy.bypass=false, or a rejection remedy)"
+            )
+        if self.rollout.prompts % self.train.mini_batches:
+            raise ConfigError(
+                f"train.mini_batches: expected a divisor of rollout.prompts "
+                f"({self.rollout.prompts}; a mini-batch holds whole prompt groups), "
+                f"got {self.train.mini_batches}"
             )
         if self.model.moe and self.rollout.engine == "vllm":
             raise ConfigError(

@@ -41,8 +41,8 @@ def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[str
 
 
 def check_world(cfg: Config, world: World) -> None:
-    """Every rank needs at least one prompt of each step's batch; a vLLM rollout runs in
-    one process."""
+    """Every rank needs at least one prompt of each step's batch; a vLLM rollout and PPO
+    mini-batches (train.mini_batches > 1) run in one process."""
     if cfg.rollout.prompts < world.size:
         raise ConfigError(
             f"rollout.prompts: expected at least the number of processes ({world.size}), "
@@ -52,6 +52,11 @@ def check_world(cfg: Config, world: World) -> None:
         raise ConfigError(
             f"rollout.engine=vllm: runs in one process, not {world.size} (use rollout.engine=hf "
             "for data parallelism)"
+        )
+    if cfg.train.mini_batches > 1 and world.size > 1:
+        raise ConfigError(
+            f"train.mini_batches={cfg.train.mini_batches}: PPO mini-batches run in one process, "
+            f"not {world.size} (use train.mini_batches=1 for data parallelism)"
         )
 
 
@@ -84,6 +89,7 @@ class Run:
                 )
             vllm_rollout.check_available(cfg, vllm_rollout.head_dim(self.master.config))
         self.batch: dict[str, torch.Tensor] = {}  # the last step's whole batch, for inspection
+        self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
             self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
@@ -188,9 +194,9 @@ class Run:
             raise RuntimeError(
                 f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
             )
-        loss, stats = trainer.policy_loss(train_logp, batch, adv, cfg, rows)
+        stats = self._ppo(share, train_logp, batch, adv, rows)
+        updates = {k: stats.pop(k) for k in ("grad_norm", "grad_norm_max", "update_applied")}
         batch_loss = stats.pop("loss")
-        grad_norm, applied = self._update(loss)
         lengths = mask.sum(-1).float()
         metrics.update(stats)
         metrics.update(
@@ -199,8 +205,7 @@ class Run:
                 "reward/mean": float(rewards.mean()),
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
-                "grad_norm": grad_norm,
-                "update_applied": applied,
+                **updates,
                 "entropy": float((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
                 "loss": batch_loss,
                 "lr": self.optimizer.param_groups[0]["lr"],
@@ -212,6 +217,67 @@ class Run:
         for flag, raised in self.detector.update(metrics).items():
             metrics[f"collapse/{flag}"] = int(raised)
         return metrics
+
+    def _ppo(
+        self,
+        share: dict[str, Any],
+        train_logp: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        adv: torch.Tensor,
+        rows: slice,
+    ) -> dict[str, Any]:
+        """train.ppo_epochs passes over train.mini_batches mini-batches (whole prompt groups, a
+        fixed order), one update each, against pi_old = ``batch["train_logp"]``. The first
+        update of a single mini-batch reuses the batch forward ``train_logp`` (this rank's
+        rows, with grad); every other update refreshes the trainer copy if the master changed
+        and runs its own forward. Returns the step's stats: the policy_loss stats averaged
+        over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them), ``grad_norm``
+        (mean), ``grad_norm_max`` and ``update_applied`` (how many were applied); the
+        per-update stats are kept in ``self.updates``."""
+        cfg, t = self.cfg, self.cfg.train
+        size = batch["sequences"].shape[0] // t.mini_batches
+        parts = (
+            [None]
+            if t.mini_batches == 1
+            else [slice(k * size, (k + 1) * size) for k in range(t.mini_batches)]
+        )
+        self.updates = []
+        stale = False  # the trainer copy lags the master
+        for epoch in range(t.ppo_epochs):
+            for select in parts:
+                if epoch == 0 and select is None:
+                    logp, current, here = train_logp, None, rows
+                else:
+                    if stale:
+                        policy.refresh(self.train_model, self.master)
+                        stale = False
+                    # one process holds the whole batch whenever a mini-batch is not all of it
+                    sub = share
+                    if select is not None:
+                        sub = {k: batch[k][select] for k in ("sequences", "attention_mask")}
+                        sub["response_mask"] = batch["response_mask"][select]
+                    logp, _ = trainer.token_logprobs_and_entropy(
+                        self.train_model, sub, self.processor, t.micro_batch_size
+                    )
+                    current = self.world.gather_rows({"logp": logp.detach()})["logp"]
+                    here = rows if select is None else slice(None)
+                loss, stats = trainer.policy_loss(logp, batch, adv, cfg, here, select, current)
+                stats["grad_norm"], stats["update_applied"] = self._update(loss)
+                stale = stale or bool(stats["update_applied"])
+                self.updates.append(stats)
+        first, n = self.updates[0], len(self.updates)
+        if n == 1:
+            out = dict(first)
+            out["grad_norm_max"] = first["grad_norm"]
+            return out
+        out = dict(first)  # the remedy stats: the whole batch's, the same at every update
+        for key in ("loss", "ppo/clip_frac", "grad_norm"):
+            out[key] = sum(u[key] for u in self.updates) / n
+        out["grad_norm_max"] = max(u["grad_norm"] for u in self.updates)
+        out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in self.updates)
+        out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in self.updates)
+        out["update_applied"] = sum(u["update_applied"] for u in self.updates)
+        return out
 
     def _update(self, loss: torch.Tensor) -> tuple[float, int]:
         """Backward on the trainer copy, fp32 grads into the master, summed over the ranks,

@@ -72,33 +72,74 @@ def _per_token(
     return -a * logp, None
 
 
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, how: str, sequences: int, horizon: int
+) -> torch.Tensor:
+    """One number from per-token losses ``loss [b, T]`` (0/1 ``mask``: the response tokens)
+    of ``b`` of a mini-batch's ``sequences`` rows (all of them, or a rank's share: the shares'
+    results add up to the mini-batch's). ``how`` (train.loss_agg): ``token_mean``, the sum over
+    the mini-batch's response tokens (``mask`` must then be all its rows); ``seq_mean_token_mean``,
+    the mean over the sequences of each one's token mean; ``seq_mean_token_sum_norm`` (Dr.
+    GRPO), the sum over ``sequences`` x ``horizon`` (rollout.max_new_tokens)."""
+    if how == "token_mean":
+        return (loss * mask).sum() / mask.sum().clamp(min=1)
+    if how == "seq_mean_token_mean":
+        per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / sequences
+    if how == "seq_mean_token_sum_norm":
+        return (loss * mask).sum() / (sequences * horizon)
+    raise ValueError(f"unknown loss aggregation {how!r}")
+
+
 def policy_loss(
     train_logp: torch.Tensor,
     batch: dict[str, Any],
     adv: torch.Tensor,
     cfg: Config,
     rows: slice | None = None,
+    select: slice | None = None,
+    current: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean policy loss and its stats. PPO-clip (asymmetric) or REINFORCE, weighted by
-    the remedy; ``remedy.bypass`` uses the rollout log-probs as pi_old.
+    """The policy loss of one update and its stats. PPO-clip (asymmetric) or REINFORCE,
+    weighted by the remedy, aggregated by train.loss_agg (:func:`aggregate`);
+    ``remedy.bypass`` uses the rollout log-probs as pi_old.
 
-    ``batch`` (with ``train_logp``, the trainer log-probs, detached) and ``adv`` are the whole
-    batch; ``train_logp`` is its rows ``rows`` (default all) with grad: a data-parallel rank's
-    share. The loss returned is that share's part of the whole batch's loss (its tokens' sum
-    over the batch's token count: the shares' losses add up to the batch's); remedy weights
-    and the stats (``loss``: the batch's loss) are the whole batch's."""
+    ``batch`` (with ``train_logp``, pi_old: the trainer log-probs before the step's first
+    update, detached) and ``adv`` are the whole batch; ``select`` is the update's mini-batch
+    (rows of the batch; default all of it), ``current`` the current policy's detached
+    log-probs of its rows (default ``batch["train_logp"]``: no update yet). ``train_logp`` is
+    the mini-batch's rows ``rows`` (default all) with grad: a data-parallel rank's share. The
+    loss returned is that share's part of the mini-batch's loss (the shares' losses add up to
+    the mini-batch's); remedy weights are the whole batch's; the stats (``loss``: the
+    mini-batch's loss; ``ppo/clip_frac``, ``ppo/ratio_max``, ``ppo/ratio_min``: over its
+    response tokens) are the mini-batch's, the remedy's the whole batch's."""
     rows = rows or slice(None)
     mask = batch["response_mask"].float()
     rollout_logp, batch_logp = batch["rollout_logp"], batch["train_logp"]
     old = rollout_logp if cfg.remedy.bypass else batch_logp
     w, _, stats = remedies.weights(cfg.remedy, batch_logp, rollout_logp, mask)
     a = adv[:, None].expand_as(batch_logp)
-    tokens = mask.sum().clamp(min=1)
+    if select is not None:
+        mask, old, w, a, batch_logp = (x[select] for x in (mask, old, w, a, batch_logp))
+    if current is None:
+        current = batch_logp
+    how, horizon = cfg.train.loss_agg, cfg.rollout.max_new_tokens
+    sequences = mask.shape[0]
+    if how == "token_mean":  # the mini-batch's token count, whichever rows a rank holds
+        tokens = mask.sum().clamp(min=1)
     with torch.no_grad():
-        per_token, clipped = _per_token(batch_logp, old, a, cfg)
+        per_token, clipped = _per_token(current, old, a, cfg)
         stats["ppo/clip_frac"] = (
-            0.0 if clipped is None else float((clipped.float() * mask).sum() / tokens)
+            0.0
+            if clipped is None
+            else float((clipped.float() * mask).sum() / mask.sum().clamp(min=1))
         )
-        stats["loss"] = float((per_token * w * mask).sum() / tokens)
+        valid = mask.bool()
+        ratio = torch.exp(current - old)[valid]
+        stats["ppo/ratio_max"] = float(ratio.max()) if valid.any() else 1.0
+        stats["ppo/ratio_min"] = float(ratio.min()) if valid.any() else 1.0
+        stats["loss"] = float(aggregate(per_token * w, mask, how, sequences, horizon))
     share, _ = _per_token(train_logp, old[rows], a[rows], cfg)
-    return (share * w[rows] * mask[rows]).sum() / tokens, stats
+    if how == "token_mean":
+        return (share * w[rows] * mask[rows]).sum() / tokens, stats
+    return aggregate(share * w[rows], mask[rows], how, sequences, horizon), stats

@@ -107,6 +107,10 @@ def test_replace_revalidates():
         (["seed=-1"], "seed: expected an integer >= 0"),
         (["collapse.ess_min=2"], "collapse.ess_min: expected a number >= 0 and <= 1"),
         (["lr_schedule.min_ratio=0"], "lr_schedule.min_ratio: expected a number > 0"),
+        (["train.ppo_epochs=0"], "train.ppo_epochs: expected an integer >= 1"),
+        (["train.mini_batches=0"], "train.mini_batches: expected an integer >= 1"),
+        (["train.mini_batches=3"], r"train.mini_batches: expected a divisor of rollout.prompts"),
+        (["train.loss_agg=seq_sum"], "train.loss_agg: expected one of"),
     ],
 )
 def test_bad_configs_raise_at_construction(sets, match):
@@ -147,3 +151,14 @@ def test_fp16_remedy_sets_both_sides_and_the_loss_scale():
     assert (p.train_dtype, p.rollout_dtype, p.loss_scale) == ("float32", "bfloat16", 1.0)
     assert not config.build({}, ["rollout.dtype=bfloat16"]).zero_mismatch
     assert not config.build({}, ["rollout.weight_round_bits=3"]).zero_mismatch
+
+
+def test_mini_batches_run_in_one_process():
+    from rl_harness.distributed import World
+    from rl_harness.runner import check_world
+
+    cfg = config.build({}, ["train.mini_batches=4", "train.ppo_epochs=2"])
+    check_world(cfg, World())
+    with pytest.raises(ConfigError, match=r"train.mini_batches=4: PPO mini-batches run in one"):
+        check_world(cfg, World(0, 2))
+    check_world(config.build({}, ["train.ppo_epochs=2"]), World(1, 2))  # epochs alone: fine

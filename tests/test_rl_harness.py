@@ -195,3 +195,71 @@ def test_weight_rounding_rounds_the_rollout_copys_linear_weights_only():
     assert torch.equal(mantissa * 8, torch.round(mantissa * 8))  # 3 bits: multiples of 1/8
     policy.refresh(work, master)  # 0 bits: an exact copy again
     assert all(torch.equal(w, m) for w, m in zip(work.parameters(), master.parameters()))
+
+
+# Enough warm-up that some groups' rewards differ, so the PPO updates move the policy.
+PPO = ["warmup.steps=150", "rollout.samples_per_prompt=4", "train.lr=1e-2"]
+
+
+def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
+    """2 epochs x 2 mini-batches: the first update's forward of its rows equals the batch
+    forward bit for bit (batch invariance), so its ratio is exactly 1; later ones move."""
+    forward, original = runner.trainer.token_logprobs_and_entropy, runner.Run._ppo
+    seen = []
+
+    def spy_forward(model, batch, *args):
+        logp, entropy = forward(model, batch, *args)
+        seen.append(logp.detach().clone())
+        return logp, entropy
+
+    def spy_ppo(self, *args):
+        seen.clear()
+        out = original(self, *args)
+        size = self.batch["sequences"].shape[0] // 2
+        assert torch.equal(seen[0], self.batch["train_logp"][:size])  # mini-batch 0, epoch 0
+        updates.append(list(self.updates))
+        return out
+
+    updates = []
+    monkeypatch.setattr(runner.trainer, "token_logprobs_and_entropy", spy_forward)
+    monkeypatch.setattr(runner.Run, "_ppo", spy_ppo)
+    sets = PPO + ["steps=2", "train.ppo_epochs=2", "train.mini_batches=2"]
+    history = _run(tmp_path, cache, "ppo", sets)
+    assert [len(u) for u in updates] == [4, 4]
+    for step, m in zip(updates, history):
+        first = step[0]
+        assert first["ppo/ratio_max"] == first["ppo/ratio_min"] == 1.0
+        assert first["ppo/clip_frac"] == 0.0
+        assert m["update_applied"] == 4 and m["grad_norm_max"] == max(u["grad_norm"] for u in step)
+        assert m["grad_norm"] == pytest.approx(sum(u["grad_norm"] for u in step) / 4)
+        assert m["ppo/clip_frac"] == pytest.approx(sum(u["ppo/clip_frac"] for u in step) / 4)
+        assert m["loss"] == pytest.approx(sum(u["loss"] for u in step) / 4)
+        assert m["ppo/ratio_max"] == max(u["ppo/ratio_max"] for u in step)
+        assert m["mismatch/logprob_abs_diff_max"] == 0.0  # pi_old: the batch forward, as before
+    later = [u for step in updates for u in step[1:]]
+    assert any(u["ppo/clip_frac"] > 0 or u["ppo/ratio_max"] != 1.0 for u in later)
+
+
+def test_ppo_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
+    sets = PPO + [
+        "steps=4",
+        "train.ppo_epochs=2",
+        "train.mini_batches=2",
+        "train.loss_agg=seq_mean_token_sum_norm",
+    ]
+    full = _run(tmp_path, cache, "full", sets)
+    original = runner.Run.step
+
+    def crash_at_3(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(runner.Run, "step", crash_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, cache, "cut", sets)
+    monkeypatch.setattr(runner.Run, "step", original)
+    assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1, 2]
+    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
+    assert runner.read_metrics(tmp_path / "cut") == full
+    assert any(m["grad_norm"] > 0 for m in full) and all(m["update_applied"] == 4 for m in full)

@@ -212,3 +212,46 @@ def test_summary_and_compare_read_collapse_flags_from_the_metrics():
     assert "| x | 3 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 2 |" in table
     assert "| empty | 0 |" in table
     assert json.dumps(summary["first_flags"], sort_keys=True) in report.summary_markdown(summary)
+
+
+def test_loss_aggregations_match_hand_computed_values():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    agg = trainer.aggregate
+    assert float(agg(loss, mask, "token_mean", 2, 4)) == pytest.approx(10 / 4)
+    assert float(agg(loss, mask, "seq_mean_token_mean", 2, 4)) == pytest.approx((2 + 4) / 2)
+    assert float(agg(loss, mask, "seq_mean_token_sum_norm", 2, 4)) == pytest.approx(10 / 8)
+    for how in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):  # shares add up
+        whole = float(agg(loss, mask, how, 2, 4))
+        parts = sum(float(agg(loss[i : i + 1], mask[i : i + 1], how, 2, 4)) for i in (0, 1))
+        assert parts == pytest.approx(whole)
+
+
+def test_policy_loss_of_a_mini_batch_against_pi_old():
+    cfg = config.build({}, ["rollout.max_new_tokens=4"])
+    old = torch.zeros(4, 3)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]])
+    batch = {"response_mask": mask, "rollout_logp": old, "train_logp": old}
+    adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
+    _, stats = trainer.policy_loss(old, batch, adv, cfg)  # no update yet: ratio 1
+    assert stats["ppo/ratio_max"] == stats["ppo/ratio_min"] == 1.0
+    assert stats["ppo/clip_frac"] == 0.0 and stats["loss"] == pytest.approx(-(2 - 1 + 4) / 7)
+    # rows 2, 3 after an update: token (2, 1) at ratio 2 (clipped at 1.28), (3, 2) at 0.5
+    current = torch.zeros(2, 3)
+    current[0, 1], current[1, 2] = math.log(2.0), math.log(0.5)
+    select = slice(2, 4)
+    loss, stats = trainer.policy_loss(current.clone(), batch, adv, cfg, None, select, current)
+    assert stats["ppo/ratio_max"] == pytest.approx(2.0)
+    assert stats["ppo/ratio_min"] == pytest.approx(0.5)
+    assert stats["ppo/clip_frac"] == pytest.approx(2 / 4)
+    per_token = -(1.28 * 2 + 1.0 * 2) - 0.0  # row 2's two tokens; row 3 has advantage 0
+    assert float(loss) == pytest.approx(per_token / 4) and stats["loss"] == pytest.approx(
+        per_token / 4
+    )
+    for how, expected in (
+        ("seq_mean_token_mean", (per_token / 2 + 0.0) / 2),
+        ("seq_mean_token_sum_norm", per_token / (2 * 4)),
+    ):
+        dr = cfg.replace(**{"train.loss_agg": how})
+        loss, stats = trainer.policy_loss(current.clone(), batch, adv, dr, None, select, current)
+        assert float(loss) == pytest.approx(expected) and stats["loss"] == pytest.approx(expected)
