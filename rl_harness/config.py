@@ -305,7 +305,7 @@ class TrainConfig(_Section):
     metrics use). The defaults (1, 1) are one update on the whole batch, whose PPO ratio is 1.
 
     ``loss_agg``: how a mini-batch's per-token losses become one number.
-    ``token_mean``: their sum over the mini-batch's response tokens. ``seq_mean_token_mean``:
+    ``token_mean``: their mean over all the mini-batch's response tokens. ``seq_mean_token_mean``:
     the mean over its sequences of each sequence's token mean. ``seq_mean_token_sum_norm``
     (Dr. GRPO): their sum over a constant, its number of sequences x rollout.max_new_tokens.
     """

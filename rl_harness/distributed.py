@@ -18,6 +18,9 @@ rl_harness.runner):
   batch's token count); the fp32 gradients are summed by one all-reduce
   (:meth:`World.sum_gradients`), and every rank clips and steps its own AdamW on the same
   gradients, so the master weights stay identical on every rank without a broadcast.
+- With ``train.ppo_epochs`` > 1, every later update runs the trainer forward on each rank's
+  share again and gathers the current log-probs for its stats; ``train.mini_batches`` > 1 is
+  refused with more than one process (runner.check_world).
 - Rank 0 alone reads and writes the run directory and the warm-up cache (:meth:`World.on_main`
   hands its results, or its error, to the other ranks).
 

@@ -77,10 +77,11 @@ def aggregate(
 ) -> torch.Tensor:
     """One number from per-token losses ``loss [b, T]`` (0/1 ``mask``: the response tokens)
     of ``b`` of a mini-batch's ``sequences`` rows (all of them, or a rank's share: the shares'
-    results add up to the mini-batch's). ``how`` (train.loss_agg): ``token_mean``, the sum over
-    the mini-batch's response tokens (``mask`` must then be all its rows); ``seq_mean_token_mean``,
-    the mean over the sequences of each one's token mean; ``seq_mean_token_sum_norm`` (Dr.
-    GRPO), the sum over ``sequences`` x ``horizon`` (rollout.max_new_tokens)."""
+    results add up to the mini-batch's). ``how`` (train.loss_agg): ``token_mean``, the mean
+    over all the mini-batch's response tokens (``mask`` must then be all its rows);
+    ``seq_mean_token_mean``, the mean over the sequences of each one's token mean;
+    ``seq_mean_token_sum_norm`` (Dr. GRPO), the sum over ``sequences`` x ``horizon``
+    (rollout.max_new_tokens)."""
     if how == "token_mean":
         return (loss * mask).sum() / mask.sum().clamp(min=1)
     if how == "seq_mean_token_mean":
