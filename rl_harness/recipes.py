@@ -62,6 +62,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_DRIFTING, "lr_schedule.name": "length_surge"},
     ),
     "drifting_fp16": ("drifting + float16 on both sides", {**_DRIFTING, "remedy.name": "fp16"}),
+    "ppo_minibatch": (
+        "zero mismatch, PPO: 2 epochs x 4 mini-batches per step (8 updates; the ratio moves)",
+        {"train.ppo_epochs": 2, "train.mini_batches": 4},
+    ),
     "vllm_zero_mismatch": (
         "rollout in vLLM with bik (bik.vllm), trainer on bik: every mismatch metric is exactly 0",
         _VLLM,
