@@ -33,6 +33,11 @@ $PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/
 # A Qwen3-MoE policy: mismatch and routing flips (mismatch/routing_flip_*)
 $PY -m rl_harness compare $OUT/moe_zero_mismatch $OUT/moe_kernel_swap $OUT/moe_dtype_swap \
   --out $OUT/compare_moe
+# Three seeds of two realistic sources, each beside its zero-mismatch twin (section 7)
+rm -rf "${OUT:?}/sweep_sources"
+$PY -m rl_harness sweep --recipe dtype_swap --recipe fp8_weights --seeds 3 \
+  --out "$OUT/sweep_sources" > /dev/null 2>&1 || echo "FAILED: sweep_sources"
+find "$OUT/sweep_sources" -name checkpoint.pt -delete
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
     $OUT/vllm_native --out $OUT/compare_engines
