@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="rollout.engine=vllm needs vLLM (make install-vllm)")
 
@@ -22,6 +23,7 @@ import bik
 import bik.vllm
 from rl_harness import config, runner, vllm_rollout
 from rl_harness.errors import ConfigError
+from rl_harness.metrics import PROB_BUCKETS, mismatch_metrics
 
 # 1-digit addition after 100 warm-up steps: some answers right, so GRPO's advantages (and
 # the updates pushed into the engine) are not all zero. Head size 32, which vLLM's native
@@ -35,6 +37,10 @@ VLLM = [
 ]
 
 
+# Every mismatch metric the harness logs; the per-probability-bucket token counts are counts,
+# not amounts of mismatch.
+MISMATCH_KEYS = set(mismatch_metrics(*torch.zeros(2, 1, 3), torch.ones(1, 3)))
+BUCKET_COUNTS = {f"mismatch/tokens_{bucket}" for bucket, _, _ in PROB_BUCKETS}
 # temperature and top-k: vLLM's processed log-probs must be the trainer's formula
 BIK_RUN = ["steps=3", "rollout.temperature=0.7", "rollout.top_k=8", "train.lr=1e-3"]
 
@@ -62,8 +68,11 @@ def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
     assert [m["step"] for m in history] == [0, 1, 2]
     for m in history:
         mismatch = {k: v for k, v in m.items() if k.startswith("mismatch/")}
-        assert len(mismatch) == 18
-        assert mismatch == {k: _no_mismatch(k) for k in mismatch}, m
+        assert set(mismatch) == MISMATCH_KEYS
+        exact = {k: v for k, v in mismatch.items() if k not in BUCKET_COUNTS}
+        assert exact == {k: _no_mismatch(k) for k in exact}, m
+        rows = 4 * 2  # TINY: rollout.prompts x rollout.samples_per_prompt
+        assert sum(mismatch[k] for k in BUCKET_COUNTS) == m["response_length/mean"] * rows
         assert m["update_applied"] == 1 and math.isfinite(m["loss"])
     # Updates moved the weights, and steps 1 and 2 still agree: the pushes reached vLLM.
     assert history[0]["grad_norm"] > 0 and history[1]["grad_norm"] > 0
