@@ -265,14 +265,11 @@ class Run:
                 stats["grad_norm"], stats["update_applied"] = self._update(loss)
                 stale = stale or bool(stats["update_applied"])
                 self.updates.append(stats)
-        first, n = self.updates[0], len(self.updates)
-        if n == 1:
-            out = dict(first)
-            out["grad_norm_max"] = first["grad_norm"]
-            return out
-        out = dict(first)  # the remedy stats: the whole batch's, the same at every update
-        for key in ("loss", "ppo/clip_frac", "grad_norm"):
-            out[key] = sum(u[key] for u in self.updates) / n
+        n = len(self.updates)
+        out = dict(self.updates[0])  # the remedy stats: the whole batch's, the same at every update
+        for key in ("loss", "ppo/clip_frac", "grad_norm"):  # one update: its value, bit for bit
+            first, *rest = (u[key] for u in self.updates)
+            out[key] = sum(rest, first) / n
         out["grad_norm_max"] = max(u["grad_norm"] for u in self.updates)
         out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in self.updates)
         out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in self.updates)
