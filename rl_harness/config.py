@@ -28,6 +28,7 @@ __all__ = [
     "CollapseConfig",
     "Config",
     "ConfigError",
+    "EvalConfig",
     "LRScheduleConfig",
     "ModelConfig",
     "RemedyConfig",
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 KERNELS = ("bik", "native")
+TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 REMEDIES = (
@@ -110,6 +113,7 @@ _KINDS = {
     "bool": (bool, False),
     "str": (str, False),
     "str | None": (str, True),
+    "int | None": (int, True),
 }
 
 
@@ -211,10 +215,13 @@ class ModelConfig(_Section):
 
 @dataclass(frozen=True)
 class TaskConfig(_Section):
-    """The shipped synthetic task (rl_harness.tasks) and its size range."""
+    """The task (rl_harness.tasks): a shipped one by ``name``, or a plug-in ``module`` (an
+    importable module whose ``TASK`` implements rl_harness.tasks.Task; it replaces ``name``),
+    and its size range."""
 
     SECTION: ClassVar[str] = "task"
-    name: str = spec("addition", choices=("addition", "sorting", "counting"))
+    name: str = spec("addition", choices=TASK_NAMES)
+    module: str | None = None
     # at most 20: the longest warm-up sequence (sorting 60 digits) fits the 256 positions
     min_digits: int = spec(1, ge=1, le=20)
     max_digits: int = spec(2, ge=1, le=20)
@@ -229,12 +236,19 @@ class TaskConfig(_Section):
 
 @dataclass(frozen=True)
 class WarmupConfig(_Section):
-    """Supervised warm-up on the task before RL (cached, see policy.warmup)."""
+    """Supervised warm-up on the task before RL (cached, see policy.warmup).
+
+    ``seed``: the warm-up's own seed (its data order), so several RL seeds can start from one
+    warmed-up policy; None: the run's ``seed``. ``long_form_share``: the share of warm-up
+    targets in the task's long form (a scratchpad before the answer), for tasks that have
+    one; the rest answer directly, so RL can discover that the long form pays."""
 
     SECTION: ClassVar[str] = "warmup"
     steps: int = spec(600, ge=0)
     lr: float = spec(3e-3, gt=0)
     batch_size: int = spec(64, ge=1)
+    seed: int | None = spec(None, ge=0)
+    long_form_share: float = spec(0.0, ge=0, le=1)
 
 
 @dataclass(frozen=True)
@@ -308,6 +322,15 @@ class TrainConfig(_Section):
     ``token_mean``: their mean over all the mini-batch's response tokens. ``seq_mean_token_mean``:
     the mean over its sequences of each sequence's token mean. ``seq_mean_token_sum_norm``
     (Dr. GRPO): their sum over a constant, its number of sequences x rollout.max_new_tokens.
+
+    ``filter_groups``: drop the prompt groups whose samples all got the same reward (all
+    right or all wrong: zero GRPO advantage) from the loss, as DAPO's dynamic sampling does.
+    ``kl_coef``: weight of a KL penalty to the reference policy (the warmed-up policy, frozen)
+    estimated per token by ``kl_estimator`` (k1: log ratio; k2: half its square; k3: the
+    unbiased, always non-negative ``exp(-d) - 1 + d``). ``entropy_coef``: weight of an entropy
+    bonus (subtracted from the loss). ``autocast``: the trainer's forward under
+    ``torch.autocast`` in that dtype over fp32 weights, as a mixed-precision trainer runs (a
+    mismatch source: the rollout does not autocast).
     """
 
     SECTION: ClassVar[str] = "train"
@@ -324,6 +347,18 @@ class TrainConfig(_Section):
     ppo_epochs: int = spec(1, ge=1)
     mini_batches: int = spec(1, ge=1)  # whole prompt groups each: divides rollout.prompts
     loss_agg: str = spec("token_mean", choices=LOSS_AGGS)
+    filter_groups: bool = False
+    kl_coef: float = spec(0.0, ge=0)
+    kl_estimator: str = spec("k3", choices=KL_ESTIMATORS)
+    entropy_coef: float = spec(0.0, ge=0)
+    autocast: str = spec("none", choices=("none", "bfloat16"))
+
+    def _validate(self) -> None:
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ConfigError(
+                f"train.autocast={self.autocast}: autocast runs over float32 weights; expected "
+                f"train.dtype=float32, got {self.dtype}"
+            )
 
 
 @dataclass(frozen=True)
@@ -391,6 +426,18 @@ class CollapseConfig(_Section):
     length_surge: float = spec(2.0, gt=0)
 
 
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    """Greedy accuracy of the trained policy (the trainer copy) on a held-out prompt set,
+    every ``every`` steps (0: off) and at the last step. The ``prompts`` prompts are drawn
+    once, from a stream of their own (the same set for every run seed), never from the
+    training prompts' stream (rl_harness.evaluate)."""
+
+    SECTION: ClassVar[str] = "eval"
+    every: int = spec(0, ge=0)
+    prompts: int = spec(64, ge=1)
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelConfig,
     "task": TaskConfig,
@@ -400,6 +447,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "remedy": RemedyConfig,
     "lr_schedule": LRScheduleConfig,
     "collapse": CollapseConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -419,6 +467,7 @@ class Config(_Section):
     remedy: RemedyConfig = field(default_factory=RemedyConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def _validate(self) -> None:
         for name, kind in SECTIONS.items():
@@ -463,6 +512,7 @@ class Config(_Section):
             and r.logit_noise_bias == 0
             and r.logit_round_bits == 0
             and r.weight_round_bits == 0
+            and t.autocast == "none"
         )
 
     def to_json(self) -> str:

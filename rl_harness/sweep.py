@@ -62,7 +62,7 @@ def twin(cfg: Config) -> Config:
         weight_round_bits=0,
     )
     out = dataclasses.replace(
-        cfg, rollout=rollout, train=dataclasses.replace(cfg.train, kernels="bik")
+        cfg, rollout=rollout, train=dataclasses.replace(cfg.train, kernels="bik", autocast="none")
     )
     if not out.zero_mismatch:  # a mismatch source this function does not know yet
         raise HarnessError("sweep: could not turn every mismatch source off for the twin")
