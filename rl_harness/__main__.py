@@ -70,7 +70,7 @@ def _compare(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise RunDirError(f"compare --out: {out} is a file; pass a directory for the table")
     labels = report.unique_labels(args.dirs)
-    runs = {label: runner.read_metrics(d) for label, d in zip(labels, args.dirs)}
+    runs = {label: report.load(d) for label, d in zip(labels, args.dirs)}
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -105,8 +105,12 @@ def parser() -> argparse.ArgumentParser:
     arms.add_argument("--out", default="runs/sweep", help="sweep directory (default runs/sweep)")
     arms.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
     commands.add_parser("recipes", help="list the recipes")
-    compare = commands.add_parser("compare", help="plots and a markdown table of several runs")
-    compare.add_argument("dirs", nargs="+")
+    compare = commands.add_parser(
+        "compare",
+        help="plots and a markdown table of several runs; a sweep arm's directory (seed0/ "
+        "seed1/ ...) shows the mean over its seeds with a 95%% CI",
+    )
+    compare.add_argument("dirs", nargs="+", help="run directories or sweep arm directories")
     compare.add_argument("--out", default="runs/compare")
     return parser
 

@@ -12,6 +12,20 @@ Grad-norm flags (w = ``collapse.window``):
   grad-norm drop is reported as a precursor of MoE RL collapse), while that earlier median
   exceeds ``grad_norm_floor``. The median ignores a lone small step; a sustained drop raises
   the flag once more than half the window has dropped. Needs 2w steps of history.
+
+Held-out evaluation flag (only at the steps that evaluate, ``eval.every``; rl_harness.evaluate):
+
+- ``eval_drop``: the held-out greedy accuracy has fallen by more than ``reward_drop`` (the
+  same fraction as the reward flag, default 0.5) below its peak so far, once that peak exceeds
+  :data:`PEAK_FLOOR` (a drop from a near-zero peak is noise, not collapse). Raised by
+  :meth:`Detector.update_eval`; the rows of steps without evaluation lack the key.
+
+The collapse step (:func:`collapse_step`) of a run with held-out evaluation is the first step
+``eval_drop`` was raised: the pre-registered criterion, measured on a fixed prompt set with
+greedy decoding, so neither sampling noise nor a lone grad-norm spike defines it (the
+training-signal flags are still recorded and reported, each with its first step). A run
+without evaluation keeps the training-signal criterion: the first ``reward_drop``,
+``grad_norm_blowup`` or ``grad_norm_drop``.
 """
 
 from __future__ import annotations
@@ -30,7 +44,10 @@ FLAGS = (
     "ess_collapse",
     "length_surge",
 )
+EVAL_FLAGS = ("eval_drop",)  # raised at evaluation steps only (Detector.update_eval)
 COLLAPSE_FLAGS = ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
+EVAL_METRIC = "eval/accuracy"
+PEAK_FLOOR = 0.1  # a reward or accuracy peak must exceed this before a drop from it counts
 
 
 def smoothed_grad_norm(grad_norms: list[float], window: int, lag: int = 0) -> float | None:
@@ -47,16 +64,26 @@ class Detector:
         self.cfg = cfg
         self.history: dict[str, list[float]] = {"reward": [], "grad_norm": [], "length": []}
         self.best_reward: float | None = None
+        self.best_eval: float | None = None  # the held-out accuracy's peak so far
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of everything the flags depend on: a detector loading it raises the flags
         an uninterrupted one would."""
         history = {key: list(values) for key, values in self.history.items()}
-        return {"history": history, "best_reward": self.best_reward}
+        return {"history": history, "best_reward": self.best_reward, "best_eval": self.best_eval}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = {key: list(values) for key, values in state["history"].items()}
         self.best_reward = state["best_reward"]
+        self.best_eval = state.get("best_eval")  # absent from checkpoints before evaluation
+
+    def update_eval(self, accuracy: float) -> dict[str, bool]:
+        """Flags raised by a held-out accuracy (dict flag -> bool): ``eval_drop``."""
+        self.best_eval = max(self.best_eval or accuracy, accuracy)
+        drop = (
+            self.best_eval > PEAK_FLOOR and accuracy < (1 - self.cfg.reward_drop) * self.best_eval
+        )
+        return {"eval_drop": drop}
 
     def update(self, metrics: dict[str, Any]) -> dict[str, bool]:
         """Flags raised by this step's ``metrics`` (dict flag -> bool)."""
@@ -69,7 +96,8 @@ class Detector:
             mean_reward = sum(h["reward"][-w:]) / w
             self.best_reward = max(self.best_reward or mean_reward, mean_reward)
             flags["reward_drop"] = (
-                self.best_reward > 0.1 and mean_reward < (1 - cfg.reward_drop) * self.best_reward
+                self.best_reward > PEAK_FLOOR
+                and mean_reward < (1 - cfg.reward_drop) * self.best_reward
             )
         if len(h["grad_norm"]) > w:
             median = statistics.median(h["grad_norm"][-w - 1 : -1])
@@ -94,13 +122,20 @@ def first_steps(history: list[dict[str, Any]]) -> dict[str, int]:
     """{flag: first step it was raised} over a run's metrics."""
     first: dict[str, int] = {}
     for m in history:
-        for flag in FLAGS:
+        for flag in FLAGS + EVAL_FLAGS:
             if m.get(f"collapse/{flag}"):
                 first.setdefault(flag, m["step"])
     return first
 
 
+def evaluated(history: list[dict[str, Any]]) -> bool:
+    """Whether a run's metrics hold held-out evaluations."""
+    return any(EVAL_METRIC in m for m in history)
+
+
 def collapse_step(history: list[dict[str, Any]]) -> int | None:
-    """The first step any collapse flag (reward drop, grad-norm blow-up or drop) was raised."""
-    steps = [step for flag, step in first_steps(history).items() if flag in COLLAPSE_FLAGS]
+    """The first collapse step: with held-out evaluation the first ``eval_drop``, else the
+    first reward drop, grad-norm blow-up or drop (see the module docstring)."""
+    criterion = EVAL_FLAGS if evaluated(history) else COLLAPSE_FLAGS
+    steps = [step for flag, step in first_steps(history).items() if flag in criterion]
     return min(steps) if steps else None

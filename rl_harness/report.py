@@ -1,23 +1,37 @@
 """Reports of runs: the per-run summary (summary.md), the side-by-side table of several runs
-(compare.md) and the PNG plots of both. Everything here is computed from metrics.jsonl."""
+(compare.md) and the PNG plots of both. Everything here is computed from metrics.jsonl.
+
+``compare`` takes single runs and sweep arms (:class:`Seeds`: one config on several seeds,
+rl_harness.sweep); an arm's cells and curves are the mean over its seeds with the half-width
+of a 95 % confidence interval (Student's t, :func:`interval`) as ``±`` and as a band.
+Held-out evaluation metrics (``eval/*``, rl_harness.evaluate) sit in the rows of the steps
+that evaluated only; every statistic here skips the rows without them.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import platform
-from collections.abc import Mapping, Sequence
+import re
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import collapse
 from .config import DEFAULTS, flatten
-from .rundir import PLOT, SUMMARY, write_atomic
+from .rundir import METRICS, PLOT, SUMMARY, read_metrics, write_atomic
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
     from .config import Config
 
 History = list[dict[str, Any]]
 
+EVAL = collapse.EVAL_METRIC
 PANELS = [
     ("reward/mean", "reward"),
     ("response_length/mean", "response length"),
@@ -25,11 +39,92 @@ PANELS = [
     ("mismatch/tokens_unequal_frac", "fraction of unequal tokens"),
     ("grad_norm", "grad norm"),
     ("lr", "learning rate"),
+    (EVAL, "held-out accuracy (greedy)"),  # only when a run evaluated
 ]
+
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's.
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def interval(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95 % confidence interval); the half-width is NaN for one value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    df = len(values) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.960
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def cell(values: Sequence[float | None], fmt: str, half_fmt: str | None = None) -> str:
+    """A table cell: ``-`` when there is no value or any is missing (None), one value as
+    ``fmt``, several as ``mean ± half-width`` of the 95 % interval (``half_fmt``, default
+    ``fmt``)."""
+    if not values or any(v is None for v in values):
+        return "-"
+    mean, half = interval(values)  # type: ignore[arg-type]  # no None left
+    if math.isnan(half):
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ± {format(half, half_fmt or fmt)}"
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """A sweep arm: one config's histories on several seeds (``DIR/<arm>/seed<k>``)."""
+
+    histories: list[History]
+
+
+def load(path: str | Path) -> History | Seeds:
+    """The metrics of a run directory, or of a sweep arm: a directory of seed runs
+    ``seed0/ seed1/ ...`` (in seed order) without metrics of its own."""
+    path = Path(path)
+    seeds = {
+        int(match[1]): child
+        for child in path.iterdir()
+        if (match := re.fullmatch(r"seed(\d+)", child.name)) and (child / METRICS).exists()
+    }
+    if (path / METRICS).exists() or not seeds:
+        return read_metrics(path)  # a RunDirError names a directory that holds no run
+    return Seeds([read_metrics(seeds[k]) for k in sorted(seeds)])
+
+
+def histories(run: History | Seeds) -> list[History]:
+    """The histories of a single run (one) or a sweep arm (one per seed)."""
+    return run.histories if isinstance(run, Seeds) else [run]
+
+
+def band(runs: Sequence[History], key: str) -> tuple[list[int], list[float], list[float]]:
+    """The steps at which every history of ``runs`` has ``key``, the mean over the histories
+    at each and the half-width of its 95 % interval (0 for a single history)."""
+    by_step = [{m["step"]: m[key] for m in h if key in m} for h in runs]
+    steps = sorted(set.intersection(*(set(values) for values in by_step)))
+    bands = [interval([values[s] for values in by_step]) for s in steps]
+    return steps, [m for m, _ in bands], [0.0 if math.isnan(w) else w for _, w in bands]
 
 
 def _mean(key: str, rows: History) -> float:
     return sum(r[key] for r in rows) / max(len(rows), 1)
+
+
+def eval_rows(history: History) -> History:
+    """The rows of the steps that evaluated on the held-out set."""
+    return [m for m in history if EVAL in m]
+
+
+def eval_peak(history: History) -> float | None:
+    """The highest held-out accuracy (None: the run did not evaluate)."""
+    return max((m[EVAL] for m in eval_rows(history)), default=None)
+
+
+def eval_last(history: History) -> float | None:
+    """The last held-out accuracy (None: the run did not evaluate)."""
+    rows = eval_rows(history)
+    return rows[-1][EVAL] if rows else None
 
 
 def summarize(history: History, cfg: Config, name: str) -> dict[str, Any]:
@@ -47,6 +142,7 @@ def summarize(history: History, cfg: Config, name: str) -> dict[str, Any]:
             (r["mismatch/logprob_abs_diff_max"] for r in history), default=0.0
         ),
         "routing_flip": _routing_flip(history),
+        "eval": _eval_summary(history),
         "collapse_step": collapse.collapse_step(history),
         "first_flags": collapse.first_steps(history),
         "overrides": {k: v for k, v in flatten(cfg.to_dict()).items() if DEFAULTS.get(k) != v},
@@ -67,6 +163,15 @@ def _routing_flip(history: History) -> dict[str, float] | None:
         "pair_frac_mean": _mean("mismatch/routing_flip_pair_frac", history),
         "count": sum(r["mismatch/routing_flip_count"] for r in history),
     }
+
+
+def _eval_summary(history: History) -> dict[str, float] | None:
+    """The held-out accuracy's peak (and its step) and last value; None without evaluation."""
+    rows = eval_rows(history)
+    if not rows:
+        return None
+    peak = max(rows, key=lambda m: m[EVAL])  # the first step that reached the peak
+    return {"peak": peak[EVAL], "peak_step": peak["step"], "last": rows[-1][EVAL]}
 
 
 def summary_markdown(s: Mapping[str, Any]) -> str:
@@ -91,6 +196,14 @@ def summary_markdown(s: Mapping[str, Any]) -> str:
                 f"{s['routing_flip']['count']:.0f} tokens in all"
             ]
         ),
+        *(
+            []
+            if s.get("eval") is None
+            else [
+                f"- held-out greedy accuracy: peak {s['eval']['peak']:.3f} (step "
+                f"{s['eval']['peak_step']}), last {s['eval']['last']:.3f}"
+            ]
+        ),
         f"- first collapse step: {collapse_at}",
         f"- first step of each flag: {json.dumps(s['first_flags'], sort_keys=True)}",
         f"- machine: {s['machine']}",
@@ -109,29 +222,74 @@ def write_run_report(out: Path, history: History, cfg: Config, name: str) -> dic
     return summary
 
 
-def compare_markdown(runs: Mapping[str, History], plot: str = "compare.png") -> str:
-    """One table row per run (label -> metrics), then the plot."""
-    # A column of routing flips only when a mixture-of-experts run is compared
-    moe = any(_routing_flip(h) is not None for h in runs.values())
+# (header, a run's statistic (None: not measured), format) of the compare table
+Column = tuple[str, Callable[[History], float | None], str]
+COLUMNS: tuple[Column, ...] = (
+    ("reward first 5", lambda h: _mean("reward/mean", h[:5]), ".3f"),
+    ("reward last 5", lambda h: _mean("reward/mean", h[-5:]), ".3f"),
+    ("k3 max", lambda h: max(m["mismatch/k3_kl"] for m in h), ".2e"),
+    ("unequal tokens (mean)", lambda h: _mean("mismatch/tokens_unequal_frac", h), ".3f"),
+)
+FLIPS_COLUMN: Column = (
+    "routing flips (mean)",
+    lambda h: None if (flip := _routing_flip(h)) is None else flip["frac_mean"],
+    ".4f",
+)
+EVAL_COLUMNS: tuple[Column, ...] = (
+    ("eval accuracy peak", eval_peak, ".3f"),
+    ("eval accuracy last", eval_last, ".3f"),
+)
+
+
+def _columns(runs: Sequence[History]) -> list[Column]:
+    """The table's columns: routing flips only when a mixture-of-experts run is compared,
+    the held-out accuracy only when a run evaluated."""
+    columns = list(COLUMNS)
+    if any(_routing_flip(h) is not None for h in runs):
+        columns.append(FLIPS_COLUMN)
+    if any(collapse.evaluated(h) for h in runs):
+        columns += EVAL_COLUMNS
+    return columns
+
+
+def _steps_cell(runs: Sequence[History]) -> str:
+    lengths = sorted({len(h) for h in runs})
+    return str(lengths[0]) if len(lengths) == 1 else f"{lengths[0]}-{lengths[-1]}"
+
+
+def _collapse_cell(run: History | Seeds) -> str:
+    """A run's first collapse step; for a sweep arm, how many of its seeds collapsed."""
+    if isinstance(run, Seeds):
+        collapsed = sum(collapse.collapse_step(h) is not None for h in run.histories)
+        return f"{collapsed} of {len(run.histories)} seeds"
+    if not run:
+        return "-"
+    at = collapse.collapse_step(run)
+    return "none" if at is None else str(at)
+
+
+def compare_markdown(runs: Mapping[str, History | Seeds], plot: str = "compare.png") -> str:
+    """One table row per run or sweep arm (label -> metrics), then the plot."""
+    columns = _columns([h for run in runs.values() for h in histories(run)])
     rows = [
-        "| run | steps | reward first 5 | reward last 5 | k3 max | unequal tokens (mean) | "
-        + ("routing flips (mean) | " if moe else "")
+        "| run | steps | "
+        + "".join(f"{header} | " for header, _, _ in columns)
         + "first collapse step |",
-        "|---|---:|---:|---:|---:|---:|" + ("---:|" if moe else "") + "---|",
+        "|---|---:|" + "---:|" * len(columns) + "---|",
     ]
-    for label, history in runs.items():
-        if not history:
-            rows.append(f"| {label} | 0 | - | - | - | - |{' - |' if moe else ''} - |")
-            continue
-        collapse_at = collapse.collapse_step(history)
-        flip = _routing_flip(history)
-        flips = "" if not moe else "- | " if flip is None else f"{flip['frac_mean']:.4f} | "
+    if any(isinstance(run, Seeds) for run in runs.values()):
+        rows[:0] = [
+            "Sweep arms: mean ± half-width of the 95 % confidence interval over the seeds "
+            "(Student's t).",
+            "",
+        ]
+    for label, run in runs.items():
+        done = [h for h in histories(run) if h]
+        cells = [cell([stat(h) for h in done], fmt) for _, stat, fmt in columns]
         rows.append(
-            f"| {label} | {len(history)} | {_mean('reward/mean', history[:5]):.3f} | "
-            f"{_mean('reward/mean', history[-5:]):.3f} | "
-            f"{max(m['mismatch/k3_kl'] for m in history):.2e} | "
-            f"{_mean('mismatch/tokens_unequal_frac', history):.3f} | {flips}"
-            f"{collapse_at if collapse_at is not None else 'none'} |"
+            f"| {label} | {_steps_cell(histories(run))} | "
+            + "".join(f"{c} | " for c in cells)
+            + f"{_collapse_cell(run)} |"
         )
     return "\n".join(rows) + f"\n\n![compare]({plot})\n"
 
@@ -157,7 +315,7 @@ def unique_labels(dirs: Sequence[str | Path]) -> list[str]:
     return labels
 
 
-def write_compare(runs: Mapping[str, History], out: Path) -> str:
+def write_compare(runs: Mapping[str, History | Seeds], out: Path) -> str:
     """compare.md and compare.png in ``out``; returns the table."""
     table = compare_markdown(runs)
     plot_runs(runs, out / "compare.png")
@@ -165,25 +323,39 @@ def write_compare(runs: Mapping[str, History], out: Path) -> str:
     return table
 
 
-def plot_runs(runs: Mapping[str, History], path: Path) -> None:
-    """``runs``: {label: metrics}; one panel per metric, one line per run."""
+def plot_panel(ax: Axes, runs: Mapping[str, Sequence[History]], key: str, title: str) -> None:
+    """One line per label of ``runs``: a single history's ``key`` per step, or the mean over
+    several (seeds) with the 95 % interval as a band."""
+    for name, group in runs.items():
+        steps, mean, half = band(group, key)
+        (line,) = ax.plot(steps, mean, label=name, linewidth=1)
+        if len(group) > 1:
+            low = [m - w for m, w in zip(mean, half)]
+            high = [m + w for m, w in zip(mean, half)]
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+
+
+def plot_runs(runs: Mapping[str, History | Seeds], path: Path) -> None:
+    """``runs``: {label: metrics of a run or a sweep arm}; one panel per metric (held-out
+    accuracy only when a run evaluated), one line (an arm: with its band) per label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, PANELS):
-        for name, history in runs.items():
-            ax.plot(
-                [m["step"] for m in history], [m[key] for m in history], label=name, linewidth=1
-            )
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        if key in ("mismatch/k3_kl", "grad_norm") and any(
-            m[key] > 0 for h in runs.values() for m in h
-        ):
+    groups = {label: histories(run) for label, run in runs.items()}
+    rows = [m for group in groups.values() for h in group for m in h]
+    panels = [(key, title) for key, title in PANELS if key != EVAL or any(EVAL in m for m in rows)]
+    columns = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(2, columns, figsize=(13 * columns / 3, 6.5))
+    for ax, (key, title) in zip(axes.flat, panels):
+        plot_panel(ax, groups, key, title)
+        if key in ("mismatch/k3_kl", "grad_norm") and any(m.get(key, 0) > 0 for m in rows):
             ax.set_yscale("symlog", linthresh=1e-8 if key == "mismatch/k3_kl" else 1e-3)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))

@@ -10,43 +10,29 @@ already complete is kept, a cut one is resumed: rerunning the command finishes a
 
 ``DIR/sweep.md`` gives per arm the mean and a 95 % confidence interval (Student's t over the
 seeds) of the reward at the start and the end, the peak k3, the share of unequal tokens and
-the collapsed seeds, then each arm's paired difference from its twin; ``DIR/sweep.png`` plots
-the mean reward per step with its interval as a band.
+the collapsed seeds (and, when the runs evaluate, the held-out accuracy's peak and last
+value), then each arm's paired difference from its twin; ``DIR/sweep.png`` plots the mean
+reward per step with its interval as a band, and beside it the held-out accuracy when the runs
+evaluate. :func:`interval` is rl_harness.report's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import collapse, rundir, runner
+from . import collapse, report, rundir, runner
 from .config import Config
 from .errors import HarnessError
+from .report import interval as interval  # sweep.interval, as before it moved
 from .rundir import write_atomic
 
 History = list[dict[str, Any]]
 
-# Two-sided 95 % quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's.
-_T95 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
 TWIN = "__twin"
-
-
-def interval(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width of its 95 % confidence interval); the half-width is NaN for one value."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan
-    df = len(values) - 1
-    t = _T95[df - 1] if df <= len(_T95) else 1.960
-    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def twin(cfg: Config) -> Config:
@@ -115,8 +101,9 @@ def _reward(history: History, first: bool) -> float:
     return statistics.fmean(m["reward/mean"] for m in rows)
 
 
-# (column, per-run statistic)
-STATISTICS: tuple[tuple[str, Callable[[History], float]], ...] = (
+# (column, per-run statistic; None: not measured)
+Statistic = tuple[str, Callable[[History], float | None]]
+STATISTICS: tuple[Statistic, ...] = (
     ("reward first 5", lambda h: _reward(h, True)),
     ("reward last 5", lambda h: _reward(h, False)),
     ("k3 max", lambda h: max(m["mismatch/k3_kl"] for m in h)),
@@ -124,22 +111,29 @@ STATISTICS: tuple[tuple[str, Callable[[History], float]], ...] = (
 )
 
 
-def _cell(values: Sequence[float]) -> str:
-    mean, half = interval(values)
-    return f"{mean:.3g} ± {half:.2g}" if math.isfinite(half) else f"{mean:.3g}"
+EVAL_STATISTICS: tuple[Statistic, ...] = (
+    ("eval accuracy peak", report.eval_peak),
+    ("eval accuracy last", report.eval_last),
+)
+
+
+def _cell(values: Sequence[float | None]) -> str:
+    return report.cell(values, ".3g", ".2g")
 
 
 def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -> str:
     """Per arm: mean ± 95 % CI over seeds; then each arm's paired difference from its twin."""
     seeds = len(next(iter(results.values())))
+    runs = [h for histories in results.values() for h in histories]
+    columns = STATISTICS + (EVAL_STATISTICS if any(map(collapse.evaluated, runs)) else ())
     lines = [
         f"Mean ± half-width of the 95 % confidence interval over {seeds} seeds (Student's t).",
         "",
-        "| arm | " + " | ".join(c for c, _ in STATISTICS) + " | collapsed seeds |",
-        "|---|" + "---:|" * (len(STATISTICS) + 1),
+        "| arm | " + " | ".join(c for c, _ in columns) + " | collapsed seeds |",
+        "|---|" + "---:|" * (len(columns) + 1),
     ]
     for arm, histories in results.items():
-        cells = [_cell([stat(h) for h in histories]) for _, stat in STATISTICS]
+        cells = [_cell([stat(h) for h in histories]) for _, stat in columns]
         collapsed = sum(collapse.collapse_step(h) is not None for h in histories)
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {collapsed} of {len(histories)} |")
     paired = [a for a in results if a + TWIN in results]
@@ -161,25 +155,20 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
 
 
 def plot_sweep(results: dict[str, list[History]], path: Path) -> None:
-    """Mean reward per step of each arm, with its 95 % interval as a band."""
+    """Mean reward per step of each arm, with its 95 % interval as a band; beside it the held-out
+    accuracy, the same way, when the runs evaluate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, histories in results.items():
-        steps = min(len(h) for h in histories)
-        bands = [interval([h[s]["reward/mean"] for h in histories]) for s in range(steps)]
-        mean = [m for m, _ in bands]
-        half = [0.0 if math.isnan(w) else w for _, w in bands]
-        (line,) = ax.plot(range(steps), mean, label=arm, linewidth=1)
-        low = [m - w for m, w in zip(mean, half)]
-        high = [m + w for m, w in zip(mean, half)]
-        ax.fill_between(range(steps), low, high, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward (mean over seeds, 95 % CI)")
-    ax.legend(fontsize=7)
+    panels = [("reward/mean", "reward (mean over seeds, 95 % CI)")]
+    if any(collapse.evaluated(h) for histories in results.values() for h in histories):
+        panels.append((collapse.EVAL_METRIC, "held-out greedy accuracy (mean, 95 % CI)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        report.plot_panel(ax, results, key, title)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
