@@ -31,9 +31,15 @@ def sample(
     drift: torch.Tensor,
     generator: torch.Generator,
     rows: slice | None = None,
+    *,
+    greedy: bool = False,
 ) -> dict[str, Any]:
     """Sample a response for every prompt (lists of token ids, BOS included), or for the
     prompts ``rows`` (a contiguous range: one rank's share under data parallelism).
+
+    ``greedy``: decode the most probable token instead (held-out evaluation,
+    rl_harness.evaluate): the policy's own logits, without the synthetic perturbations, and
+    no random number drawn (``generator`` and ``drift`` go unused).
 
     The prompts are left-padded to the whole batch's width, and every random number is drawn
     for the whole batch, each row using its own: a row's tokens and log-probs do not depend on
@@ -70,9 +76,12 @@ def sample(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
-            probs = processor.log_probs(logits).exp()
-            token = _draw(probs, generator, rows, total)
+            if greedy:
+                logits = processor.filter(logits)
+                token = logits.argmax(-1)  # temperature, top-k and top-p keep the argmax
+            else:
+                logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
+                token = _draw(processor.log_probs(logits).exp(), generator, rows, total)
             token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD
             logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
             tokens.append(token)
