@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from bik.contract import check_split_size
 from bik.hf import MOE_FAMILIES, SUPPORTED_FAMILIES
 
+from . import tasks
 from .errors import ConfigError
 from .remedies import IS_REMEDIES, Precision, precision
 
@@ -232,6 +233,8 @@ class TaskConfig(_Section):
                 f"task.max_digits: expected at least task.min_digits ({self.min_digits}), "
                 f"got {self.max_digits}"
             )
+        if self.module is not None:
+            tasks.load(self.module)  # a module that cannot serve is refused before any work
 
 
 @dataclass(frozen=True)

@@ -115,22 +115,58 @@ def refresh(work: torch.nn.Module, master: torch.nn.Module, weight_round_bits: i
 
 
 def sft_batch(
-    task_cfg: TaskConfig, rng: random.Random, size: int
+    task_cfg: TaskConfig, rng: random.Random, size: int, long_form_share: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded BOS+prompt+answer+EOS sequences and a mask of the answer+EOS tokens."""
+    """Left-padded BOS+prompt+target+EOS sequences and a mask of the target+EOS tokens.
+
+    The first ``round(long_form_share * size)`` rows take the task's long form as their target
+    (rl_harness.tasks.Task.target), the rest the direct answer; no random number decides it,
+    so a share of 0 gives the batches of a harness without long forms, bit for bit."""
+    task = tasks.of(task_cfg)
+    long_rows = round(long_form_share * size)
     rows = []
-    for _ in range(size):
-        prompt, answer = tasks.sample(task_cfg.name, rng, task_cfg.min_digits, task_cfg.max_digits)
-        rows.append(([tasks.BOS] + tasks.encode(prompt), tasks.encode(answer) + [tasks.EOS]))
+    for row in range(size):
+        example = task.sample(rng, task_cfg.min_digits, task_cfg.max_digits)
+        target = task.target(example, long_form=row < long_rows)
+        rows.append(
+            ([tasks.BOS] + tasks.encode(example.prompt), tasks.encode(target) + [tasks.EOS])
+        )
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((size, width), tasks.PAD, dtype=torch.long)
-    attention, target = torch.zeros_like(ids), torch.zeros_like(ids)
+    attention, target_mask = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, a) in enumerate(rows):
         start = width - len(p) - len(a)
         ids[i, start:] = torch.tensor(p + a)
         attention[i, start:] = 1
-        target[i, width - len(a) :] = 1
-    return ids, attention, target
+        target_mask[i, width - len(a) :] = 1
+    return ids, attention, target_mask
+
+
+def check_positions(config: Config, positions: int) -> None:
+    """Refuse a run whose sequences could exceed the policy's ``positions``: the longest
+    warm-up sequence (BOS, prompt, long-form target, EOS) or the longest prompt (BOS
+    included) plus rollout.max_new_tokens. Bounds come from the task's ``max_lengths`` (in
+    characters: a bound on tokens for the character vocabulary)."""
+    prompt, target = tasks.of(config.task).max_lengths(config.task.max_digits)
+    prompt += 1  # BOS
+    if prompt + target + 1 > positions:
+        raise ConfigError(
+            f"task.max_digits: warm-up sequences of up to {prompt + target + 1} tokens (BOS, "
+            f"prompt, long-form target, EOS) at {config.task.max_digits} exceed the policy's "
+            f"{positions} positions; expected a smaller task.max_digits"
+        )
+    if prompt + config.rollout.max_new_tokens > positions:
+        raise ConfigError(
+            f"rollout.max_new_tokens: expected at most {positions - prompt} (prompts of up to "
+            f"{prompt} tokens, BOS included, within the policy's {positions} positions), got "
+            f"{config.rollout.max_new_tokens}"
+        )
+
+
+def warmup_seed(config: Config) -> int:
+    """The seed of the warm-up (the master's random init and the warm-up data):
+    warmup.seed, or the run's seed when it is None."""
+    return config.seed if config.warmup.seed is None else config.warmup.seed
 
 
 def model_files_digest(path: str | Path) -> str:
@@ -147,12 +183,18 @@ def model_files_digest(path: str | Path) -> str:
 
 
 def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
-    """Where the warm-up of ``config`` is cached: keyed by the seed, the model, task and
-    warm-up sections and, for ``model.path``, the content of the model's files (new weights
-    written to the same directory get a new warm-up)."""
+    """Where the warm-up of ``config`` is cached: keyed by the warm-up seed
+    (:func:`warmup_seed`, not the RL seed: runs that differ in ``seed`` only share one
+    warm-up under one warmup.seed), the model, task and warm-up sections and, for
+    ``model.path``, the content of the model's files (new weights written to the same
+    directory get a new warm-up)."""
+    # warmup.seed enters through "seed" only: a run with warmup.seed=None keeps its key, and
+    # one whose warmup.seed equals another's seed (same warm-up) shares that one's cache.
+    warmup_section = dataclasses.replace(config.warmup, seed=None)
+    sections = {"model": config.model, "task": config.task, "warmup": warmup_section}
     key: dict[str, Any] = {
-        "seed": config.seed,
-        **{k: dataclasses.asdict(getattr(config, k)) for k in ("model", "task", "warmup")},
+        "seed": warmup_seed(config),
+        **{k: dataclasses.asdict(v) for k, v in sections.items()},
     }
     if config.model.path:
         key["model_files"] = model_files_digest(config.model.path)
@@ -172,10 +214,12 @@ def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Pa
             warnings.warn(
                 f"{path}: unreadable warm-up cache ({error}); recomputing it", stacklevel=2
             )
-    rng = random.Random(f"warmup-{config.seed}")
+    rng = random.Random(f"warmup-{warmup_seed(config)}")
     opt = torch.optim.AdamW(master.parameters(), lr=config.warmup.lr)
     for _ in range(config.warmup.steps):
-        ids, attention, target = sft_batch(config.task, rng, config.warmup.batch_size)
+        ids, attention, target = sft_batch(
+            config.task, rng, config.warmup.batch_size, config.warmup.long_form_share
+        )
         logits = master(
             input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
         ).logits[:, :-1]

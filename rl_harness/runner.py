@@ -30,14 +30,17 @@ from .schedule import LengthSurgeLR
 read_metrics = rundir.read_metrics
 
 
-def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[str]]:
-    rows, answers = [], []
+def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[tasks.Example]]:
+    """A step's prompts (token ids, BOS first), each repeated rollout.samples_per_prompt
+    times, and the example of each row."""
+    task = tasks.of(cfg.task)
+    rows, examples = [], []
     for _ in range(cfg.rollout.prompts):
-        prompt, answer = tasks.sample(cfg.task.name, rng, cfg.task.min_digits, cfg.task.max_digits)
+        example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
         for _ in range(cfg.rollout.samples_per_prompt):
-            rows.append([tasks.BOS] + tasks.encode(prompt))
-            answers.append(answer)
-    return rows, answers
+            rows.append([tasks.BOS] + tasks.encode(example.prompt))
+            examples.append(example)
+    return rows, examples
 
 
 def check_world(cfg: Config, world: World) -> None:
@@ -79,7 +82,8 @@ class Run:
         self.cfg = cfg
         self.world = world or World.current()
         check_world(cfg, self.world)
-        self.master = policy.build_master(cfg.model, cfg.seed)
+        self.master = policy.build_master(cfg.model, policy.warmup_seed(cfg))
+        policy.check_positions(cfg, self.master.config.max_position_embeddings)
         self.engine: vllm_rollout.VllmRollout | None = None
         if cfg.rollout.engine == "vllm":  # refuse before the warm-up what cannot run here
             if routing.routers(self.master):
@@ -137,7 +141,7 @@ class Run:
     def step(self, step: int) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
         seed = cfg.seed * 1_000_003 + step
-        prompts, answers = _prompts(cfg, random.Random(f"{cfg.seed}-{step}"))
+        prompts, examples = _prompts(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.train_model, self.master)
         if self.engine is not None:  # holds the master's weights (pushed after every update)
@@ -171,7 +175,8 @@ class Run:
         self.batch = batch
         width = share["prompt_width"]
         responses = batch["sequences"][:, width:].tolist()
-        rewards = torch.tensor([tasks.reward(a, r) for a, r in zip(answers, responses)])
+        task = tasks.of(cfg.task)
+        rewards = torch.tensor([tasks.score(task, e, r) for e, r in zip(examples, responses)])
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
         mask = batch["response_mask"]
         metrics = mismatch_metrics(
