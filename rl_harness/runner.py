@@ -23,6 +23,7 @@ from . import collapse, policy, report, rollout, routing, rundir, tasks, trainer
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, RunDirError
+from .evaluate import Heldout, due
 from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
 from .schedule import LengthSurgeLR
@@ -103,6 +104,7 @@ class Run:
         self.train_model = policy.working_copy(
             self.master, self.precision.train_dtype, cfg.train.kernels
         )
+        self.reference = self._reference(state)
         # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
         self.moe = bool(routing.routers(self.train_model))
         self.rollout_model: torch.nn.Module | None = None
@@ -132,6 +134,20 @@ class Run:
                 self.master, cfg, self.precision.rollout_dtype, model_dir
             )
 
+    def _reference(self, state: dict[str, Any] | None) -> torch.nn.Module | None:
+        """The KL reference of train.kl_coef > 0 (None otherwise: no cost): the warmed-up
+        policy, frozen, run as a working copy like the trainer's (its dtype and kernels), so
+        under bik its log-probs equal the trainer's bit for bit at the first update. A
+        resumed run restores it from the checkpoint (:meth:`state_dict` saves it)."""
+        if not self.cfg.train.kl_coef:
+            return None
+        reference = policy.working_copy(
+            self.master, self.precision.train_dtype, self.cfg.train.kernels
+        )
+        if state is not None:
+            reference.load_state_dict(state["reference"])
+        return reference.requires_grad_(False)
+
     def close(self) -> None:
         """Shut down the vLLM engine, if any (and remove its saved policy)."""
         if self.engine is not None:
@@ -156,16 +172,14 @@ class Run:
         share = rollout.pad_responses(share, world.max(share["sequences"].shape[1]))
         recorder = routing.Recorder(self.train_model)
         with recorder if self.moe else contextlib.nullcontext():
-            train_logp, entropy = trainer.token_logprobs_and_entropy(
-                self.train_model, share, self.processor, cfg.train.micro_batch_size
-            )
+            train_logp, entropy = self._forward(self.train_model, share)
         # Every rank's rows, in order: the single-process batch. Everything below but the
         # backward of this rank's share is computed from it, identically on every rank.
         keys = ("sequences", "attention_mask", "response_mask", "rollout_logp")
         gathered = {
             **{k: share[k] for k in keys},
             "train_logp": train_logp.detach(),
-            "entropy": entropy,
+            "entropy": entropy.detach(),
         }
         if self.moe:
             gathered["rollout_routing"] = share["routing"]
@@ -199,7 +213,7 @@ class Run:
             raise RuntimeError(
                 f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
             )
-        stats = self._ppo(share, train_logp, batch, adv, rows)
+        stats = self._ppo(share, (train_logp, entropy), batch, adv, rewards, rows)
         updates = {k: stats.pop(k) for k in ("grad_norm", "grad_norm_max", "update_applied")}
         batch_loss = stats.pop("loss")
         lengths = mask.sum(-1).float()
@@ -223,23 +237,59 @@ class Run:
             metrics[f"collapse/{flag}"] = int(raised)
         return metrics
 
+    def _forward(
+        self, model: torch.nn.Module, rows: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer's forward of ``model`` (the trainer copy or the reference) over the
+        batch rows ``rows``: log-probs and entropy (trainer.token_logprobs_and_entropy) with
+        train.micro_batch_size and train.autocast, the entropy with grad when it is in the
+        loss (train.entropy_coef > 0; default runs keep the no-grad path)."""
+        t = self.cfg.train
+        return trainer.token_logprobs_and_entropy(
+            model, rows, self.processor, t.micro_batch_size, t.autocast, t.entropy_coef > 0
+        )
+
+    def _terms(
+        self, share: dict[str, Any], batch: dict[str, torch.Tensor], rewards: torch.Tensor
+    ) -> dict[str, float]:
+        """Adds to ``batch`` what the loss's optional terms need (trainer.policy_loss) and
+        returns their step metrics: with train.filter_groups, ``kept`` (trainer.kept_rows)
+        and ``train/groups_kept_frac``; with train.kl_coef > 0, ``ref_logp`` (the
+        reference's forward of this rank's rows ``share``, gathered) and ``train/kl``
+        (trainer.mean_kl, at pi_old)."""
+        t, stats = self.cfg.train, {}
+        if t.filter_groups:
+            batch["kept"] = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
+            stats["train/groups_kept_frac"] = float(batch["kept"].mean())
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = self._forward(self.reference, share)
+            batch["ref_logp"] = self.world.gather_rows({"ref": ref_logp})["ref"]
+            stats["train/kl"] = trainer.mean_kl(batch, t.kl_estimator)
+        return stats
+
     def _ppo(
         self,
         share: dict[str, Any],
-        train_logp: torch.Tensor,
+        forward: tuple[torch.Tensor, torch.Tensor],
         batch: dict[str, torch.Tensor],
         adv: torch.Tensor,
+        rewards: torch.Tensor,
         rows: slice,
     ) -> dict[str, Any]:
         """train.ppo_epochs passes over train.mini_batches mini-batches (whole prompt groups, a
         fixed order), one update each, against pi_old = ``batch["train_logp"]``. The first
-        update of a single mini-batch reuses the batch forward ``train_logp`` (this rank's
-        rows, with grad); every other update refreshes the trainer copy if the master changed
-        and runs its own forward. Returns the step's stats: the policy_loss stats averaged
-        over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them), ``grad_norm``
-        (mean), ``grad_norm_max`` and ``update_applied`` (how many were applied); the
-        per-update stats are kept in ``self.updates``."""
+        update of a single mini-batch reuses the batch forward ``forward`` (this rank's
+        rows' log-probs and entropy, with grad); every other update refreshes the trainer
+        copy if the master changed and runs its own forward. A mini-batch whose groups
+        train.filter_groups all dropped (by the whole batch's ``rewards``) gets no forward
+        and no update (grad norm 0, not applied). Returns the step's stats: the policy_loss
+        stats averaged over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them),
+        ``grad_norm`` (mean), ``grad_norm_max``, ``update_applied`` (how many were applied)
+        and the optional terms' metrics (:meth:`_terms`); the per-update stats are kept in
+        ``self.updates``."""
         cfg, t = self.cfg, self.cfg.train
+        terms = self._terms(share, batch, rewards)
         size = batch["sequences"].shape[0] // t.mini_batches
         parts = (
             [None]
@@ -250,8 +300,11 @@ class Run:
         stale = False  # the trainer copy lags the master
         for epoch in range(t.ppo_epochs):
             for select in parts:
+                if "kept" in batch and not bool(batch["kept"][select or slice(None)].any()):
+                    self.updates.append(self._filtered_out(batch, adv, select))
+                    continue
                 if epoch == 0 and select is None:
-                    logp, current, here = train_logp, None, rows
+                    (logp, entropy), current, here = forward, None, rows
                 else:
                     if stale:
                         policy.refresh(self.train_model, self.master)
@@ -261,12 +314,12 @@ class Run:
                     if select is not None:
                         sub = {k: batch[k][select] for k in ("sequences", "attention_mask")}
                         sub["response_mask"] = batch["response_mask"][select]
-                    logp, _ = trainer.token_logprobs_and_entropy(
-                        self.train_model, sub, self.processor, t.micro_batch_size
-                    )
+                    logp, entropy = self._forward(self.train_model, sub)
                     current = self.world.gather_rows({"logp": logp.detach()})["logp"]
                     here = rows if select is None else slice(None)
-                loss, stats = trainer.policy_loss(logp, batch, adv, cfg, here, select, current)
+                loss, stats = trainer.policy_loss(
+                    logp, batch, adv, cfg, here, select, current, entropy
+                )
                 stats["grad_norm"], stats["update_applied"] = self._update(loss)
                 stale = stale or bool(stats["update_applied"])
                 self.updates.append(stats)
@@ -279,7 +332,27 @@ class Run:
         out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in self.updates)
         out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in self.updates)
         out["update_applied"] = sum(u["update_applied"] for u in self.updates)
-        return out
+        return {**out, **terms}
+
+    def _filtered_out(
+        self, batch: dict[str, torch.Tensor], adv: torch.Tensor, select: slice | None
+    ) -> dict[str, Any]:
+        """The stats of an update whose mini-batch train.filter_groups emptied: policy_loss's
+        at pi_old over no token (loss 0, ratio 1, no clipping), grad norm 0, not applied (an
+        AdamW step on zero gradients would still move the weights)."""
+        part = select or slice(None)
+        with torch.no_grad():
+            _, stats = trainer.policy_loss(
+                batch["train_logp"][part],
+                batch,
+                adv,
+                self.cfg,
+                None,
+                select,
+                None,
+                batch["entropy"][part],
+            )
+        return {**stats, "grad_norm": 0.0, "update_applied": 0}
 
     def _update(self, loss: torch.Tensor) -> tuple[float, int]:
         """Backward on the trainer copy, fp32 grads into the master, summed over the ranks,
@@ -302,23 +375,29 @@ class Run:
         return grad_norm, 1
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        return {
+        """The checkpoint after ``step``; with train.kl_coef > 0 it holds the reference too."""
+        state = {
             "step": step,
             "master": self.master.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "detector": self.detector.state_dict(),
         }
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
 
 
 def _progress(step: int, total: int, metrics: dict[str, Any], started: float, first: int) -> None:
     rate = (time.time() - started) / max(step + 1 - first, 1)
     flips = metrics.get("mismatch/routing_flip_frac")  # MoE policies only
+    held_out = metrics.get("eval/accuracy")  # evaluation steps only (rl_harness.evaluate)
     sys.stderr.write(
         f"\r[{step + 1}/{total}] reward {metrics['reward/mean']:.2f} len "
         f"{metrics['response_length/mean']:.1f} k3 {metrics['mismatch/k3_kl']:.1e} unequal "
         f"{metrics['mismatch/tokens_unequal_frac']:.2f} "
-        f"{'' if flips is None else f'flips {flips:.3f} '}lr {metrics['lr']:.1e} "
+        f"{'' if flips is None else f'flips {flips:.3f} '}"
+        f"{'' if held_out is None else f'eval {held_out:.2f} '}lr {metrics['lr']:.1e} "
         f"| {rate:.2f} s/step, eta {rate * (total - step - 1):.0f} s "
     )
     sys.stderr.flush()
@@ -389,6 +468,7 @@ def _loop(
 ) -> dict[str, Any]:
     job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR)
     main = job.world.main  # rank 0 alone writes metrics, checkpoints and the report
+    heldout = Heldout(cfg) if main and cfg.eval.every else None  # rank 0 evaluates
     metrics_path = out / rundir.METRICS
     if main:
         kept = read_metrics(out) if metrics_path.exists() else []
@@ -403,6 +483,8 @@ def _loop(
             metrics = job.step(step)
             if not main:
                 continue
+            if heldout is not None and due(cfg, step):
+                metrics.update(heldout.evaluate(job))  # before the checkpoint: its detector
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:

@@ -1,0 +1,236 @@
+"""The trainer's optional terms: group filtering, KL to a reference, entropy bonus, and the
+bf16-autocast trainer (rl_harness.trainer, rl_harness.runner.Run._ppo)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rl_helpers import TINY as RL_TINY
+from test_rl_harness import _resumed_equals_uninterrupted
+
+from rl_harness import config, policy, runner, trainer
+from rl_harness.logits import LogitsProcessor
+
+TINY = [*RL_TINY, "steps=2"]
+# TINY's policy answers nothing right (zero advantages): an entropy bonus and a large learning
+# rate make its updates move it all the same.
+MOVING = ["train.entropy_coef=0.1", "train.lr=1e-2"]
+DEFAULTS = [
+    "train.filter_groups=false",
+    "train.kl_coef=0",
+    "train.kl_estimator=k3",
+    "train.entropy_coef=0",
+    "train.autocast=none",
+]
+
+
+def _run(tmp_path, cache, name, sets=()):
+    cfg = config.build({}, TINY + list(sets))
+    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
+    return runner.read_metrics(tmp_path / name)
+
+
+def _job(cache, sets=()):
+    return runner.Run(config.build({}, TINY + list(sets)), cache)
+
+
+def test_defaults_build_no_reference_and_log_no_new_metric(tmp_path, cache, monkeypatch):
+    """The keys at their explicit defaults are the default run; it keeps the no-grad entropy,
+    builds no reference and logs none of the new metrics."""
+    forward = trainer.token_logprobs_and_entropy
+    grads = []
+
+    def spy(model, batch, *args):
+        logp, entropy = forward(model, batch, *args)
+        grads.append(entropy.requires_grad)
+        return logp, entropy
+
+    monkeypatch.setattr(runner.trainer, "token_logprobs_and_entropy", spy)
+    history = _run(tmp_path, cache, "defaults")
+    assert _run(tmp_path, cache, "explicit", DEFAULTS) == history
+    assert grads and not any(grads)
+    assert not any(key.startswith("train/") for m in history for key in m)
+    assert _job(cache).reference is None
+
+
+def _batch(rows: int, width: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    logp = -torch.rand(rows, width, generator=gen)
+    mask = torch.ones(rows, width)
+    mask[:, 0] = 0
+    mask[1, 2] = 0  # a shorter row
+    return {"response_mask": mask, "rollout_logp": logp, "train_logp": logp}
+
+
+def test_kept_rows_are_exactly_the_groups_with_unequal_rewards():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25])
+    kept = trainer.kept_rows(rewards, 3)
+    assert kept.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("how", config.LOSS_AGGS)
+def test_filtered_loss_is_the_loss_of_the_kept_rows_alone(how):
+    """Every aggregation counts only the kept sequences and tokens: the loss with ``kept``
+    equals the loss of the batch made of the kept rows."""
+    cfg = config.build({}, ["rollout.max_new_tokens=4", f"train.loss_agg={how}"])
+    batch = _batch(6)
+    adv = torch.tensor([0.5, -1.0, 0.0, 0.0, 2.0, -0.5])
+    kept = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    current = batch["train_logp"] + 0.1  # after an update: ratios away from 1
+    filtered = {**batch, "kept": kept}
+    loss, stats = trainer.policy_loss(current, filtered, adv, cfg, None, None, current)
+    rows = kept.bool()
+    alone = {k: v[rows] for k, v in batch.items()}
+    expected, alone_stats = trainer.policy_loss(
+        current[rows], alone, adv[rows], cfg, None, None, current[rows]
+    )
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    for key in ("loss", "ppo/clip_frac", "ppo/ratio_max", "ppo/ratio_min"):
+        assert stats[key] == pytest.approx(alone_stats[key], rel=1e-6), key
+
+
+def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
+    """warmup.steps=0: a random policy answers nothing right, every group's rewards are
+    equal, so every group is dropped: no update, finite metrics."""
+    job = _job(cache, ["warmup.steps=0", "train.filter_groups=true", "train.kl_coef=0.1"])
+    before = [p.detach().clone() for p in job.master.parameters()]
+    state = job.optimizer.state_dict()
+    metrics = job.step(0)
+    assert metrics["reward/mean"] == 0.0 and metrics["train/groups_kept_frac"] == 0.0
+    assert metrics["update_applied"] == 0 and metrics["grad_norm"] == 0.0
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+    assert metrics["loss"] == 0.0 and metrics["ppo/ratio_max"] == 1.0
+    assert all(torch.equal(b, p) for b, p in zip(before, job.master.parameters()))
+    assert job.optimizer.state_dict() == state  # no AdamW step either
+    assert job.batch["kept"].sum() == 0
+
+
+def test_an_emptied_mini_batch_is_skipped_the_other_updates(cache, monkeypatch):
+    """train.mini_batches=2 with only the second mini-batch's groups kept: one update of two."""
+    kept = torch.tensor([0.0] * 4 + [1.0] * 4)  # TINY: 4 prompts x 2 samples
+    monkeypatch.setattr(runner.trainer, "kept_rows", lambda rewards, size: kept)
+    sets = ["train.filter_groups=true", "train.mini_batches=2", "train.entropy_coef=0.1"]
+    job = _job(cache, sets)
+    metrics = job.step(0)
+    assert [u["update_applied"] for u in job.updates] == [0, 1]
+    assert metrics["update_applied"] == 1 and metrics["train/groups_kept_frac"] == 0.5
+    assert job.updates[0]["grad_norm"] == 0.0 and job.updates[1]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("estimator", config.KL_ESTIMATORS)
+def test_kl_estimators_against_float64(estimator):
+    gen = torch.Generator().manual_seed(3)
+    logp = -3 * torch.rand(64, generator=gen)
+    ref = -3 * torch.rand(64, generator=gen)
+    d = logp.double() - ref.double()
+    expected = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) - 1 + d}[estimator]
+    got = trainer.kl_per_token(logp, ref, estimator)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-6)
+    assert float(trainer.kl_per_token(ref, ref, estimator).abs().max()) == 0.0
+    # over a whole distribution p (the policy) and q (the reference), k1 and k3 average to
+    # KL(p || q) under p, and k2 to a second-order approximation of it
+    p = torch.softmax(torch.randn(16, generator=gen, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(16, generator=gen, dtype=torch.float64), -1)
+    exact = float((p * (p.log() - q.log())).sum())
+    mean = float((p * trainer.kl_per_token(p.log(), q.log(), estimator)).sum())
+    if estimator == "k2":
+        assert mean > 0
+    else:
+        assert mean == pytest.approx(exact, rel=1e-9)
+
+
+def test_kl_is_exactly_zero_at_the_first_update_under_bik(tmp_path, cache):
+    history = _run(tmp_path, cache, "kl", MOVING + ["train.kl_coef=0.5"])
+    assert history[0]["train/kl"] == 0.0  # reference and trainer: the same bits
+    assert history[0]["mismatch/logprob_abs_diff_max"] == 0.0
+    assert all(m["update_applied"] == 1 for m in history)
+    assert history[1]["train/kl"] > 0  # the updates moved the policy off the reference
+
+
+class _Table(torch.nn.Module):
+    """A bigram 'model': the logits of the next token are a table's row of the current one."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab) * 3)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+def test_entropy_bonus_gradient_raises_the_entropy():
+    """Zero advantages: the loss is the entropy term alone; a gradient step raises the
+    entropy, and the bonus's gradient flows only with train.entropy_coef > 0."""
+    torch.manual_seed(0)
+    model = _Table(8)
+    ids = torch.randint(0, 8, (4, 6))
+    batch = {
+        "sequences": ids,
+        "attention_mask": torch.ones_like(ids),
+        "response_mask": torch.tensor([[0, 0, 1, 1, 1, 1]] * 4),
+    }
+    processor = LogitsProcessor(1.0)
+    cfg = config.build({}, ["train.entropy_coef=0.5"])
+
+    def entropy_and_loss():
+        logp, entropy = trainer.token_logprobs_and_entropy(model, batch, processor, 0, "none", True)
+        full = {**batch, "rollout_logp": logp.detach(), "train_logp": logp.detach()}
+        loss, _ = trainer.policy_loss(logp, full, torch.zeros(4), cfg, entropy=entropy)
+        mask = batch["response_mask"]
+        return float((entropy.detach() * mask).sum() / mask.sum()), loss
+
+    before, loss = entropy_and_loss()
+    assert float(loss.detach()) == pytest.approx(-0.5 * before)
+    loss.backward()
+    with torch.no_grad():
+        model.table -= 1.0 * model.table.grad
+    after, _ = entropy_and_loss()
+    assert after > before
+    _, no_grad = trainer.token_logprobs_and_entropy(model, batch, processor, 0)
+    assert not no_grad.requires_grad
+
+
+def test_resume_with_kl_and_entropy_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
+    sets = MOVING + [
+        "steps=5",
+        "train.kl_coef=0.5",
+        "train.kl_estimator=k2",
+    ]
+    full = _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets)
+    assert full[3]["train/kl"] > 0  # step 3 (resumed) needs the restored reference
+    assert "reference" in torch.load(tmp_path / "cut" / runner.rundir.CHECKPOINT, weights_only=True)
+
+
+def test_bik_ops_run_in_bfloat16_under_autocast():
+    """bik's patched modules cast as torch.autocast does (bik.hf): the lm_head's logits come
+    out in bf16 over fp32 weights."""
+    cfg = config.build({}, TINY)
+    work = policy.working_copy(policy.build_master(cfg.model, 0), "float32", "bik")
+    ids = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = work(input_ids=ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = work(input_ids=ids).logits
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    assert not torch.equal(plain, cast.float())
+
+
+def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
+    """The rollout does not autocast: both runs sample the same tokens with the same
+    log-probs, but the autocast trainer's log-probs differ, so the mismatch is non-zero.
+    Invariance holds under autocast: the reference (autocast too) equals the trainer at the
+    first update (KL exactly 0), and a mini-batch's forward equals its rows of the batch
+    forward (ratio exactly 1)."""
+    sets = ["train.mini_batches=2", "train.kl_coef=0.1"]
+    plain, cast = _job(cache, sets), _job(cache, [*sets, "train.autocast=bfloat16"])
+    metrics = [plain.step(0), cast.step(0)]
+    assert torch.equal(plain.batch["rollout_logp"], cast.batch["rollout_logp"])
+    assert not torch.equal(plain.batch["train_logp"], cast.batch["train_logp"])
+    assert metrics[0]["mismatch/logprob_abs_diff_max"] == 0.0
+    assert metrics[1]["mismatch/logprob_abs_diff_max"] > 0
+    assert metrics[1]["mismatch/tokens_unequal_frac"] > 0 and metrics[1]["mismatch/k3_kl"] > 0
+    assert metrics[1]["train/kl"] == 0.0
+    first = cast.updates[0]
+    assert first["ppo/ratio_max"] == first["ppo/ratio_min"] == 1.0
