@@ -327,11 +327,13 @@ class TrainConfig(_Section):
     (Dr. GRPO): their sum over a constant, its number of sequences x rollout.max_new_tokens.
 
     ``filter_groups``: drop the prompt groups whose samples all got the same reward (all
-    right or all wrong: zero GRPO advantage) from the loss, as DAPO's dynamic sampling does.
+    right or all wrong: zero GRPO advantage) from the loss, as DAPO's dynamic sampling does
+    (without resampling: a step that drops every group makes no update).
     ``kl_coef``: weight of a KL penalty to the reference policy (the warmed-up policy, frozen)
-    estimated per token by ``kl_estimator`` (k1: log ratio; k2: half its square; k3: the
-    unbiased, always non-negative ``exp(-d) - 1 + d``). ``entropy_coef``: weight of an entropy
-    bonus (subtracted from the loss). ``autocast``: the trainer's forward under
+    estimated per token by ``kl_estimator`` from d = log pi - log pi_ref (k1: d; k2: d^2 / 2;
+    k3: the unbiased, always non-negative ``exp(-d) - 1 + d``, unclamped). ``entropy_coef``:
+    weight of an entropy bonus (subtracted from the loss). Both terms are aggregated by
+    ``loss_agg`` (rl_harness.trainer.policy_loss). ``autocast``: the trainer's forward under
     ``torch.autocast`` in that dtype over fp32 weights, as a mixed-precision trainer runs (a
     mismatch source: the rollout does not autocast).
     """
