@@ -1,16 +1,24 @@
-"""rl_harness held-out evaluation: the eval_drop collapse flag, reports that tolerate rows
+"""rl_harness held-out evaluation: greedy decoding, evaluation rows that leave training bit for
+bit as it was (resume included), the eval_drop collapse flag, reports that tolerate rows
 without evaluation, and compare on sweep arms (mean ± 95 % CI over seeds)."""
 
 import json
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rl_helpers import TINY
+from test_rl_harness import _resumed_equals_uninterrupted
 
-from rl_harness import collapse, config, report, sweep
+from bik.hf import generation_position_ids
+from rl_harness import collapse, config, evaluate, policy, report, rollout, runner, sweep
 from rl_harness.__main__ import main
 from rl_harness.collapse import Detector
 from rl_harness.config import CollapseConfig
 
 EVAL = "eval/accuracy"
+EVAL_FLAG = "collapse/eval_drop"
 
 
 def _row(step, reward=0.5, accuracy=None, **extra):
@@ -142,3 +150,111 @@ def test_sweep_reports_the_held_out_accuracy(tmp_path):
     assert "eval accuracy" not in plain
     sweep.plot_sweep(results, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+# --- end to end: the runner's evaluation -------------------------------------------------
+
+EVAL_SETS = ["steps=5", "eval.every=2", "eval.prompts=6"]
+RUN = [*TINY, *EVAL_SETS]
+
+
+def _run(tmp_path, cache, name, sets):
+    cfg = config.build({}, list(sets))
+    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
+    return runner.read_metrics(tmp_path / name)
+
+
+def _training(row):
+    """A row without the evaluation's keys."""
+    return {k: v for k, v in row.items() if not k.startswith("eval/") and k != EVAL_FLAG}
+
+
+def test_evaluation_leaves_training_bit_identical_and_logs_at_its_steps(tmp_path, cache):
+    plain = _run(tmp_path, cache, "plain", [*RUN, "eval.every=0"])
+    evaluated = _run(tmp_path, cache, "evaluated", RUN)
+    assert json.dumps([_training(m) for m in evaluated]) == json.dumps(plain)
+    # every 2 steps (1, 3) and the last one (4); the other rows lack the keys
+    assert [m["step"] for m in evaluated if EVAL in m] == [1, 3, 4]
+    for m in evaluated:
+        keys = {EVAL, "eval/response_length", EVAL_FLAG}
+        assert keys <= m.keys() if EVAL in m else not keys & m.keys()
+        if EVAL in m:
+            assert 0.0 <= m[EVAL] <= 1.0 and 1.0 <= m["eval/response_length"] <= 6.0
+    summary = (tmp_path / "evaluated" / "summary.md").read_text()
+    assert "held-out greedy accuracy: peak" in summary
+    assert "held-out" not in (tmp_path / "plain" / "summary.md").read_text()
+
+
+def test_the_held_out_set_is_fixed_and_apart_from_the_seed():
+    a = evaluate.Heldout(config.build({}, [*RUN, "seed=0"]))
+    shape = ["rollout.samples_per_prompt=3", "rollout.prompts=5"]
+    b = evaluate.Heldout(config.build({}, [*RUN, "seed=3", *shape]))
+    assert a.prompts == b.prompts and len(a.prompts) == 6
+    assert [e.prompt for e in a.examples] == [e.prompt for e in b.examples]
+    # eval.prompts need not suit train.mini_batches, which must divide rollout.prompts
+    big = config.build({}, [*RUN, "train.mini_batches=2", "eval.prompts=7"])
+    assert evaluate.Heldout(big).prompts[:6] == a.prompts
+    assert len({tuple(p) for p in a.prompts}) > 1  # distinct prompts, each once
+
+
+def _policy(sets=()):
+    cfg = config.build({}, [*RUN, *sets])
+    master = policy.build_master(cfg.model, 0)
+    return cfg, policy.working_copy(master, cfg.precision.train_dtype, cfg.train.kernels)
+
+
+@pytest.mark.parametrize("sets", [[], ["rollout.top_k=4", "rollout.temperature=0.5"]])
+def test_greedy_decoding_is_deterministic_argmax_and_draws_nothing(sets):
+    cfg, model = _policy([*sets, "rollout.logit_noise_std=1.0"])
+    heldout = evaluate.Heldout(cfg)
+    drift = torch.randn(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    first = rollout.sample(model, heldout.prompts, cfg.rollout, drift, generator, greedy=True)
+    again = rollout.sample(model, heldout.prompts, cfg.rollout, drift, generator, greedy=True)
+    assert torch.equal(generator.get_state(), state)  # no random number drawn, noise included
+    assert torch.equal(first["sequences"], again["sequences"])
+    # each response token is the argmax of the full forward's logits at the position before
+    with torch.no_grad():
+        logits = model(
+            input_ids=first["sequences"],
+            attention_mask=first["attention_mask"],
+            position_ids=generation_position_ids(first["attention_mask"]),
+        ).logits[:, :-1]
+    response = first["response_mask"][:, 1:].bool()
+    assert response.any()
+    argmax = logits.argmax(-1)
+    assert torch.equal(argmax[response], first["sequences"][:, 1:][response])
+
+
+def test_resume_with_evaluation_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
+    full = _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, EVAL_SETS)
+    assert [m["step"] for m in full if EVAL in m] == [1, 3, 4]
+
+
+def _rank(rank, tmp, cache):
+    """One of 2 gloo ranks: a run evaluating every step; saves how often this rank evaluated."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    calls = []
+    original = evaluate.Heldout.evaluate
+
+    def count(self, job):
+        calls.append(job.world.rank)
+        return original(self, job)
+
+    evaluate.Heldout.evaluate = count
+    try:
+        cfg = config.build({}, [*TINY, "steps=2", "eval.every=1", "eval.prompts=3"])
+        runner.run(cfg, f"{tmp}/run", cache_dir=cache, progress=False)
+        torch.save(calls, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_runs_evaluate_on_rank_0_alone(tmp_path, cache):
+    _run(tmp_path, cache, "warm", [*TINY, "steps=1"])  # the warm-up cache the ranks read
+    mp.spawn(_rank, args=(str(tmp_path), str(cache)), nprocs=2)
+    assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)] == [[0, 0], []]
+    history = runner.read_metrics(tmp_path / "run")
+    assert [m["step"] for m in history if EVAL in m] == [0, 1]
