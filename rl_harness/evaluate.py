@@ -19,6 +19,9 @@ the training prompts by chance.
 
 Evaluation leaves training as it was, bit for bit: it draws no random number, and it changes
 only the trainer copy's weights, to the master's, which every step refreshes first anyway.
+Its flag's state (the accuracy's peak) is checkpointed with the collapse detector, so a
+resumed run evaluates as an uninterrupted one; a run resumed with a larger ``steps`` keeps the
+evaluation of its old last step, which the longer run alone would not have made.
 Under data parallelism rank 0 alone evaluates (rank 0 alone writes the metrics; the other
 ranks wait for it in the next step's first collective).
 """
