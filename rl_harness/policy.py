@@ -22,21 +22,24 @@ import torch
 import bik
 from bik.hf import generation_position_ids
 
-from . import tasks
+from . import tasks, vocab
 from .errors import ConfigError
 from .logits import round_mantissa
 from .rundir import write_atomic
 
 if TYPE_CHECKING:
-    from .config import Config, ModelConfig, TaskConfig
+    from .config import Config, ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    """The fp32 master policy: ``model.path`` loaded, or a random-init ``model.family``."""
+    """The fp32 master policy: ``model.path`` loaded, or a random-init ``model.family``; its
+    config (and generation config) carries the run vocabulary's special ids
+    (rl_harness.vocab.of), which the samplers read."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    words = vocab.of(model_cfg)
     if model_cfg.path:
         try:
             model = AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
@@ -44,15 +47,19 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
             raise ConfigError(
                 f"model.path: cannot load a causal LM from {model_cfg.path!r} ({error})"
             ) from None
-        if model.config.vocab_size < tasks.VOCAB_SIZE:
+        if model.config.vocab_size < words.size:
+            what = "task alphabet" if words is vocab.CHAR else "tokenizer's vocabulary"
             raise ConfigError(
                 f"model.path: vocabulary of {model.config.vocab_size} is smaller than "
-                f"the task alphabet ({tasks.VOCAB_SIZE})"
+                f"the {what} ({words.size})"
             )
+        for config in (model.config, model.generation_config):
+            config.pad_token_id, config.bos_token_id = words.pad, words.bos
+            config.eos_token_id = words.eos
         return model.train()
     torch.manual_seed(seed)
     args: dict[str, Any] = {
-        "vocab_size": tasks.VOCAB_SIZE,
+        "vocab_size": words.size,
         "hidden_size": model_cfg.hidden_size,
         "intermediate_size": 4 * model_cfg.hidden_size,
         "num_hidden_layers": model_cfg.layers,
@@ -60,9 +67,9 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
         "num_key_value_heads": model_cfg.kv_heads,
         "head_dim": model_cfg.head_dim,
         "max_position_embeddings": 256,
-        "pad_token_id": tasks.PAD,
-        "bos_token_id": tasks.BOS,
-        "eos_token_id": tasks.EOS,
+        "pad_token_id": words.pad,
+        "bos_token_id": words.bos,
+        "eos_token_id": words.eos,
         "tie_word_embeddings": False,
     }
     config = AutoConfig.for_model(model_cfg.family, **{**args, **family_config_args(model_cfg)})
@@ -115,24 +122,24 @@ def refresh(work: torch.nn.Module, master: torch.nn.Module, weight_round_bits: i
 
 
 def sft_batch(
-    task_cfg: TaskConfig, rng: random.Random, size: int, long_form_share: float = 0.0
+    config: Config, rng: random.Random, size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded BOS+prompt+target+EOS sequences and a mask of the target+EOS tokens.
+    """Left-padded prompt (BOS first, if any) + target + EOS sequences of the run's task and
+    vocabulary, and a mask of the target+EOS tokens.
 
-    The first ``round(long_form_share * size)`` rows take the task's long form as their target
-    (rl_harness.tasks.Task.target), the rest the direct answer; no random number decides it,
-    so a share of 0 gives the batches of a harness without long forms, bit for bit."""
-    task = tasks.of(task_cfg)
-    long_rows = round(long_form_share * size)
+    The first ``round(warmup.long_form_share * size)`` rows take the task's long form as
+    their target (rl_harness.tasks.Task.target), the rest the direct answer; no random
+    number decides it, so a share of 0 gives the batches of a harness without long forms,
+    bit for bit."""
+    task, words, task_cfg = tasks.of(config.task), vocab.of(config.model), config.task
+    long_rows = round(config.warmup.long_form_share * size)
     rows = []
     for row in range(size):
         example = task.sample(rng, task_cfg.min_digits, task_cfg.max_digits)
         target = task.target(example, long_form=row < long_rows)
-        rows.append(
-            ([tasks.BOS] + tasks.encode(example.prompt), tasks.encode(target) + [tasks.EOS])
-        )
+        rows.append((words.prompt(example.prompt), [*words.encode(target), words.eos]))
     width = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((size, width), tasks.PAD, dtype=torch.long)
+    ids = torch.full((size, width), words.pad, dtype=torch.long)
     attention, target_mask = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, a) in enumerate(rows):
         start = width - len(p) - len(a)
@@ -146,7 +153,8 @@ def check_positions(config: Config, positions: int) -> None:
     """Refuse a run whose sequences could exceed the policy's ``positions``: the longest
     warm-up sequence (BOS, prompt, long-form target, EOS) or the longest prompt (BOS
     included) plus rollout.max_new_tokens. Bounds come from the task's ``max_lengths`` (in
-    characters: a bound on tokens for the character vocabulary)."""
+    characters: a bound on tokens for the character vocabulary, and for a tokenizer whose
+    tokens hold at least one character each)."""
     prompt, target = tasks.of(config.task).max_lengths(config.task.max_digits)
     prompt += 1  # BOS
     if prompt + target + 1 > positions:
@@ -217,9 +225,7 @@ def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Pa
     rng = random.Random(f"warmup-{warmup_seed(config)}")
     opt = torch.optim.AdamW(master.parameters(), lr=config.warmup.lr)
     for _ in range(config.warmup.steps):
-        ids, attention, target = sft_batch(
-            config.task, rng, config.warmup.batch_size, config.warmup.long_form_share
-        )
+        ids, attention, target = sft_batch(config, rng, config.warmup.batch_size)
         logits = master(
             input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
         ).logits[:, :-1]

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from bik.hf import generation_position_ids
 
-from . import routing, tasks
+from . import routing
 from .logits import LogitsProcessor, perturb
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ def sample(
     greedy: bool = False,
 ) -> dict[str, Any]:
     """Sample a response for every prompt (lists of token ids, BOS included), or for the
-    prompts ``rows`` (a contiguous range: one rank's share under data parallelism).
+    prompts ``rows`` (a contiguous range: one rank's share under data parallelism). PAD and
+    EOS are the ids in ``model.config`` (the run's vocabulary: policy.build_master).
 
     ``greedy``: decode the most probable token instead (held-out evaluation,
     rl_harness.evaluate): the policy's own logits, without the synthetic perturbations, and
@@ -47,7 +48,8 @@ def sample(
 
     Returns dict: ``sequences``, ``attention_mask`` (left padding, then ones), ``response_mask``
     (response tokens up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response)
-    and ``prompt_width``, for the rows sampled; for a mixture-of-experts model also
+    ``prompt_width`` and ``pad_id`` (the PAD id of the padding), for the rows sampled; for a
+    mixture-of-experts model also
     ``routing`` ``[B, L, layers, k]``, the top-k experts each position was routed to
     (rl_harness.routing; the last position, never fed back, is routing.UNROUTED).
     """
@@ -56,7 +58,8 @@ def sample(
     first, last, _ = (rows or slice(None)).indices(total)
     rows = slice(first, last)
     width = max(len(p) for p in prompts)
-    ids = torch.full((last - first, width), tasks.PAD, dtype=torch.long)
+    pad, eos = model.config.pad_token_id, model.config.eos_token_id
+    ids = torch.full((last - first, width), pad, dtype=torch.long)
     attention = torch.zeros_like(ids)
     for i, p in enumerate(prompts[rows]):
         ids[i, width - len(p) :] = torch.tensor(p)
@@ -82,11 +85,11 @@ def sample(
             else:
                 logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
                 token = _draw(processor.log_probs(logits).exp(), generator, rows, total)
-            token = torch.where(alive, token, tasks.PAD)  # finished rows keep feeding PAD
+            token = torch.where(alive, token, pad)  # finished rows keep feeding PAD
             logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
             tokens.append(token)
             in_response.append(alive)
-            alive = alive & (token != tasks.EOS)
+            alive = alive & (token != eos)
             if not bool(alive.any()):
                 break
             attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
@@ -102,6 +105,7 @@ def sample(
         "response_mask": torch.cat([pad_prompt, response_mask], dim=1),
         "rollout_logp": torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
         "prompt_width": width,
+        "pad_id": pad,
     }
     if recorder.routers:
         experts = recorder.pop(last - first, calls_along="positions")
@@ -135,7 +139,7 @@ def pad_responses(batch: dict[str, Any], length: int) -> dict[str, Any]:
 
     padded = {
         **batch,
-        "sequences": extend(batch["sequences"], tasks.PAD),
+        "sequences": extend(batch["sequences"], batch["pad_id"]),
         "attention_mask": extend(batch["attention_mask"], 1),
         "response_mask": extend(batch["response_mask"], 0),
         "rollout_logp": extend(batch["rollout_logp"], 0.0),

@@ -19,7 +19,18 @@ from typing import Any
 
 import torch
 
-from . import collapse, policy, report, rollout, routing, rundir, tasks, trainer, vllm_rollout
+from . import (
+    collapse,
+    policy,
+    report,
+    rollout,
+    routing,
+    rundir,
+    tasks,
+    trainer,
+    vllm_rollout,
+    vocab,
+)
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, RunDirError
@@ -32,14 +43,14 @@ read_metrics = rundir.read_metrics
 
 
 def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[tasks.Example]]:
-    """A step's prompts (token ids, BOS first), each repeated rollout.samples_per_prompt
-    times, and the example of each row."""
-    task = tasks.of(cfg.task)
+    """A step's prompts (token ids of the run's vocabulary), each repeated
+    rollout.samples_per_prompt times, and the example of each row."""
+    task, words = tasks.of(cfg.task), vocab.of(cfg.model)
     rows, examples = [], []
     for _ in range(cfg.rollout.prompts):
         example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
         for _ in range(cfg.rollout.samples_per_prompt):
-            rows.append([tasks.BOS] + tasks.encode(example.prompt))
+            rows.append(words.prompt(example.prompt))
             examples.append(example)
     return rows, examples
 
@@ -189,8 +200,10 @@ class Run:
         self.batch = batch
         width = share["prompt_width"]
         responses = batch["sequences"][:, width:].tolist()
-        task = tasks.of(cfg.task)
-        rewards = torch.tensor([tasks.score(task, e, r) for e, r in zip(examples, responses)])
+        task, words = tasks.of(cfg.task), vocab.of(cfg.model)
+        rewards = torch.tensor(
+            [tasks.score(task, e, r, words) for e, r in zip(examples, responses)]
+        )
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
         mask = batch["response_mask"]
         metrics = mismatch_metrics(

@@ -9,7 +9,8 @@ into the engine (``bik.vllm.update_weights``; for the native engine vLLM's in-pl
 ``reload_weights``, as its CPU layers repack their weights); a resumed run builds its engine
 from the restored weights.
 
-Sampling: one request per prompt with ``n`` = the group size, ``stop_token_ids=[EOS]``, the
+Sampling: one request per prompt with ``n`` = the group size, ``stop_token_ids=[EOS]`` (EOS
+and PAD: the ids in the policy's config, the run's vocabulary), the
 run's temperature and top-k, and ``logprobs_mode="processed_logprobs"``: vLLM then reports
 ``log_softmax(filtered logits / temperature)`` of each sampled token, the formula of
 :class:`~rl_harness.logits.LogitsProcessor` that the trainer applies. Every step reseeds the
@@ -37,7 +38,6 @@ import torch
 import bik
 import bik.vllm
 
-from . import tasks
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class VllmRollout:
     ) -> None:
         check_available(cfg, head_dim(master.config))
         self.cfg = cfg
+        self.pad, self.eos = master.config.pad_token_id, master.config.eos_token_id
         self.vllm = _import_vllm()
         self.model_dir = Path(model_dir or tempfile.mkdtemp(prefix="rl_harness_vllm_"))
         _save(master, self.model_dir)
@@ -176,7 +177,7 @@ class VllmRollout:
         Returns the batch :func:`rl_harness.rollout.sample` returns: ``sequences`` (left-padded
         prompt, response, PAD after EOS), ``attention_mask``, ``response_mask`` (response tokens
         up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response) and
-        ``prompt_width``; row ``i * n + j`` is sample ``j`` of prompt ``i``."""
+        ``prompt_width`` and ``pad_id``; row ``i * n + j`` is sample ``j`` of prompt ``i``."""
         r = self.cfg.rollout
         n = r.samples_per_prompt
         unique = prompts[::n]
@@ -189,7 +190,7 @@ class VllmRollout:
             top_k=r.top_k,
             logprobs=0,
             detokenize=False,
-            stop_token_ids=[tasks.EOS],
+            stop_token_ids=[self.eos],
         )
         requests = [self.vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in unique]
         with torch.random.fork_rng(devices=[]):
@@ -205,7 +206,7 @@ class VllmRollout:
                 tokens = list(c.token_ids)
                 responses.append(tokens)
                 logps.append([step[t].logprob for step, t in zip(c.logprobs, tokens)])
-        return _batch(prompts, responses, logps)
+        return _batch(prompts, responses, logps, self.pad)
 
     def close(self) -> None:
         """Shut the engine down and remove the saved model."""
@@ -230,12 +231,13 @@ def _save(master: torch.nn.Module, path: Path) -> None:
 
 
 def _batch(
-    prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]]
+    prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]], pad: int
 ) -> dict[str, Any]:
-    """The HF sampler's batch layout from prompts, response tokens and their log-probs."""
+    """The HF sampler's batch layout from prompts, response tokens and their log-probs,
+    padded with ``pad``."""
     rows, width = len(prompts), max(len(p) for p in prompts)
     length = max(len(r) for r in responses)
-    sequences = torch.full((rows, width + length), tasks.PAD, dtype=torch.long)
+    sequences = torch.full((rows, width + length), pad, dtype=torch.long)
     attention = torch.ones_like(sequences)
     response_mask = torch.zeros_like(sequences)
     rollout_logp = torch.zeros(rows, width + length, dtype=torch.float32)
@@ -251,4 +253,5 @@ def _batch(
         "response_mask": response_mask,
         "rollout_logp": rollout_logp,
         "prompt_width": width,
+        "pad_id": pad,
     }

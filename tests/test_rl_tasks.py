@@ -8,8 +8,9 @@ import pytest
 import torch
 from rl_helpers import TINY
 
-from rl_harness import config, policy, runner, tasks
+from rl_harness import config, policy, runner, tasks, vocab
 from rl_harness.errors import ConfigError
+from rl_harness.vocab import CHAR, CHARS
 
 # Recorded with the harness before tasks became plug-ins: every shipped result depends on them.
 SAMPLES = {
@@ -44,8 +45,9 @@ def _task_cfg(name, low, high, **extra):
 
 def _sft_digest(cfg, share=0.0):
     rng, digest = random.Random("warmup-0"), hashlib.sha256()
+    cfg = cfg.replace(**{"warmup.long_form_share": share})
     for _ in range(3):
-        for t in policy.sft_batch(cfg.task, rng, 16, share):
+        for t in policy.sft_batch(cfg, rng, 16):
             digest.update(t.numpy().tobytes())
             digest.update(str(tuple(t.shape)).encode())
     return digest.hexdigest()
@@ -69,11 +71,12 @@ def test_direct_tasks_warmup_batches_are_unchanged(key):
 def test_direct_reward_is_exact_match_then_eos():
     example = tasks.Example("7+5=", "12")
     task = tasks.TASKS["addition"]
-    ids = tasks.encode("12")
-    assert tasks.score(task, example, ids + [tasks.EOS, tasks.PAD]) == 1.0
-    assert tasks.score(task, example, [tasks.BOS, *ids, tasks.EOS]) == 1.0  # specials dropped
-    assert tasks.score(task, example, ids) == 0.0  # unfinished
-    assert tasks.score(task, example, tasks.encode("x:12") + [tasks.EOS]) == 0.0
+    ids = CHAR.encode("12")
+    assert tasks.score(task, example, ids + [CHAR.eos, CHAR.pad], CHAR) == 1.0
+    assert tasks.score(task, example, [CHAR.bos, *ids, CHAR.eos], CHAR) == 1.0  # specials dropped
+    assert tasks.score(task, example, ids, CHAR) == 0.0  # unfinished
+    assert tasks.score(task, example, CHAR.encode("x:12") + [CHAR.eos], CHAR) == 0.0
+    assert tasks.score(task, example, [*ids, CHAR.size, CHAR.eos], CHAR) == 0.0  # out of vocab
 
 
 def test_task_names_are_the_config_choices():
@@ -112,7 +115,7 @@ def test_growable_reward_takes_the_final_answer(name):
     assert task.reward(example, example.long_form + "1", True) == 0.0
     assert task.target(example, long_form=True) == example.long_form
     assert task.target(example, long_form=False) == example.answer
-    assert set(example.prompt + example.long_form) <= set(tasks.CHARS)
+    assert set(example.prompt + example.long_form) <= set(CHARS)
 
 
 @pytest.mark.parametrize("name", ["scratch_addition", "iterate"])
@@ -132,13 +135,13 @@ def test_growable_lengths_reach_long_responses_within_their_bounds(name):
 
 def test_long_form_share_sets_the_first_rows_targets():
     cfg = _task_cfg("iterate", 2, 5)
-    short = policy.sft_batch(cfg.task, random.Random(0), 8)
-    mixed = policy.sft_batch(cfg.task, random.Random(0), 8, long_form_share=0.25)
+    short = policy.sft_batch(cfg, random.Random(0), 8)
+    mixed = policy.sft_batch(cfg.replace(**{"warmup.long_form_share": 0.25}), random.Random(0), 8)
     # the same problems (no random number decides the form); two rows in the long form
     targets = [t.sum() for t in mixed[2]]
     assert [int(t) for t in targets[2:]] == [int(t) for t in short[2].sum(-1)[2:]]
     assert all(int(t) > 4 for t in targets[:2])
-    texts = [tasks.decode(row[mask.bool()].tolist()) for row, mask in zip(mixed[0], mixed[2])]
+    texts = [CHAR.decode(row[mask.bool()].tolist()) for row, mask in zip(mixed[0], mixed[2])]
     assert all(":" in t for t in texts[:2]) and not any(":" in t for t in texts[2:])
 
 
@@ -147,7 +150,7 @@ def test_plugin_module_replaces_the_task_name(tmp_path):
     assert isinstance(tasks.of(cfg.task), tasks.Task)
     rows, examples = runner._prompts(cfg, random.Random(0))
     assert all(e.prompt.startswith("e:") for e in examples)
-    assert rows[0] == [tasks.BOS, *tasks.encode(examples[0].prompt)]
+    assert rows[0] == [CHAR.bos, *CHAR.encode(examples[0].prompt)]
     runner.run(cfg, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
     assert len(runner.read_metrics(tmp_path / "run")) == 2
 
@@ -192,3 +195,73 @@ def test_warmup_seed_sets_the_init_and_the_data(tmp_path):
     shared, own, other = warmed(1, "warmup.seed=7"), warmed(7), warmed(1)
     assert all(torch.equal(shared[k], own[k]) for k in shared)
     assert not all(torch.equal(shared[k], other[k]) for k in shared)
+
+
+def _tokenizer_model_dir(path, pad=True):
+    """A tiny local Qwen3 with a character-level tokenizer of its own (ids unlike the
+    character vocabulary's, EOS and PAD last, no BOS), built offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    names = [*CHARS, "<unk>", "<eos>", "<pad>"]
+    model = models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>")
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    specials = {"unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<pad>" if pad else None}
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_local_tokenizer_is_the_runs_vocabulary(tmp_path):
+    path = _tokenizer_model_dir(tmp_path / "model")
+    cfg = config.build({}, TINY + [f"model.path={path}", "task.name=iterate", "task.max_digits=3"])
+    words = vocab.of(cfg.model)
+    assert isinstance(words, vocab.TokenizerVocab)
+    assert (words.pad, words.bos, words.eos, words.size) == (42, None, 41, 43)
+    rows, examples = runner._prompts(cfg, random.Random(0))
+    assert rows[0] == [CHARS.index(c) for c in examples[0].prompt]  # no BOS
+    job = runner.Run(cfg, tmp_path / "cache")  # the zero-mismatch assertion stays on
+    assert job.master.config.eos_token_id == 41
+    for step in range(2):
+        metrics = job.step(step)
+        assert metrics["mismatch/tokens_unequal_count"] == 0
+    width = int(job.batch["response_mask"].any(0).nonzero()[0])  # the first response column
+    for ids, length in zip(
+        job.batch["sequences"][:, width:].tolist(), job.batch["response_mask"].sum(-1).tolist()
+    ):
+        # the policy's 48 ids: the characters, <unk> (dropped), EOS, PAD, 5 beyond the tokenizer
+        text = "".join(CHARS[i] if i < 40 else vocab.UNKNOWN * (i >= 43) for i in ids[:length])
+        assert words.decode(ids) == text  # through the tokenizer: its ids, its EOS
+        assert all(i == words.pad for i in ids[length:])
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens: expected at most 120"):
+        runner.Run(cfg.replace(**{"rollout.max_new_tokens": 121}), tmp_path / "cache")
+
+
+def test_a_tokenizer_without_pad_pads_with_eos(tmp_path):
+    path = _tokenizer_model_dir(tmp_path / "model", pad=False)
+    words = vocab.of(config.build({"model.path": str(path)}).model)
+    assert words.pad == words.eos == 41
+    assert words.prompt("12") == [1, 2] and words.decode([1, 2, 41, 5]) == "12"
+
+
+def test_a_model_dir_without_tokenizer_keeps_the_character_vocabulary(tmp_path):
+    path = _tokenizer_model_dir(tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    cfg = config.build({"model.path": str(path)})
+    assert vocab.of(cfg.model) is CHAR
+    assert policy.build_master(cfg.model, 0).config.eos_token_id == CHAR.eos

@@ -20,7 +20,8 @@ rl_harness.tasks.growable). A plug-in: ``task.module=pkg.mod`` imports ``pkg.mod
 its ``TASK`` object in place of ``task.name`` (the warm-up cache keys on the module's name,
 not its code). :func:`of` gives a run's task.
 
-Texts use the character vocabulary :data:`CHARS` (ids from 3; 0, 1, 2 are PAD, BOS, EOS).
+Texts are encoded and decoded by the run's vocabulary (rl_harness.vocab): the shipped tasks
+use the characters of rl_harness.vocab.CHARS only, which the character vocabulary covers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..vocab import CHAR, Vocab
 from .base import Example, Task, final_answer
 from .direct import ADDITION, COUNTING, SORTING
 from .growable import ITERATE, SCRATCH_ADDITION
@@ -36,12 +38,7 @@ from .growable import ITERATE, SCRATCH_ADDITION
 if TYPE_CHECKING:
     from ..config import TaskConfig
 
-__all__ = ["CHARS", "TASKS", "Example", "Task", "decode", "encode", "final_answer", "load", "of"]
-
-PAD, BOS, EOS = 0, 1, 2
-CHARS = "0123456789+=,:abcdefghijklmnopqrstuvwxyz"
-VOCAB_SIZE = 3 + len(CHARS)
-_IDS = {c: i + 3 for i, c in enumerate(CHARS)}
+__all__ = ["TASKS", "Example", "Task", "final_answer", "load", "of", "score"]
 
 TASKS: dict[str, Task] = {
     "addition": ADDITION,
@@ -50,22 +47,6 @@ TASKS: dict[str, Task] = {
     "scratch_addition": SCRATCH_ADDITION,
     "iterate": ITERATE,
 }
-
-
-def encode(text: str) -> list[int]:
-    return [_IDS[c] for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    """Text of ``ids`` up to the first EOS (special tokens dropped; an id beyond the
-    vocabulary, which a loaded model.path may sample, becomes U+FFFD, no task's character)."""
-    out = []
-    for i in ids:
-        if i == EOS:
-            break
-        if i >= 3:
-            out.append(CHARS[i - 3] if i < VOCAB_SIZE else "\ufffd")
-    return "".join(out)
 
 
 def load(module: str) -> Task:
@@ -89,6 +70,7 @@ def of(task_cfg: TaskConfig) -> Task:
     return load(task_cfg.module) if task_cfg.module else TASKS[task_cfg.name]
 
 
-def score(task: Task, example: Example, response_ids: list[int]) -> float:
-    """``task``'s reward of a sampled response (token ids, PAD after EOS)."""
-    return task.reward(example, decode(response_ids), EOS in response_ids)
+def score(task: Task, example: Example, response_ids: list[int], vocab: Vocab = CHAR) -> float:
+    """``task``'s reward of a sampled response (token ids, PAD after EOS) decoded by the
+    run's ``vocab`` (rl_harness.vocab.of)."""
+    return task.reward(example, vocab.decode(response_ids), vocab.eos in response_ids)

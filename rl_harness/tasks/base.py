@@ -20,7 +20,7 @@ class Example:
 @runtime_checkable
 class Task(Protocol):
     """What the harness asks of a task. Texts use the run's vocabulary (for the character
-    vocabulary: characters of rl_harness.tasks.CHARS only)."""
+    vocabulary: characters of rl_harness.vocab.CHARS only)."""
 
     def sample(self, rng: random.Random, min_size: int, max_size: int) -> Example:
         """A problem of a size in ``[min_size, max_size]`` (task.min_digits / max_digits),

@@ -1,0 +1,112 @@
+"""The run's vocabulary: the character vocabulary, or the tokenizer of a local model.
+
+:func:`of` gives a run's vocabulary: the :class:`CharVocab` (the tasks' characters, ids from
+3; 0, 1, 2 are PAD, BOS, EOS) unless ``model.path`` is a directory holding a Hugging Face
+tokenizer, whose :class:`TokenizerVocab` then encodes the prompts and decodes the responses.
+Both give ``pad``, ``bos`` (None: prompts start with their first text token), ``eos``,
+``size``, ``encode``, ``decode`` and ``prompt``. policy.build_master writes the special ids
+into the policy's config, where the samplers read them.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+CHARS = "0123456789+=,:abcdefghijklmnopqrstuvwxyz"
+"""The characters of every shipped task: they fix the random-init policy's vocabulary."""
+VOCAB_SIZE = 3 + len(CHARS)
+UNKNOWN = "\ufffd"
+"""What an id outside the vocabulary decodes to (a loaded model.path may sample one): no
+task's character, so such a response never matches an answer."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model directory holding any of these holds a tokenizer."""
+
+
+class CharVocab:
+    """One id per character of :data:`CHARS` (from 3), after PAD 0, BOS 1 and EOS 2."""
+
+    pad, bos, eos, size = 0, 1, 2, VOCAB_SIZE
+    _ids: ClassVar[dict[str, int]] = {c: i + 3 for i, c in enumerate(CHARS)}
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` up to the first EOS (PAD and BOS dropped)."""
+        out = []
+        for i in ids:
+            if i == self.eos:
+                break
+            if i >= 3:
+                out.append(CHARS[i - 3] if i < self.size else UNKNOWN)
+        return "".join(out)
+
+    def prompt(self, text: str) -> list[int]:
+        """The token ids of a prompt: BOS, then ``text``."""
+        return [self.bos, *self.encode(text)]
+
+
+class TokenizerVocab:
+    """A Hugging Face tokenizer: texts encoded without special tokens; EOS is the
+    tokenizer's (required), PAD its pad token or else EOS, BOS its BOS token or None, when
+    prompts are the text's tokens alone."""
+
+    def __init__(self, tokenizer: Any, path: str) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"model.path: the tokenizer in {path!r} has no EOS token")
+        self.tokenizer = tokenizer
+        self.eos: int = tokenizer.eos_token_id
+        self.pad: int = self.eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        self.bos: int | None = tokenizer.bos_token_id
+        self.size: int = len(tokenizer)
+        self._special = set(tokenizer.all_special_ids) | {self.pad}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` up to the first EOS (special tokens dropped; an id beyond the
+        tokenizer decodes to :data:`UNKNOWN`)."""
+        out, run = [], []
+        for i in ids:
+            if i == self.eos:
+                break
+            if i >= self.size:
+                out += [self.tokenizer.decode(run), UNKNOWN]
+                run = []
+            elif i not in self._special:
+                run.append(i)
+        return "".join([*out, self.tokenizer.decode(run)])
+
+    def prompt(self, text: str) -> list[int]:
+        """The token ids of a prompt: BOS (if the tokenizer has one), then ``text``."""
+        return ([] if self.bos is None else [self.bos]) + self.encode(text)
+
+
+Vocab = CharVocab | TokenizerVocab
+CHAR = CharVocab()
+
+
+def of(model_cfg: ModelConfig) -> Vocab:
+    """The vocabulary of a run's model section (see the module docstring)."""
+    return _load(model_cfg.path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str | None) -> Vocab:
+    if path is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return CHAR
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.path: cannot load the tokenizer in {path!r} ({error})") from None
+    return TokenizerVocab(tokenizer, path)
