@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import policy, rollout, tasks
+from . import policy, rollout, tasks, vocab
 
 if TYPE_CHECKING:
     from .config import Config
@@ -49,13 +49,13 @@ def due(cfg: Config, step: int) -> bool:
 
 
 class Heldout:
-    """The held-out prompt set of ``cfg``: each prompt once (token ids, BOS first) and its
-    task example."""
+    """The held-out prompt set of ``cfg``: each prompt once (token ids of the run's vocabulary)
+    and its task example; the task and vocabulary that score the responses."""
 
     def __init__(self, cfg: Config) -> None:
         from .runner import _prompts  # here: the runner imports this module
 
-        self.task = tasks.of(cfg.task)
+        self.task, self.vocab = tasks.of(cfg.task), vocab.of(cfg.model)
         # Batches of the runner's rollout.prompts prompts, drawn one after the other from one
         # stream, until eval.prompts: the set does not depend on the rollout's batch shape.
         rng, repeats = random.Random(STREAM), cfg.rollout.samples_per_prompt
@@ -80,7 +80,9 @@ class Heldout:
             greedy=True,
         )
         responses = batch["sequences"][:, batch["prompt_width"] :].tolist()
-        rewards = [tasks.score(self.task, e, r) for e, r in zip(self.examples, responses)]
+        rewards = [
+            tasks.score(self.task, e, r, self.vocab) for e, r in zip(self.examples, responses)
+        ]
         accuracy = sum(rewards) / len(rewards)
         metrics: dict[str, Any] = {
             "eval/accuracy": accuracy,
