@@ -34,9 +34,10 @@ def sample(
     *,
     greedy: bool = False,
 ) -> dict[str, Any]:
-    """Sample a response for every prompt (lists of token ids, BOS included), or for the
-    prompts ``rows`` (a contiguous range: one rank's share under data parallelism). PAD and
-    EOS are the ids in ``model.config`` (the run's vocabulary: policy.build_master).
+    """Sample a response for every prompt (lists of token ids: BOS, if the vocabulary has
+    one, then the text), or for the prompts ``rows`` (a contiguous range: one rank's share
+    under data parallelism). PAD and EOS are the ids in ``model.config`` (the run's
+    vocabulary: policy.build_master).
 
     ``greedy``: decode the most probable token instead (held-out evaluation,
     rl_harness.evaluate): the policy's own logits, without the synthetic perturbations, and
