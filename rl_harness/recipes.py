@@ -13,6 +13,34 @@ _VLLM = {"rollout.engine": "vllm", "model.head_dim": 32}
 # A tiny Qwen3-MoE policy: 8 experts, 2 per token (model.experts, model.experts_per_token).
 _MOE = {"model.family": "qwen3_moe"}
 
+# The pre-registered collapse experiment (results/rl/RESULTS.md section 8): a growable task
+# (iterate, long forms up to 74 tokens) warmed up with 30 % long-form targets, a hot sampler,
+# a high LR, and an fp8-like native bf16 rollout against bik's fp32 trainer. Every arm shares
+# one warm-up (warmup.seed 0); the RL seed alone changes between seeds.
+_COLLAPSE = {
+    "steps": 100,
+    "task.name": "iterate",
+    "task.min_digits": 4,
+    "task.max_digits": 12,
+    "warmup.seed": 0,
+    "warmup.steps": 1000,
+    "warmup.long_form_share": 0.3,
+    "rollout.prompts": 16,
+    "rollout.max_new_tokens": 96,
+    "rollout.temperature": 1.2,
+    "rollout.kernels": "native",
+    "rollout.dtype": "bfloat16",
+    "rollout.weight_round_bits": 3,
+    "train.lr": 2e-3,
+    "eval.every": 10,
+}
+COLLAPSE_ARMS = (
+    "collapse_constant",
+    "collapse_surge_decay",
+    "collapse_fixed_decay",
+    "collapse_token_tis",
+)
+
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "zero_mismatch": ("bik kernels on both sides: every mismatch metric is exactly 0", {}),
     "kernel_swap": (
@@ -85,6 +113,22 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "moe_dtype_swap": (
         "Qwen3-MoE policy, rollout in bfloat16, trainer in float32",
         {**_MOE, "rollout.dtype": "bfloat16"},
+    ),
+    "collapse_constant": (
+        "collapse experiment: fp8-like native bf16 rollout vs bik fp32 trainer, constant LR 2e-3",
+        _COLLAPSE,
+    ),
+    "collapse_surge_decay": (
+        "collapse experiment + LR halved every 1.8 x surge step once length surges 2x",
+        {**_COLLAPSE, "lr_schedule.name": "length_surge", "lr_schedule.surge_ratio": 2.0},
+    ),
+    "collapse_fixed_decay": (
+        "collapse experiment + LR halved every 20 steps from the start",
+        {**_COLLAPSE, "lr_schedule.name": "length_surge", "lr_schedule.decay_period": 20},
+    ),
+    "collapse_token_tis": (
+        "collapse experiment + token TIS (C=2)",
+        {**_COLLAPSE, "remedy.name": "token_tis"},
     ),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift

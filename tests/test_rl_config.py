@@ -31,10 +31,19 @@ def test_set_strings_and_recipe_values_are_typed():
     assert isinstance(cfg.rollout.temperature, float)
 
 
+def shipped_run(name: str) -> Path:
+    """Where recipe ``name``'s committed run lies: results/rl/<name>, or seed 0 of the sweep
+    that ran it (results/rl/<sweep>/<name>/seed0: the recipe's own config, seed 0)."""
+    if (RESULTS / name).is_dir():
+        return RESULTS / name
+    (path,) = RESULTS.glob(f"*/{name}/seed0")
+    return path
+
+
 @pytest.mark.parametrize("name", sorted(recipes.RECIPES))
 def test_shipped_config_json_reads_back_unchanged(name):
     """Every committed run's config.json is what its recipe builds today, byte for byte."""
-    path = RESULTS / name / "config.json"
+    path = shipped_run(name) / "config.json"
     cfg = config.load(path)
     assert cfg == config.build(recipes.overrides(name))
     assert cfg.to_json() == path.read_text()
