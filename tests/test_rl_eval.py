@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rl_helpers import TINY
-from test_rl_harness import _resumed_equals_uninterrupted
+from rl_helpers import TINY, resumed_equals_uninterrupted, run_metrics
 
 from bik.hf import generation_position_ids
 from rl_harness import collapse, config, evaluate, policy, report, rollout, runner, sweep
@@ -158,20 +157,14 @@ EVAL_SETS = ["steps=5", "eval.every=2", "eval.prompts=6"]
 RUN = [*TINY, *EVAL_SETS]
 
 
-def _run(tmp_path, cache, name, sets):
-    cfg = config.build({}, list(sets))
-    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
-    return runner.read_metrics(tmp_path / name)
-
-
 def _training(row):
     """A row without the evaluation's keys."""
     return {k: v for k, v in row.items() if not k.startswith("eval/") and k != EVAL_FLAG}
 
 
 def test_evaluation_leaves_training_bit_identical_and_logs_at_its_steps(tmp_path, cache):
-    plain = _run(tmp_path, cache, "plain", [*RUN, "eval.every=0"])
-    evaluated = _run(tmp_path, cache, "evaluated", RUN)
+    plain = run_metrics(tmp_path, cache, "plain", [*RUN, "eval.every=0"])
+    evaluated = run_metrics(tmp_path, cache, "evaluated", RUN)
     assert json.dumps([_training(m) for m in evaluated]) == json.dumps(plain)
     # every 2 steps (1, 3) and the last one (4); the other rows lack the keys
     assert [m["step"] for m in evaluated if EVAL in m] == [1, 3, 4]
@@ -227,8 +220,8 @@ def test_greedy_decoding_is_deterministic_argmax_and_draws_nothing(sets):
     assert torch.equal(argmax[response], first["sequences"][:, 1:][response])
 
 
-def test_resume_with_evaluation_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
-    full = _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, EVAL_SETS)
+def test_resume_with_evaluation_equals_an_uninterruptedrun_metrics(tmp_path, cache, monkeypatch):
+    full = resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, RUN)
     assert [m["step"] for m in full if EVAL in m] == [1, 3, 4]
 
 
@@ -253,7 +246,7 @@ def _rank(rank, tmp, cache):
 
 
 def test_data_parallel_runs_evaluate_on_rank_0_alone(tmp_path, cache):
-    _run(tmp_path, cache, "warm", [*TINY, "steps=1"])  # the warm-up cache the ranks read
+    run_metrics(tmp_path, cache, "warm", [*TINY, "steps=1"])  # the warm-up cache the ranks read
     mp.spawn(_rank, args=(str(tmp_path), str(cache)), nprocs=2)
     assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)] == [[0, 0], []]
     history = runner.read_metrics(tmp_path / "run")

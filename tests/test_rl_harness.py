@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
+from rl_helpers import resumed_equals_uninterrupted, run_metrics
 
 from rl_harness import config, policy, runner
 from rl_harness.logits import round_mantissa
@@ -15,9 +16,7 @@ TINY = [*RL_TINY, "steps=3"]
 
 
 def _run(tmp_path, cache, name, sets=()):
-    cfg = config.build({}, TINY + list(sets))
-    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
-    return runner.read_metrics(tmp_path / name)
+    return run_metrics(tmp_path, cache, name, [*TINY, *sets])
 
 
 def test_zero_mismatch_holds_with_top_k_top_p_and_temperature(tmp_path, cache):
@@ -94,29 +93,9 @@ def test_same_seed_gives_identical_metrics(tmp_path, cache):
     )
 
 
-def _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets):
-    """A run cut at step 3 and resumed gives the uninterrupted run's metrics; returns them."""
-    full = _run(tmp_path, cache, "full", sets)
-    original = runner.Run.step
-
-    def crash_at_3(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(runner.Run, "step", crash_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        _run(tmp_path, cache, "cut", sets)
-    monkeypatch.setattr(runner.Run, "step", original)
-    assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1, 2]
-    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
-    assert runner.read_metrics(tmp_path / "cut") == full
-    return full
-
-
 def test_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     sets = ["steps=5", "rollout.logit_noise_bias=0.3", "lr_schedule.name=length_surge"]
-    _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets)
+    resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, [*TINY, *sets])
 
 
 def test_resume_with_steps_extends_the_run_to_the_new_total(tmp_path, cache):
@@ -253,5 +232,5 @@ def test_ppo_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
         "train.mini_batches=2",
         "train.loss_agg=seq_mean_token_sum_norm",
     ]
-    full = _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets)
+    full = resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, [*TINY, *sets])
     assert any(m["grad_norm"] > 0 for m in full) and all(m["update_applied"] == 4 for m in full)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
-from test_rl_harness import _resumed_equals_uninterrupted
+from rl_helpers import resumed_equals_uninterrupted, run_metrics
 
 from rl_harness import config, policy, runner, trainer
 from rl_harness.logits import LogitsProcessor
@@ -26,9 +26,7 @@ DEFAULTS = [
 
 
 def _run(tmp_path, cache, name, sets=()):
-    cfg = config.build({}, TINY + list(sets))
-    runner.run(cfg, tmp_path / name, cache_dir=cache, progress=False, name=name)
-    return runner.read_metrics(tmp_path / name)
+    return run_metrics(tmp_path, cache, name, [*TINY, *sets])
 
 
 def _job(cache, sets=()):
@@ -198,7 +196,7 @@ def test_resume_with_kl_and_entropy_equals_an_uninterrupted_run(tmp_path, cache,
         "train.kl_coef=0.5",
         "train.kl_estimator=k2",
     ]
-    full = _resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets)
+    full = resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, [*RL_TINY, *sets])
     assert full[3]["train/kl"] > 0  # step 3 (resumed) needs the restored reference
     assert "reference" in torch.load(tmp_path / "cut" / runner.rundir.CHECKPOINT, weights_only=True)
 
