@@ -138,17 +138,19 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {collapsed} of {len(histories)} |")
     paired = [a for a in results if a + TWIN in results]
     if paired:
+        # the rewards, and the held-out accuracy where the runs evaluated
+        differences = STATISTICS[:2] + columns[len(STATISTICS) + 1 :]
         lines += [
             "",
             "Paired difference, arm minus its zero-mismatch twin on the same seed:",
             "",
-            "| arm | reward first 5 | reward last 5 |",
-            "|---|---:|---:|",
+            "| arm | " + " | ".join(c for c, _ in differences) + " |",
+            "|---|" + "---:|" * len(differences),
         ]
         for arm in paired:
             cells = [
                 _cell([stat(a) - stat(t) for a, t in zip(results[arm], results[arm + TWIN])])
-                for _, stat in STATISTICS[:2]
+                for _, stat in differences
             ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + f"\n\n![sweep]({plot})\n"
