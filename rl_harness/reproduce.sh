@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every recipe into results/rl/<recipe>/ (the vllm_* ones only where vLLM is installed:
-# make install-vllm), zero_mismatch on 2 processes into results/rl/zero_mismatch_world2/ and
+# make install-vllm; the collapse_* ones on 3 seeds by the sweep at the end, into
+# results/rl/collapse/), zero_mismatch on 2 processes into results/rl/zero_mismatch_world2/ and
 # the world-size comparisons into results/rl/world_size/, and writes the comparison tables
 # there (results/rl/RESULTS.md, written by hand, says what reproduced).
 # Usage: bash rl_harness/reproduce.sh [PYTHON]   (from the repository root)
@@ -10,6 +11,9 @@ OUT=results/rl
 mkdir -p "$OUT"
 HAVE_VLLM=$($PY -c "import importlib.util as u; print(int(u.find_spec('vllm') is not None))")
 for recipe in $($PY -c "from rl_harness.recipes import RECIPES; print(' '.join(RECIPES))"); do
+  if [[ $recipe == collapse_* ]]; then
+    continue  # the pre-registered collapse experiment below runs them on 3 seeds
+  fi
   if [[ $recipe == vllm_* && $HAVE_VLLM == 0 ]]; then
     echo "skipped (no vLLM; make install-vllm): $recipe"
     continue
@@ -38,6 +42,13 @@ rm -rf "${OUT:?}/sweep_sources"
 $PY -m rl_harness sweep --recipe dtype_swap --recipe fp8_weights --seeds 3 \
   --out "$OUT/sweep_sources" > /dev/null 2>&1 || echo "FAILED: sweep_sources"
 find "$OUT/sweep_sources" -name checkpoint.pt -delete
+# The pre-registered collapse experiment (section 8): four arms, each beside its twin, 3 seeds
+rm -rf "${OUT:?}/collapse"
+$PY -m rl_harness sweep --recipe collapse_constant --recipe collapse_surge_decay \
+  --recipe collapse_fixed_decay --recipe collapse_token_tis --seeds 3 \
+  --out "$OUT/collapse" > /dev/null 2>&1 || echo "FAILED: collapse"
+find "$OUT/collapse" -name checkpoint.pt -delete
+$PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
     $OUT/vllm_native --out $OUT/compare_engines
