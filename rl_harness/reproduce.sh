@@ -47,7 +47,11 @@ rm -rf "${OUT:?}/collapse"
 $PY -m rl_harness sweep --recipe collapse_constant --recipe collapse_surge_decay \
   --recipe collapse_fixed_decay --recipe collapse_token_tis --seeds 3 \
   --out "$OUT/collapse" > /dev/null 2>&1 || echo "FAILED: collapse"
-find "$OUT/collapse" -name checkpoint.pt -delete
+# Exploratory, after the registered runs: the constant-LR arm and its twin at LR 1e-3
+rm -rf "${OUT:?}/collapse_lr1e-3"
+$PY -m rl_harness sweep --recipe collapse_constant --set train.lr=1e-3 --seeds 3 \
+  --out "$OUT/collapse_lr1e-3" > /dev/null 2>&1 || echo "FAILED: collapse_lr1e-3"
+find "$OUT/collapse" "$OUT/collapse_lr1e-3" -name checkpoint.pt -delete
 $PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
