@@ -74,6 +74,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "rollout copy's linear weights rounded to 3 mantissa bits (fp8 e4m3-like)",
         {"rollout.weight_round_bits": 3},
     ),
+    "bf16_autocast": (
+        "trainer forward under bf16 autocast over fp32 weights, rollout in fp32 (both on bik)",
+        {"train.autocast": "bfloat16"},
+    ),
     "high_lr": ("zero mismatch at the drifting runs' LR (their baseline)", {"train.lr": 1e-3}),
     "drifting": ("a drifting run for the remedies: biased drift 2.0, LR 1e-3", _DRIFTING),
     "drifting_token_tis": ("drifting + token TIS (C=2)", {**_DRIFTING, "remedy.name": "token_tis"}),

@@ -31,7 +31,7 @@ for recipe in zero_mismatch high_lr drifting; do
 done
 $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding \
-  $OUT/fp8_weights --out $OUT/compare_sources
+  $OUT/fp8_weights $OUT/bf16_autocast --out $OUT/compare_sources
 $PY -m rl_harness compare $OUT/high_lr $OUT/dose_bias_* --out $OUT/compare_dose
 $PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/compare_remedies
 # A Qwen3-MoE policy: mismatch and routing flips (mismatch/routing_flip_*)
