@@ -1,6 +1,9 @@
 """Shared settings and runs of the rl_harness tests: a tiny policy and task that run in seconds."""
 
+import functools
+
 import pytest
+import torch
 
 from rl_harness import config, runner
 
@@ -22,22 +25,49 @@ def run_metrics(tmp_path, cache, name, sets):
     return runner.read_metrics(tmp_path / name)
 
 
+def cut_and_resume(start, run_dir, cache, monkeypatch, at):
+    """Start a run into ``run_dir`` with ``start()``, cut it by an interrupt at step ``at``,
+    resume it; returns its metrics."""
+    original = runner.Run.step
+
+    def crash(self, step):
+        if step == at:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(runner.Run, "step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        start()
+    monkeypatch.setattr(runner.Run, "step", original)
+    assert [m["step"] for m in runner.read_metrics(run_dir)] == list(range(at))
+    runner.resume(run_dir, cache_dir=cache, progress=False)
+    return runner.read_metrics(run_dir)
+
+
 def resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, sets):
     """A run of ``sets`` cut at step 3 and resumed gives the uninterrupted run's metrics;
     returns them."""
     full = run_metrics(tmp_path, cache, "full", sets)
-    original = runner.Run.step
-
-    def crash_at_3(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(runner.Run, "step", crash_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        run_metrics(tmp_path, cache, "cut", sets)
-    monkeypatch.setattr(runner.Run, "step", original)
-    assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1, 2]
-    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
-    assert runner.read_metrics(tmp_path / "cut") == full
+    start = functools.partial(run_metrics, tmp_path, cache, "cut", sets)
+    assert cut_and_resume(start, tmp_path / "cut", cache, monkeypatch, at=3) == full
     return full
+
+
+def tiny_model_dir(path, seed=0):
+    """A random-init tiny Qwen3 (vocabulary 48, 2 layers) saved to ``path``; returns it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path

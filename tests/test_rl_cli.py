@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from rl_helpers import TINY as RL_TINY
-from test_rl_harness import _model_dir
+from rl_helpers import tiny_model_dir
 
 from rl_harness import runner
 from rl_harness.__main__ import main
@@ -96,9 +96,9 @@ def test_warmup_cache_follows_new_weights_in_the_same_directory(tmp_path):
     """Issue 11, item 10: the warm-up cache was keyed by the ``model.path`` string."""
     model, cache = tmp_path / "model", tmp_path / "cache"
     sets = TINY + ["warmup.steps=1", "steps=1", f"model.path={model}"]
-    _model_dir(model, seed=1)
+    tiny_model_dir(model, seed=1)
     _cli_run(cache, tmp_path / "one", sets=sets)
-    _model_dir(model, seed=2)
+    tiny_model_dir(model, seed=2)
     _cli_run(cache, tmp_path / "two", sets=sets)
     assert len(list(cache.glob("warmup-*.pt"))) == 2
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
-from rl_helpers import resumed_equals_uninterrupted, run_metrics
+from rl_helpers import resumed_equals_uninterrupted, run_metrics, tiny_model_dir
 
 from rl_harness import config, policy, runner
 from rl_harness.logits import round_mantissa
@@ -119,30 +119,13 @@ def test_resume_drops_a_torn_last_line(tmp_path, cache):
     assert runner.read_metrics(tmp_path / "torn") == full
 
 
-def _model_dir(path, seed):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-
-
 def test_warmup_cache_is_keyed_by_the_model_files_not_the_path(tmp_path):
     """Issue 11, item 10: new weights written to the same directory reused a stale warm-up."""
-    _model_dir(tmp_path / "model", seed=1)
+    tiny_model_dir(tmp_path / "model", seed=1)
     cfg = config.build({}, TINY + ["warmup.steps=1", f"model.path={tmp_path / 'model'}"])
     first = policy.warmup_cache_path(cfg, tmp_path / "cache")
     assert policy.warmup_cache_path(cfg, tmp_path / "cache") == first
-    _model_dir(tmp_path / "model", seed=2)  # new weights, same directory
+    tiny_model_dir(tmp_path / "model", seed=2)  # new weights, same directory
     assert policy.warmup_cache_path(cfg, tmp_path / "cache") != first
     default = config.build({}, TINY)
     assert policy.warmup_cache_path(default, "c") == policy.warmup_cache_path(default, "c")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from rl_helpers import TINY
+from rl_helpers import TINY, tiny_model_dir
 
 from rl_harness import config, policy, runner, tasks, vocab
 from rl_harness.errors import ConfigError
@@ -201,7 +201,7 @@ def _tokenizer_model_dir(path, pad=True):
     """A tiny local Qwen3 with a character-level tokenizer of its own (ids unlike the
     character vocabulary's, EOS and PAD last, no BOS), built offline."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     names = [*CHARS, "<unk>", "<eos>", "<pad>"]
     model = models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>")
@@ -210,20 +210,7 @@ def _tokenizer_model_dir(path, pad=True):
     tokenizer.decoder = decoders.Fuse()
     specials = {"unk_token": "<unk>", "eos_token": "<eos>", "pad_token": "<pad>" if pad else None}
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials).save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
+    return tiny_model_dir(path)
 
 
 def test_a_local_tokenizer_is_the_runs_vocabulary(tmp_path):

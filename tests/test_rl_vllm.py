@@ -6,6 +6,7 @@ kernels (rollout.kernels=native) give a real, nonzero mismatch. bik.vllm is swit
 process and never off, so the native run goes to a fresh process.
 """
 
+import functools
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm", reason="rollout.engine=vllm needs vLLM (make install-vllm)")
 
-from rl_helpers import TINY
+from rl_helpers import TINY, cut_and_resume
 
 import bik
 import bik.vllm
@@ -83,20 +84,9 @@ def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
 def test_bik_engine_resume_equals_an_uninterrupted_run(bik_run, tmp_path, cache, monkeypatch):
     """Cut after the checkpoint of step 1, resume: the engine is rebuilt from the restored
     weights and each step reseeds the sampler, so the run equals the uninterrupted one."""
-    original = runner.Run.step
-
-    def crash_at_2(self, step):
-        if step == 2:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(runner.Run, "step", crash_at_2)
-    with pytest.raises(KeyboardInterrupt):
-        _run(tmp_path / "cut", cache, BIK_RUN)
-    monkeypatch.setattr(runner.Run, "step", original)
-    assert [m["step"] for m in runner.read_metrics(tmp_path / "cut")] == [0, 1]
-    runner.resume(tmp_path / "cut", cache_dir=cache, progress=False)
-    assert runner.read_metrics(tmp_path / "cut") == bik_run[1]
+    cut = tmp_path / "cut"
+    start = functools.partial(_run, cut, cache, BIK_RUN)
+    assert cut_and_resume(start, cut, cache, monkeypatch, at=2) == bik_run[1]
 
 
 def test_native_engine_refused_where_bik_vllm_is_enabled(tmp_path, cache):
