@@ -12,10 +12,10 @@ perturbations do not apply). That step's metrics row, and no other, gains:
 - ``collapse/eval_drop``: the collapse flag on the accuracy (rl_harness.collapse).
 
 The held-out set is ``eval.prompts`` prompts drawn once by the runner's own prompt function
-from a stream of their own, ``random.Random("heldout")``: independent of the run seed (every
-seed of a sweep evaluates the same set) and never the training prompts' stream. They are not
-excluded from training, though: a small task space (few digits) can hold some of them among
-the training prompts by chance.
+(tasks.prompt_batch) from a stream of their own, ``random.Random("heldout")``: independent of
+the run seed (every seed of a sweep evaluates the same set) and never the training prompts'
+stream. They are not excluded from training, though: a small task space (few digits) can hold
+some of them among the training prompts by chance.
 
 Evaluation leaves training as it was, bit for bit: it draws no random number, and it changes
 only the trainer copy's weights, to the master's, which every step refreshes first anyway.
@@ -53,8 +53,6 @@ class Heldout:
     and its task example; the task and vocabulary that score the responses."""
 
     def __init__(self, cfg: Config) -> None:
-        from .runner import _prompts  # here: the runner imports this module
-
         self.task, self.vocab = tasks.of(cfg.task), vocab.of(cfg.model)
         # Batches of the runner's rollout.prompts prompts, drawn one after the other from one
         # stream, until eval.prompts: the set does not depend on the rollout's batch shape.
@@ -62,7 +60,7 @@ class Heldout:
         self.prompts: list[list[int]] = []
         self.examples: list[tasks.Example] = []
         while len(self.prompts) < cfg.eval.prompts:
-            rows, examples = _prompts(cfg, rng)
+            rows, examples = tasks.prompt_batch(cfg, rng)
             self.prompts += rows[::repeats]  # the runner repeats each prompt this often
             self.examples += examples[::repeats]
         del self.prompts[cfg.eval.prompts :], self.examples[cfg.eval.prompts :]

@@ -42,19 +42,6 @@ from .schedule import LengthSurgeLR
 read_metrics = rundir.read_metrics
 
 
-def _prompts(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[tasks.Example]]:
-    """A step's prompts (token ids of the run's vocabulary), each repeated
-    rollout.samples_per_prompt times, and the example of each row."""
-    task, words = tasks.of(cfg.task), vocab.of(cfg.model)
-    rows, examples = [], []
-    for _ in range(cfg.rollout.prompts):
-        example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
-        for _ in range(cfg.rollout.samples_per_prompt):
-            rows.append(words.prompt(example.prompt))
-            examples.append(example)
-    return rows, examples
-
-
 def check_world(cfg: Config, world: World) -> None:
     """Every rank needs at least one prompt of each step's batch; a vLLM rollout and PPO
     mini-batches (train.mini_batches > 1) run in one process."""
@@ -168,7 +155,7 @@ class Run:
     def step(self, step: int) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
         seed = cfg.seed * 1_000_003 + step
-        prompts, examples = _prompts(cfg, random.Random(f"{cfg.seed}-{step}"))
+        prompts, examples = tasks.prompt_batch(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.train_model, self.master)
         if self.engine is not None:  # holds the master's weights (pushed after every update)

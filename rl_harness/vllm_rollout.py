@@ -172,7 +172,7 @@ class VllmRollout:
 
     def sample(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
         """Sample ``rollout.samples_per_prompt`` responses for each group of that many equal,
-        consecutive ``prompts`` (runner._prompts' layout); ``seed``: the step's.
+        consecutive ``prompts`` (tasks.prompt_batch's layout); ``seed``: the step's.
 
         Returns the batch :func:`rl_harness.rollout.sample` returns: ``sequences`` (left-padded
         prompt, response, PAD after EOS), ``attention_mask``, ``response_mask`` (response tokens

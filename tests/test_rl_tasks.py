@@ -148,7 +148,7 @@ def test_long_form_share_sets_the_first_rows_targets():
 def test_plugin_module_replaces_the_task_name(tmp_path):
     cfg = config.build({}, TINY + ["steps=2", "task.module=rl_plugin_task"])
     assert isinstance(tasks.of(cfg.task), tasks.Task)
-    rows, examples = runner._prompts(cfg, random.Random(0))
+    rows, examples = tasks.prompt_batch(cfg, random.Random(0))
     assert all(e.prompt.startswith("e:") for e in examples)
     assert rows[0] == [CHAR.bos, *CHAR.encode(examples[0].prompt)]
     runner.run(cfg, tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
@@ -219,7 +219,7 @@ def test_a_local_tokenizer_is_the_runs_vocabulary(tmp_path):
     words = vocab.of(cfg.model)
     assert isinstance(words, vocab.TokenizerVocab)
     assert (words.pad, words.bos, words.eos, words.size) == (42, None, 41, 43)
-    rows, examples = runner._prompts(cfg, random.Random(0))
+    rows, examples = tasks.prompt_batch(cfg, random.Random(0))
     assert rows[0] == [CHARS.index(c) for c in examples[0].prompt]  # no BOS
     job = runner.Run(cfg, tmp_path / "cache")  # the zero-mismatch assertion stays on
     assert job.master.config.eos_token_id == 41

@@ -27,18 +27,20 @@ use the characters of rl_harness.vocab.CHARS only, which the character vocabular
 from __future__ import annotations
 
 import importlib
+import random
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..vocab import CHAR, Vocab
+from ..vocab import of as vocab_of
 from .base import Example, Task, final_answer
 from .direct import ADDITION, COUNTING, SORTING
 from .growable import ITERATE, SCRATCH_ADDITION
 
 if TYPE_CHECKING:
-    from ..config import TaskConfig
+    from ..config import Config, TaskConfig
 
-__all__ = ["TASKS", "Example", "Task", "final_answer", "load", "of", "score"]
+__all__ = ["TASKS", "Example", "Task", "final_answer", "load", "of", "prompt_batch", "score"]
 
 TASKS: dict[str, Task] = {
     "addition": ADDITION,
@@ -68,6 +70,19 @@ def load(module: str) -> Task:
 def of(task_cfg: TaskConfig) -> Task:
     """The run's task: the plug-in ``task.module``, else the shipped ``task.name``."""
     return load(task_cfg.module) if task_cfg.module else TASKS[task_cfg.name]
+
+
+def prompt_batch(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[Example]]:
+    """A batch of ``cfg``'s prompts drawn from ``rng`` (token ids of the run's vocabulary),
+    each repeated rollout.samples_per_prompt times, and the example of each row."""
+    task, words = of(cfg.task), vocab_of(cfg.model)
+    rows, examples = [], []
+    for _ in range(cfg.rollout.prompts):
+        example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
+        for _ in range(cfg.rollout.samples_per_prompt):
+            rows.append(words.prompt(example.prompt))
+            examples.append(example)
+    return rows, examples
 
 
 def score(task: Task, example: Example, response_ids: list[int], vocab: Vocab = CHAR) -> float:
