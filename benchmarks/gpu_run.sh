@@ -6,9 +6,10 @@
 #   bash benchmarks/gpu_run.sh env                 versions, GPU, nvcc (seconds)
 #   bash benchmarks/gpu_run.sh build               install bik with its C++ and CUDA backends
 #   bash benchmarks/gpu_run.sh test [PART] [-- PYTEST ARGS]
-#        PART: all (default; the whole suite), kernels, models (hf / verify / vllm),
-#        rl (rl_harness, distributed, cli, bench); after `--`, pytest arguments replace PART's
-#        files (e.g. `test -- tests/test_gpu.py -k decode`); `files PART` lists a part's files
+#        PART: all (default; the whole suite), kernels (tests/ops, tests/backends), models
+#        (tests/integrations: hf, mode, vllm, distributed), rl (tests/rl, tests/tools);
+#        after `--`, pytest arguments replace PART's files
+#        (e.g. `test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
 #   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
 #        GROUP: matmul (linear), attention (decode, prefill), rows (rms_norm, log_softmax,
 #        token_logprobs), e2e (patched models, MoE), quick (every op, small), all (long);
@@ -196,19 +197,16 @@ ensure_built() { # build unless this tree, as it is now, is already installed
     echo "gpu_run.sh: WARNING: not every backend loads (see the build log); going on" >&2
 }
 
-test_files() { # the test files of a part
-  local part=$1 file base
-  for file in tests/test_*.py; do
-    base=$(basename "$file")
-    case "$part:$base" in
-    all:*) echo "$file" ;;
-    models:test_hf*.py | models:test_verify*.py | models:test_vllm*.py) echo "$file" ;;
-    rl:test_rl*.py | rl:test_distributed*.py | rl:test_cli.py | rl:test_bench*.py) echo "$file" ;;
-    kernels:test_hf*.py | kernels:test_verify*.py | kernels:test_vllm*.py) ;;
-    kernels:test_rl*.py | kernels:test_distributed*.py | kernels:test_cli.py) ;;
-    kernels:test_bench*.py) ;;
-    kernels:*) echo "$file" ;;
-    esac
+test_files() { # the test files of a part, by folder (tests/README.md maps them)
+  local part=$1 dirs
+  case "$part" in
+  all) dirs="ops backends integrations tools rl" ;;
+  kernels) dirs="ops backends" ;;
+  models) dirs="integrations" ;;
+  rl) dirs="rl tools" ;;
+  esac
+  for dir in $dirs; do
+    ls tests/"$dir"/test_*.py
   done
 }
 

@@ -7,7 +7,7 @@ every element of a strided view) compute ``exp`` or ``tanh`` differently, so an 
 depend on where it sits. Both sides of a rollout/training pair (the Hugging Face model and
 vLLM's layers) call these functions instead. Each is a formula in fp32 over ops whose vector
 and scalar paths agree (negation, multiplication, addition, division, ``exp`` and ``tanh``;
-tests/test_elementwise.py checks ``exp`` and ``tanh``), rounded once to x's dtype.
+tests/ops/test_elementwise.py checks ``exp`` and ``tanh``), rounded once to x's dtype.
 """
 
 import math

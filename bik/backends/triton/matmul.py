@@ -10,7 +10,7 @@ number of rows, so a row's bits do not change with the batch:
   (``BLOCK_T``). The row count picks a token bucket (:data:`TOKEN_BUCKETS`) that changes only
   ``BLOCK_T``, warps and stages; each output element is still one accumulator over the same
   ascending K tiles. On Hopper every bucket compiles to ``HGMMA.64xNx16`` with N from 16 to
-  128 (tests/test_sm90.py). No document promises that the instruction's N cannot change an
+  128 (tests/backends/test_sm90.py). No document promises that the instruction's N cannot change an
   element's bits, so the interpreter tests compare every bucket with single-row runs, and on
   a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use and falls
   back to the single-row bucket for every row count if it fails.

@@ -21,7 +21,7 @@ from helpers import randn as device_randn
 from bik.backends import load
 from bik.backends.native import native_backend
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or shutil.which("g++") is None,
     reason="needs g++ on x86_64",

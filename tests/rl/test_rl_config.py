@@ -9,7 +9,7 @@ import pytest
 from rl_harness import config, recipes
 from rl_harness.config import Config, ConfigError
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "rl"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "rl"
 
 
 def test_sections_are_frozen_dataclasses_with_the_defaults():

@@ -28,7 +28,7 @@ from rl_helpers import TINY as RL_TINY
 from rl_harness import config, policy, report, rundir, runner, trainer, world_size
 from rl_harness.distributed import World
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 TINY = [*RL_TINY, "steps=2"]
 CONFIGS = {

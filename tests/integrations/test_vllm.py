@@ -4,7 +4,7 @@ Hugging Face model loaded from the same directory, bit for bit, under vLLM's own
 prefix caching shared by the n samples of a prompt and by prompts with a common prefix).
 
 The native-vLLM control (it differs) runs in a subprocess: bik is enabled per process, so
-it lives in tests/test_verify_vllm.py through ``python -m bik verify --engine vllm``.
+it lives in tests/tools/test_verify_vllm.py through ``python -m bik verify --engine vllm``.
 """
 
 import gc

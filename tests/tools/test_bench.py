@@ -337,7 +337,7 @@ def test_plot_skips_failed_cases(tmp_path):
 
 # -- benchmarks/gpu_run.sh, what can be checked without a GPU ------------------------------
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gpu_run(*args, out):
@@ -358,9 +358,11 @@ def test_gpu_run_test_parts_split_the_suite(tmp_path):
         for part in ("all", "kernels", "models", "rl")
     }
     assert sorted(parts["kernels"] + parts["models"] + parts["rl"]) == sorted(parts["all"])
-    assert set(parts["all"]) == {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
-    assert "tests/test_gpu.py" in parts["kernels"] and "tests/test_attention.py" in parts["kernels"]
-    assert "tests/test_hf.py" in parts["models"] and "tests/test_rl_harness.py" in parts["rl"]
+    every = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*.py")}
+    assert set(parts["all"]) == every
+    assert {"tests/backends/test_gpu.py", "tests/ops/test_attention.py"} <= set(parts["kernels"])
+    assert "tests/integrations/test_hf.py" in parts["models"]
+    assert "tests/rl/test_rl_harness.py" in parts["rl"]
 
 
 def test_gpu_run_names_bad_steps(tmp_path):

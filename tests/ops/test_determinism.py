@@ -12,7 +12,7 @@ from conftest import invariant_backends
 import bik
 from bik import backends
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, home of the shared helper scripts
 
 
 def _fingerprints(backend, threads, extra_env=None):

@@ -12,7 +12,7 @@ from rl_helpers import tiny_model_dir
 from rl_harness import runner
 from rl_harness.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results" / "rl"
 TINY = [*RL_TINY, "steps=2"]
 
