@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bik.contract import check_split_size
-from bik.hf import MOE_FAMILIES, SUPPORTED_FAMILIES
+from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
 
 from . import tasks
 from .errors import ConfigError
@@ -175,7 +175,7 @@ class ModelConfig(_Section):
     """A tiny random-init policy of ``family``, or a local model directory (``path``).
 
     ``experts`` and ``experts_per_token`` size the mixture-of-experts families
-    (bik.hf.MOE_FAMILIES); the dense families ignore them."""
+    (bik.families.MOE_FAMILIES); the dense families ignore them."""
 
     SECTION: ClassVar[str] = "model"
     path: str | None = None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import bik
+from bik.families import FAMILIES
 from bik.hf import generation_position_ids
 
 from . import tasks, vocab
@@ -79,23 +80,18 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
 def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config keys a family adds to (or replaces in) the common ones.
 
-    Mixture-of-experts families (bik.hf.MOE_FAMILIES): ``model.experts`` experts,
+    Mixture-of-experts families (bik.families.MOE_FAMILIES): ``model.experts`` experts,
     ``model.experts_per_token`` per token, each 4 x hidden / experts_per_token wide (a
     token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
     wide; router jitter off (it would make a token's routing a random draw)."""
-    family = model_cfg.family
     if not model_cfg.moe:
         return {}
-    width = max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token)
-    args: dict[str, Any] = {
-        "num_experts_per_tok": model_cfg.experts_per_token,
-        "router_jitter_noise": 0.0,
-        "num_local_experts" if family == "mixtral" else "num_experts": model_cfg.experts,
-        "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size": width,
-    }
-    if family == "qwen2_moe":
-        args["shared_expert_intermediate_size"] = 4 * model_cfg.hidden_size
-    return args
+    return FAMILIES[model_cfg.family].moe_config(
+        experts=model_cfg.experts,
+        top_k=model_cfg.experts_per_token,
+        width=max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token),
+        shared_width=4 * model_cfg.hidden_size,
+    )
 
 
 def working_copy(

@@ -51,3 +51,14 @@ def _backward(ctx, grad):
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm_like_transformers(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` in the dtype transformers' RMSNorm returns: ``weight * normed.to(
+    x.dtype)`` is x's dtype promoted with the weight's (fp32 for bf16 activations beside fp32
+    weights), so bik computes in that dtype. The patched Hugging Face model and bik's vLLM
+    layer both call this, so they give the same bits."""
+    if x.dtype != weight.dtype:
+        dtype = torch.promote_types(x.dtype, weight.dtype)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return rms_norm(x, weight, eps)

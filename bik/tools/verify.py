@@ -23,42 +23,13 @@ import torch
 
 from .. import hf
 from ..contract import DTYPE_NAMES
+from ..families import FAMILIES
 from ..ops.log_softmax import token_logprobs
 from .cli import UsageError, check_device, positive_int
 from .cli import seed as seed_type
 
-PRESETS = {f"tiny-{family}": family for family in hf.SUPPORTED_FAMILIES}
-_TINY = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-# What a family's tiny preset adds: MoE families get 8 experts, 2 per token, small experts.
-_TINY_MOE = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
-_TINY_EXTRA = {
-    "mixtral": dict(_TINY_MOE, num_local_experts=8, intermediate_size=64),
-    "olmoe": dict(_TINY_MOE, num_experts=8, intermediate_size=64),
-    "qwen2_moe": dict(
-        _TINY_MOE, num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=128
-    ),
-    "qwen3_moe": dict(_TINY_MOE, num_experts=8, moe_intermediate_size=64),
-}
+PRESETS = {f"tiny-{family}": family for family in FAMILIES}
 DTYPES = DTYPE_NAMES
-
-
-def tiny_config(family: str, **overrides: object):
-    """The random-init tiny config of ``family`` that the presets load, with ``overrides``."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(family, **{**_TINY, **_TINY_EXTRA.get(family, {}), **overrides})
 
 
 def load_model(
@@ -69,7 +40,7 @@ def load_model(
 
     if name in PRESETS:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(tiny_config(PRESETS[name]))
+        model = AutoModelForCausalLM.from_config(FAMILIES[PRESETS[name]].tiny_config())
     elif Path(name).is_dir():
         model = AutoModelForCausalLM.from_pretrained(name)
     else:
@@ -214,12 +185,17 @@ def run_checks(model: torch.nn.Module, seed: int = 0) -> dict[str, tuple[bool, f
 
 def first_divergent_module(model: torch.nn.Module, seed: int = 0) -> str | None:
     """The first module (in execution order) whose output for a sequence differs between
-    batch 1 and a left-padded batch of 3, or None. If that module's input already differs, the
+    batch 1 and a left-padded batch of 8 (wide enough that plain matmuls pick other kernels on
+    CPUs with and without AVX-512), or None. If that module's input already differs, the
     source is an op between modules (such as the attention function) and is named as such."""
     rng = random.Random(seed)
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     seq = _random_tokens(rng, vocab, 12)
-    batch = [_random_tokens(rng, vocab, 20), seq, _random_tokens(rng, vocab, 5)]
+    batch = [
+        _random_tokens(rng, vocab, 40),
+        seq,
+        *(_random_tokens(rng, vocab, 40) for _ in range(6)),
+    ]
     runs = []
     for sequences, row in (([seq], 0), (batch, 1)):
         outputs = []

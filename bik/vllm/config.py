@@ -6,6 +6,8 @@ the loaded model; each refusal raises with the setting to change, never runs sil
 
 import torch
 
+from ..families import EXPERT_COUNT_KEYS
+
 
 def check_engine(vllm_config) -> None:
     """Raise ``ValueError`` listing every engine setting bik cannot run invariantly."""
@@ -34,14 +36,10 @@ def check_engine(vllm_config) -> None:
         )
 
 
-# Config keys transformers' MoE families use for their expert count.
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def check_hf_config(hf_config) -> None:
     """Raise for a model bik.vllm cannot run, read off its transformers config before vLLM
     builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's)."""
-    experts = max((getattr(hf_config, key, None) or 0) for key in _EXPERT_COUNT_KEYS)
+    experts = max((getattr(hf_config, key, None) or 0) for key in EXPERT_COUNT_KEYS)
     if experts:
         raise NotImplementedError(
             f"bik.vllm: {hf_config.model_type!r} is a mixture-of-experts model ({experts} "

@@ -9,7 +9,6 @@ Each replacement computes what the bik-patched Hugging Face model computes for t
 layer, in the same dtype, so the two give the same bits.
 """
 
-import torch
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -18,7 +17,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 
 from ..ops.activations import silu_and_mul
 from ..ops.matmul import linear
-from ..ops.rms_norm import rms_norm
+from ..ops.rms_norm import rms_norm_like_transformers
 from ..ops.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 
 
@@ -32,11 +31,8 @@ class BikRMSNorm(RMSNorm):
         if residual is not None:
             x = x + residual
             residual = x
-        weight = self.weight  # all ones when the norm has no weight of its own
-        if weight.dtype != x.dtype:  # what transformers' RMSNorm returns: promoted dtypes
-            dtype = torch.promote_types(x.dtype, weight.dtype)
-            x, weight = x.to(dtype), weight.to(dtype)
-        out = rms_norm(x, weight, self.variance_epsilon)
+        # self.weight: all ones when the norm has no weight of its own
+        out = rms_norm_like_transformers(x, self.weight, self.variance_epsilon)
         return out if residual is None else (out, residual)
 
 

@@ -19,7 +19,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-v
 
 import bik  # noqa: E402
 import bik.vllm  # noqa: E402
-from bik.tools import verify  # noqa: E402
+from bik.families import FAMILIES  # noqa: E402
 
 SCHEDULING = dict(  # 12 requests x n=2 > max_num_seqs; 32-token steps chunk the prompts
     max_num_seqs=4,
@@ -61,7 +61,7 @@ def tiny_config(family, **overrides):
     if family == "qwen2":  # biased q/k/v projections
         return Qwen2Config(**common)
     if family == "qwen3_moe":
-        return verify.tiny_config(family, **{**common, "head_dim": 16, "vocab_size": 512})
+        return FAMILIES[family].tiny_config(**{**common, "head_dim": 16, "vocab_size": 512})
     return LlamaConfig(**common)
 
 

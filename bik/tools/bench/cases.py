@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import bik
+from bik.families import FAMILIES
 
 
 @dataclass
@@ -155,17 +156,10 @@ def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool
     MLP 3 x hidden; with ``moe``, Qwen3-MoE with MOE_EXPERTS experts, MOE_TOP_K per token."""
     from transformers import AutoConfig
 
-    experts = (
-        dict(
-            num_experts=MOE_EXPERTS,
-            num_experts_per_tok=MOE_TOP_K,
-            moe_intermediate_size=hidden // 2,
-        )
-        if moe
-        else {}
-    )
+    family = FAMILIES["qwen3_moe" if moe else "qwen3"]
+    experts = family.moe_config(experts=MOE_EXPERTS, top_k=MOE_TOP_K, width=hidden // 2)
     return AutoConfig.for_model(
-        "qwen3_moe" if moe else "qwen3",
+        family.model_type,
         **experts,
         vocab_size=vocab,
         hidden_size=hidden,

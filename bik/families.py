@@ -1,0 +1,178 @@
+"""The model families bik supports, one record per transformers ``model_type``.
+
+Everything that depends on a family reads it from here: which modules ``bik.patch_model``
+patches (MoE routers and experts, Gemma's ``1 + w`` RMSNorm), how a tiny random-init config of
+the family is built (the verify presets, the RL harness's policy, the tests), and the line the
+README's family table shows. Adding a family is one record below and its test in
+``tests/integrations/test_hf.py`` (the README table is checked against this registry).
+"""
+
+import dataclasses
+from typing import Any
+
+# Config keys that hold a mixture-of-experts model's expert count: the supported families'
+# keys, and DeepSeek's (not supported; bik.vllm refuses it by this key).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+# What every tiny preset shares: 2 layers, hidden 128, GQA 4/2, head_dim 32, vocab 256.
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# A tiny MoE preset: 8 experts of width 64, 2 per token, a shared expert of width 128.
+_TINY_EXPERTS = dict(experts=8, top_k=2, width=64, shared_width=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One supported model family.
+
+    model_type: transformers' name for it. name: the README's name. note: what it needs beyond
+    Linear, RMSNorm, attention, SiLU and RoPE (the README family table's second column).
+    gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
+    experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
+    count and expert MLP width (None: a dense family). shared_expert_key: the width key of
+    its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
+    weights (the others cast them to the logits' dtype first, as transformers does).
+    """
+
+    model_type: str
+    name: str
+    note: str
+    gemma_norm: bool = False
+    experts_key: str | None = None
+    expert_width_key: str | None = None
+    shared_expert_key: str | None = None
+    fp32_router_weights: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.experts_key is not None
+
+    def moe_config(
+        self, experts: int, top_k: int, width: int, shared_width: int | None = None
+    ) -> dict[str, Any]:
+        """The config keys of ``experts`` experts of MLP width ``width``, ``top_k`` per token
+        (and a shared expert of ``shared_width`` where the family has one), router jitter off:
+        it would make a token's routing a random draw. Empty for a dense family."""
+        if not self.moe:
+            return {}
+        keys: dict[str, Any] = {
+            "num_experts_per_tok": top_k,
+            "router_jitter_noise": 0.0,
+            self.experts_key: experts,
+            self.expert_width_key: width,
+        }
+        if self.shared_expert_key is not None:
+            if shared_width is None:
+                raise ValueError(f"shared_width: {self.model_type} has a shared expert")
+            keys[self.shared_expert_key] = shared_width
+        return keys
+
+    def tiny_config(self, **overrides: Any) -> Any:
+        """A random-init-sized transformers config of this family (see _TINY), with
+        ``overrides``: the verify presets, the tests and small benchmarks load it."""
+        from transformers import AutoConfig
+
+        keys = {**_TINY, **self.moe_config(**_TINY_EXPERTS), **overrides}
+        return AutoConfig.for_model(self.model_type, **keys)
+
+
+_DENSE = "nothing more"
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family("llama", "Llama", _DENSE),
+        Family("mistral", "Mistral", "nothing more (its sliding window: see docs/design.md)"),
+        Family("qwen2", "Qwen2", "biased q/k/v (bias added in bik.linear's fp32 epilogue)"),
+        Family("qwen3", "Qwen3", "per-head q/k RMSNorm"),
+        Family("phi3", "Phi-3", "fused `qkv_proj` and `gate_up_proj` (plain Linear layers)"),
+        Family("olmo2", "OLMo-2", "norms after attention and MLP, q/k RMSNorm over the projection"),
+        Family(
+            "gemma",
+            "Gemma",
+            "RMSNorm scaling by `(1 + w)` in fp32, one rounding; GELU-tanh through "
+            "`bik.gelu_tanh`; scaled embeddings (elementwise)",
+            gemma_norm=True,
+        ),
+        Family(
+            "gemma2",
+            "Gemma 2",
+            "+ attention-logit soft-capping (`bik.attention(softcap=)`), final-logit "
+            "soft-capping (elementwise); sliding-window layers while sequences fit the window",
+            gemma_norm=True,
+        ),
+        Family(
+            "gemma3_text",
+            "Gemma 3 text",
+            "+ q/k norms, per-layer-type RoPE (transformers' cos/sin, run eagerly); "
+            "sliding-window layers as Gemma 2",
+            gemma_norm=True,
+        ),
+        Family(
+            "mixtral",
+            "Mixtral",
+            "MoE as Qwen3-MoE; router weights kept in fp32 as transformers does; router "
+            "jitter in training mode raises",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            fp32_router_weights=True,
+        ),
+        Family(
+            "olmoe",
+            "OLMoE",
+            "MoE as Qwen3-MoE",
+            experts_key="num_experts",
+            expert_width_key="intermediate_size",
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2-MoE",
+            "MoE as Qwen3-MoE + the shared expert, its sigmoid gate through `bik.sigmoid`",
+            experts_key="num_experts",
+            expert_width_key="moe_intermediate_size",
+            shared_expert_key="shared_expert_intermediate_size",
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3-MoE",
+            "router: `bik.linear`, then `bik.log_softmax`, top-k with ties to the lower "
+            "expert index, renormalised in rank order; experts: `bik.grouped_linear`, "
+            "weighted and summed in fp32 in rank order",
+            experts_key="num_experts",
+            expert_width_key="moe_intermediate_size",
+        ),
+    )
+}
+SUPPORTED_FAMILIES = tuple(FAMILIES)
+MOE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.moe)
+
+
+def family(model_type: str) -> Family:
+    """The record of ``model_type``; ValueError naming the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type: {model_type!r} is not a family bik supports "
+            f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
+        ) from None
+
+
+def readme_table() -> str:
+    """The README's family table, generated from the registry (a test keeps them equal)."""
+    rows = [
+        "| family (`model_type`) | what it needs beyond Linear, RMSNorm, attention, SiLU, RoPE |"
+    ]
+    rows.append("|---|---|")
+    rows += [f"| {f.name} (`{f.model_type}`) | {f.note} |" for f in FAMILIES.values()]
+    return "\n".join(rows)

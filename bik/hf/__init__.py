@@ -1,0 +1,34 @@
+"""Hugging Face integration: patch_model / unpatch_model and the trainer-side log-prob helper.
+
+After ``bik.patch_model(model)`` every reduction of the forward runs through bik: Linear
+layers (lm_head included) through ``bik.linear``, RMSNorm through ``bik.rms_norm``, and
+attention through ``bik.attention``, registered in transformers' attention-function registry
+as "bik". Then the log-probs of tokens sampled by ``model.generate`` (KV cache, left-padded
+batches) equal those of one full forward of the finished sequences, bit for bit.
+
+What bik cannot compute is never ignored: attention keywords it does not implement (sinks,
+an active sliding window, dropout...) raise when the model runs. Under
+``torch.autocast`` each patched module returns the dtype the unpatched one would, and the
+kernels run on the cast inputs with autocast off, so results stay batch-invariant.
+
+Modules: ``patch`` (patch_model, the report), ``classify`` (which module is what),
+``forwards`` and ``moe`` (the installed forwards), ``attention`` (the registered attention
+function and its mask analysis), ``autocast`` (how a patched forward runs its op),
+``logprobs`` (the trainer side). The families are records in ``bik.families``.
+"""
+
+from ..families import MOE_FAMILIES, SUPPORTED_FAMILIES
+from .attention import ATTENTION_NAME
+from .logprobs import generation_position_ids, sequence_logprobs
+from .patch import PatchReport, patch_model, unpatch_model
+
+__all__ = [
+    "ATTENTION_NAME",
+    "MOE_FAMILIES",
+    "SUPPORTED_FAMILIES",
+    "PatchReport",
+    "generation_position_ids",
+    "patch_model",
+    "sequence_logprobs",
+    "unpatch_model",
+]

@@ -1,0 +1,210 @@
+"""bik's attention in transformers' attention-function registry, under the name "bik".
+
+transformers calls :func:`attention_forward` with the cache already updated and RoPE applied.
+It reads each row's first valid key off the mask (left padding), refuses every keyword that
+asks for something bik does not compute, and runs ``bik.attention``.
+"""
+
+import weakref
+
+import torch
+
+from ..backends import reference
+from ..families import SUPPORTED_FAMILIES
+from ..ops.attention import attention
+from .autocast import autocast_inputs, run
+
+ATTENTION_NAME = "bik"
+_UNPATCH_ADVICE = (
+    f"call bik.unpatch_model(model) to run it with its own attention (bik patches the "
+    f"{', '.join(SUPPORTED_FAMILIES)} families)"
+)
+
+
+class AttentionSettings:
+    """Backend and split size chosen at patch time, kept on each patched attention module."""
+
+    def __init__(self, backend, split_size):
+        self.backend, self.split_size = backend, split_size
+
+    def __setstate__(self, state):
+        # Unpickling a patched model in a fresh process: its config names the "bik" attention,
+        # which must be registered before the model runs.
+        vars(self).update(state)
+        register_attention()
+
+
+_DEFAULT_SETTINGS = AttentionSettings("auto", None)  # "bik" set on a config by hand
+
+
+def register_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean [B, 1, Tq, Tk] or None
+
+
+_last_bounds = [None]  # (weakref to the mask, key, bounds): every layer gets the same mask
+
+
+@torch.compiler.disable  # reads the mask's values: one graph break per layer under compile
+def _cached_kv_bounds(mask, batch, tq, tk, window):
+    """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
+    if mask is None:
+        return _kv_bounds(None, batch, tq, tk, window)
+    # mask._version changes with every in-place edit of the mask
+    key = (batch, tq, tk, mask.shape, mask.dtype, mask._version, window)
+    cached = _last_bounds[0]  # one read: the entry is replaced whole, never edited
+    if cached is not None and cached[0]() is mask and cached[1] == key:
+        return cached[2]
+    bounds = _kv_bounds(mask, batch, tq, tk, window)
+    _last_bounds[0] = (weakref.ref(mask), key, bounds)
+    return bounds
+
+
+class _WindowActive(Exception):
+    """A sliding window hides keys some query would otherwise see."""
+
+
+def _kv_bounds(mask, batch, tq, tk, window):
+    """Each row's first valid key and the number of keys in use, read off the mask, which
+    must be exactly causal with left padding (anything else cannot be expressed to bik)."""
+    if mask is None:
+        kv_start, kv_len = torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
+        allowed = allowed[:, 0].expand(batch, tq, tk)
+        seen = allowed.any(1)  # [B, Tk]: keys some query sees (a window hides none of them)
+        if not bool(seen.any(-1).all()):
+            raise RuntimeError(
+                "bik attention: attention_mask leaves a row with no key to attend to (a row of "
+                "padding only); give every row at least one token"
+            )
+        kv_start = seen.int().argmax(-1)
+        kv_len = tk - int(seen.flip(-1).int().argmax(-1).min())
+        expected = reference.attention_mask(tq, kv_len, kv_start, causal=True)[:, 0]
+        if not torch.equal(allowed[..., :kv_len], expected) or bool(allowed[..., kv_len:].any()):
+            if window is not None and _windowed(expected, tq, kv_len, window).equal(
+                allowed[..., :kv_len]
+            ):
+                raise _WindowActive
+            raise RuntimeError(
+                "bik attention: attention_mask is not causal with left padding (right padding "
+                "or packed sequences), which bik cannot make invariant; pad on the left "
+                "(tokenizer.padding_side = 'left') with one sequence per row"
+            )
+    if window is not None and kv_len - int(kv_start.min()) > window:
+        raise _WindowActive
+    return kv_start.to(torch.int32), kv_len
+
+
+def _windowed(visible, tq, tk, window):
+    """``visible`` [B, Tq, Tk] restricted to transformers' sliding window: query at position
+    p sees keys in (p - window, p]."""
+    keys = torch.arange(tk, device=visible.device)
+    positions = torch.arange(tk - tq, tk, device=visible.device)
+    return visible & (keys[None, :] > positions[:, None] - window)
+
+
+# Keywords transformers passes for bookkeeping: RoPE is applied and the cache updated before
+# the attention function runs, so they do not change what it computes.
+_BOOKKEEPING = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "past_key_values",
+        "past_key_value",
+        "output_hidden_states",  # the model collects hidden states; attention is unchanged
+        "return_dict",
+        "num_items_in_batch",  # a loss normaliser the HF Trainer passes through
+    }
+)
+# What an attention keyword asks for, and what the caller can do instead.
+_UNSUPPORTED = {
+    "dropout": (
+        "attention dropout",
+        "call model.eval(), or set attention_dropout = 0.0 on the attention modules",
+    ),
+    "s_aux": ("attention sinks", _UNPATCH_ADVICE),
+    "sliding_window": (
+        "an active sliding window (a query would see more keys than the window allows; "
+        "transformers' sliding-window cache then drops keys, which moves bik's key blocks)",
+        "keep each sequence within the window, or " + _UNPATCH_ADVICE,
+    ),
+    "is_causal": ("non-causal attention", _UNPATCH_ADVICE),
+    "output_attentions": (
+        "returning attention weights (bik never materialises them)",
+        "run the model without output_attentions=True",
+    ),
+    "position_bias": ("an additive position bias", _UNPATCH_ADVICE),
+    **{
+        key: ("packed (varlen) sequences", "pad on the left with one sequence per row")
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    },
+}
+
+
+def _unsupported(module, keyword, value):
+    family = getattr(getattr(module, "config", None), "model_type", "unknown")
+    shown = (
+        f"<tensor of shape {list(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+    )
+    what, advice = _UNSUPPORTED.get(
+        keyword, ("an attention keyword bik does not know", _UNPATCH_ADVICE)
+    )
+    return NotImplementedError(
+        f"bik attention: {type(module).__name__} (model family {family!r}) was called with "
+        f"{keyword}={shown}: {what}. bik's attention does not implement it, and ignoring it "
+        f"could silently change the output. To fix: {advice}."
+    )
+
+
+def _check_keywords(module, dropout, kwargs):
+    """Raise for every attention keyword that asks for something bik does not compute."""
+    if dropout:
+        raise _unsupported(module, "dropout", dropout)
+    if not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
+        raise _unsupported(module, "is_causal", False)
+    for keyword, value in kwargs.items():
+        if keyword in _BOOKKEEPING or keyword == "sliding_window" or value is None:
+            continue  # sliding_window is checked against the mask, in _kv_bounds
+        if keyword == "softcap":
+            continue  # computed: bik.attention's softcap
+        if keyword == "is_causal" and value is True:
+            continue
+        if value is False and keyword != "is_causal":
+            continue  # a feature switched off
+        raise _unsupported(module, keyword, value)
+
+
+def attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """transformers attention function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (cache included)
+    -> ([B, Tq, Hq, D], None)."""
+    _check_keywords(module, dropout, kwargs)
+    window = kwargs.get("sliding_window")
+    batch, _, tq, _ = query.shape
+    try:
+        kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2], window)
+    except _WindowActive:
+        raise _unsupported(module, "sliding_window", window) from None
+    settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
+    # cast like F.scaled_dot_product_attention under autocast
+    autocast_on, (query, key, value) = autocast_inputs(query.device.type, query, key, value)
+    out = run(
+        settings.backend,
+        autocast_on,
+        attention,
+        query,
+        key[:, :, :kv_len],
+        value[:, :, :kv_len],
+        causal=True,
+        scale=scaling,
+        kv_start=kv_start.to(query.device),
+        split_size=settings.split_size,
+        softcap=kwargs.get("softcap"),
+    )
+    return out.transpose(1, 2), None

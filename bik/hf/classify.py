@@ -1,0 +1,103 @@
+"""Which modules of a model patch_model replaces, and which reduce but cannot be patched."""
+
+import torch
+
+from ..families import Family
+
+
+def _is_silu(module):
+    return isinstance(module, torch.nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _moe_kind(module):
+    """'router', 'experts' or 'moe_block' for the MoE modules of a mixture-of-experts family."""
+    name = type(module).__name__
+    if name.endswith("TopKRouter"):
+        return "router"
+    if name.endswith("Experts") and _is_silu(getattr(module, "act_fn", None)):
+        return "experts"  # other activations: not in the families bik supports; unpatched
+    if name.endswith("SparseMoeBlock"):
+        return "moe_block"
+    return None
+
+
+def _is_rms_norm(module):
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def _is_gelu_tanh(module):
+    if isinstance(module, torch.nn.GELU):
+        return module.approximate == "tanh"
+    return type(module).__name__ == "GELUTanh"
+
+
+# torch.nn modules without weights of their own that still reduce over something.
+_REDUCING_TYPES = tuple(
+    getattr(torch.nn, name)
+    for name in (
+        "Softmax",
+        "LogSoftmax",
+        "Softmin",
+        "Softmax2d",
+        "LayerNorm",
+        "GroupNorm",
+        "LocalResponseNorm",
+        *(f"{kind}{d}d" for kind in ("BatchNorm", "InstanceNorm") for d in (1, 2, 3)),
+        *(f"{kind}{d}d" for kind in ("AvgPool", "AdaptiveAvgPool", "LPPool") for d in (1, 2)),
+        "AvgPool3d",
+        "AdaptiveAvgPool3d",
+        "CosineSimilarity",
+        "PairwiseDistance",
+    )
+)
+# Class-name endings of model code that reduces: norms, attention, poolers, MoE routing and
+# expert combination. Containers (layers, blocks, MLPs), elementwise activations, dropout and
+# rotary embeddings do no reduction of their own and are not listed.
+_REDUCING_SUFFIXES = (
+    "Norm",
+    "Attention",
+    "Softmax",
+    "Pool",
+    "Pooler",
+    "Pooling",
+    "Experts",
+    "Router",
+    "MoeBlock",
+    "MoE",
+    "Moe",
+)
+
+
+def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
+    """'linear', 'rms_norm', 'gemma_rms_norm', 'attention', 'rotary', 'silu', 'gelu_tanh',
+    an MoE kind (see _moe_kind), 'unpatched' (reduces, but bik cannot vouch for its order) or
+    None (does no reduction of its own). ``family``: None for a family bik does not support."""
+    moe_kind = _moe_kind(module) if family is not None and family.moe else None
+    if moe_kind is not None:
+        return moe_kind
+    if isinstance(module, torch.nn.Linear):
+        return "linear"
+    if _is_rms_norm(module):
+        return "rms_norm"
+    name = type(module).__name__
+    if (
+        family is not None
+        and family.gemma_norm
+        and name.endswith("RMSNorm")
+        and hasattr(module, "eps")
+    ):
+        return "gemma_rms_norm"
+    if name.endswith("Attention") and hasattr(module, "config"):
+        return "attention"
+    if name.endswith("RotaryEmbedding"):
+        return "rotary"
+    if _is_silu(module):
+        return "silu"
+    if _is_gelu_tanh(module):
+        return "gelu_tanh"
+    if isinstance(module, torch.nn.Embedding):  # a lookup (EmbeddingBag sums: not this class)
+        return None
+    owns_weights = next(module.parameters(recurse=False), None) is not None
+    if owns_weights or isinstance(module, _REDUCING_TYPES) or name.endswith(_REDUCING_SUFFIXES):
+        return "unpatched"
+    return None

@@ -1,0 +1,78 @@
+"""The forwards patch_model installs on Linear, RMSNorm, rotary and activation modules.
+
+Each is a plain object holding its module and the patch-time backend, not a closure or a
+bound method, so deepcopy and pickle keep a patched model.
+"""
+
+from typing import Any
+
+import torch
+
+from ..ops.activations import gelu_tanh, silu
+from ..ops.matmul import linear
+from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
+from ..ops.rotary import rotary_cos_sin
+from .autocast import autocast_inputs, run
+
+
+class PatchedForward:
+    """A Linear's or RMSNorm's forward (``kind``: 'linear', 'rms_norm', 'gemma_rms_norm')."""
+
+    def __init__(self, module: torch.nn.Module, kind: str, backend: str):
+        self.module, self.kind, self.backend = module, kind, backend
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m, weight = self.module, self.module.weight
+        if self.kind == "linear":
+            autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, m.bias)
+            return run(self.backend, autocast_on, linear, x, weight, bias)
+        autocast_on, _ = autocast_inputs(x.device.type)
+        if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding
+            wide, scale = x.float(), 1.0 + weight.float()
+            return run(self.backend, autocast_on, rms_norm, wide, scale, m.eps).to(x.dtype)
+        eps = m.variance_epsilon
+        return run(self.backend, autocast_on, rms_norm_like_transformers, x, weight, eps)
+
+
+class EagerRotary:
+    """A rotary embedding's forward, run eagerly even inside torch.compile. Its cos/sin are
+    the one step of the model whose bits a compiler changes (inductor's vectorised cos/sin
+    differ from eager's); the rest of the forward compiles to eager's bits, so compiled
+    rollouts and eager training agree. Costs one graph break per forward.
+
+    In the families bik supports, RoPE with fixed frequencies takes its cos/sin from
+    bik.ops.rotary, the formula bik's vLLM layer uses too; dynamic variants (recomputed per
+    length) and other families run transformers' code."""
+
+    def __init__(self, module: torch.nn.Module, bik_formula: bool):
+        self.module = module
+        rope_type = getattr(module, "rope_type", "default")
+        self.bik_formula = bik_formula and not any(
+            kind in rope_type for kind in ("dynamic", "longrope")
+        )
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.bik_formula and not (args or kwargs):
+            return _bik_cos_sin(self.module, x, position_ids)
+        return _eager_forward(self.module, x, position_ids, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _bik_cos_sin(module, x, position_ids):
+    return rotary_cos_sin(module.inv_freq, position_ids, module.attention_scaling, x.dtype)
+
+
+@torch.compiler.disable
+def _eager_forward(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
+
+
+class Activation:
+    """An activation module's forward: bik.silu or bik.gelu_tanh, whose bits do not depend on
+    the tensor's layout (torch's fp32 kernels' do); bik's vLLM layer calls bik.silu too."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x) if self.kind == "silu" else gelu_tanh(x)

@@ -1,0 +1,48 @@
+"""The trainer side: log-probs of finished sequences from one full forward, as rollout
+computed them while sampling."""
+
+import torch
+
+from ..ops.log_softmax import token_logprobs
+
+
+def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids exactly as transformers' generate derives them from the attention mask."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of ``input_ids`` under one full forward, as rollout computed them.
+
+    Returns fp32 ``[B, T]``: entry t is log p(input_ids[t] | input_ids[:t]) where
+    ``response_mask[:, t]`` is set, else 0 (position 0 has no prediction). Positions come from
+    the attention mask as in generation, and the one-token shift is done here.
+    """
+    for name, t in (
+        ("input_ids", input_ids),
+        ("attention_mask", attention_mask),
+        ("response_mask", response_mask),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor [B, T]")
+        if t.shape != input_ids.shape:
+            raise ValueError(
+                f"{name}: expected shape {tuple(input_ids.shape)}, got {tuple(t.shape)}"
+            )
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=generation_position_ids(attention_mask),
+        use_cache=False,
+    ).logits
+    logp = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logp.device)
+    out[:, 1:] = torch.where(response_mask[:, 1:].bool(), logp, 0.0)
+    return out

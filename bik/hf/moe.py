@@ -1,0 +1,73 @@
+"""The forwards patch_model installs on a mixture-of-experts family's router, experts and
+sparse MoE block (bik.families.MOE_FAMILIES)."""
+
+import torch
+
+from ..families import Family
+from ..ops.activations import sigmoid
+from ..ops.matmul import linear
+from ..ops.moe import expert_mlp, route
+from .autocast import autocast_inputs, run
+
+
+class Router:
+    """A top-k router's forward: logits through bik.linear, then bik.ops.moe.route (softmax,
+    top-k with ties to the lower expert index, renormalisation in rank order)."""
+
+    def __init__(self, module: torch.nn.Module, backend: str, family: Family):
+        self.module, self.backend = module, backend
+        self.normalize = getattr(module, "norm_topk_prob", True)  # Mixtral always normalises
+        # transformers casts the weights to the logits' dtype except where the family keeps
+        # them in fp32; patched and unpatched models weigh experts alike.
+        self.fp32_weights = family.fp32_router_weights
+
+    def __call__(self, hidden_states: torch.Tensor):
+        m = self.module
+        x = hidden_states.reshape(-1, m.weight.shape[1])
+        autocast_on, (x, weight) = autocast_inputs(x.device.type, x, m.weight)
+        logits = run(self.backend, autocast_on, linear, x, weight)
+        weights, experts = run(self.backend, autocast_on, route, logits, m.top_k, self.normalize)
+        return logits, weights if self.fp32_weights else weights.to(logits.dtype), experts
+
+
+class Experts:
+    """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.ops.moe's
+    expert_mlp, whose rows do not depend on which other tokens chose the same expert."""
+
+    def __init__(self, module: torch.nn.Module, backend: str):
+        self.module, self.backend = module, backend
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        m = self.module
+        autocast_on, (x, gate_up, down) = autocast_inputs(
+            hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
+        )
+        out = run(
+            self.backend, autocast_on, expert_mlp, x, top_k_index, top_k_weights, gate_up, down
+        )
+        return out.to(hidden_states.dtype)
+
+
+class MoeBlock:
+    """A sparse MoE block's forward: router, experts and (Qwen2-MoE) the shared expert, whose
+    gate goes through bik.sigmoid (torch's fp32 sigmoid depends on the tensor's layout)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if m.training and getattr(m, "jitter_noise", 0):
+            raise NotImplementedError(
+                f"bik: {type(m).__name__} multiplies its input by random router jitter "
+                f"(router_jitter_noise={m.jitter_noise}) in training mode, which makes a "
+                "token's routing depend on a random draw; call model.eval() or set "
+                "config.router_jitter_noise = 0.0"
+            )
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        _, weights, experts = m.gate(x)
+        out = m.experts(x, experts, weights)
+        shared = getattr(m, "shared_expert", None)
+        if shared is not None:
+            out = out + sigmoid(m.shared_expert_gate(x)) * shared(x)
+        return out.reshape(hidden_states.shape)

@@ -1,0 +1,160 @@
+"""patch_model / unpatch_model: route every reduction of a Hugging Face causal LM through bik."""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .. import backends
+from ..contract import check_split_size
+from ..families import FAMILIES, SUPPORTED_FAMILIES, Family
+from .attention import ATTENTION_NAME, AttentionSettings, register_attention
+from .classify import module_kind
+from .forwards import Activation, EagerRotary, PatchedForward
+from .moe import Experts, MoeBlock, Router
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What patch_model did: module name -> what it now runs, and the modules that reduce
+    (so their bits can depend on the batch) but could not be patched."""
+
+    family: str
+    backend: str
+    patched: dict[str, str]
+    unpatched: list[str]
+    attention_was: str
+    split_size: int | None = None
+
+    def __str__(self) -> str:
+        kinds: dict[str, int] = {}
+        for kind in self.patched.values():
+            kinds[kind] = kinds.get(kind, 0) + 1
+        lines = [f"bik.patch_model: {self.family} model, backend {self.backend!r}"]
+        lines += [f"  {count:4d} x {kind}" for kind, count in sorted(kinds.items())]
+        lines.append(f"  attention: {ATTENTION_NAME} (was {self.attention_was})")
+        if self.unpatched:
+            lines.append(f"  NOT patched ({len(self.unpatched)}): {', '.join(self.unpatched)}")
+        return "\n".join(lines)
+
+
+# A module kind (see classify.module_kind) -> (its new forward, from the module, the backend
+# and the family record or None; what the report says it now runs). Attention is not here:
+# it goes through transformers' registry, with its settings on the module.
+_Forward = Callable[[torch.nn.Module, str, Family | None], Callable]
+_FORWARDS: dict[str, tuple[_Forward, str]] = {
+    "linear": (lambda m, backend, _: PatchedForward(m, "linear", backend), "bik.linear"),
+    "rms_norm": (lambda m, backend, _: PatchedForward(m, "rms_norm", backend), "bik.rms_norm"),
+    "gemma_rms_norm": (
+        lambda m, backend, _: PatchedForward(m, "gemma_rms_norm", backend),
+        "bik.rms_norm (scale 1 + weight)",
+    ),
+    "rotary": (
+        lambda m, _, family: EagerRotary(m, family is not None),
+        "eager rotary (same cos/sin bits under torch.compile)",
+    ),
+    "silu": (lambda m, backend, _: Activation("silu"), "bik.silu"),
+    "gelu_tanh": (lambda m, backend, _: Activation("gelu_tanh"), "bik.gelu_tanh"),
+    "router": (
+        lambda m, backend, family: Router(m, backend, family),
+        "bik.linear + bik MoE routing (top-k, ties to the lower expert)",
+    ),
+    "experts": (
+        lambda m, backend, _: Experts(m, backend),
+        "bik.grouped_linear experts (summed in rank order)",
+    ),
+    "moe_block": (
+        lambda m, backend, _: MoeBlock(m),
+        "MoE block (a shared-expert gate through bik.sigmoid)",
+    ),
+}
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    if (
+        not isinstance(model, PreTrainedModel)
+        or not isinstance(model, GenerationMixin)
+        or not hasattr(model, "lm_head")
+    ):
+        raise TypeError(
+            f"model: expected a Hugging Face causal LM (PreTrainedModel with a "
+            f"generate() and an lm_head), got {type(model).__name__}"
+        )
+    if hasattr(model, "_bik_patch"):
+        raise RuntimeError(
+            "model: already patched by bik; call bik.unpatch_model(model) before patching again"
+        )
+
+
+def patch_model(
+    model: torch.nn.Module,
+    *,
+    backend: str = "auto",
+    strict: bool = True,
+    split_size: int | None = None,
+) -> PatchReport:
+    """Route every reduction of ``model``'s forward through bik; returns a :class:`PatchReport`.
+
+    strict: a module that reduces but cannot be made invariant (or an unsupported model family)
+    raises ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
+    Attention features bik does not implement (sinks, an active sliding window,
+    dropout...) raise ``NotImplementedError`` when the model runs, strict or not.
+    split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
+    The backend and split size live on the patched modules: deepcopy and pickle keep them.
+    """
+    _check_model(model)
+    backends.check_name(backend)
+    check_split_size(split_size)
+    model_type = model.config.model_type
+    family = FAMILIES.get(model_type)
+    if strict and family is None:
+        raise ValueError(
+            f"model: family {model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to bik.patch_model to patch "
+            "what can be and list the rest in report.unpatched"
+        )
+    kinds = {name: module_kind(module, family) for name, module in model.named_modules() if name}
+    unpatched = [
+        f"{name} ({type(model.get_submodule(name)).__name__})"
+        for name, kind in kinds.items()
+        if kind == "unpatched"
+    ]
+    if strict and unpatched:
+        raise ValueError(
+            f"model: cannot make these modules invariant: {', '.join(unpatched)}; pass "
+            "strict=False to bik.patch_model to patch the rest and list them in report.unpatched"
+        )
+
+    patched = {}
+    settings = AttentionSettings(backend, split_size)
+    for name, kind in kinds.items():
+        module = model.get_submodule(name)
+        if kind == "attention":
+            module._bik_attention = settings
+            patched[name] = "bik.attention"
+        elif kind in _FORWARDS:
+            make_forward, patched[name] = _FORWARDS[kind]
+            module.forward = make_forward(module, backend, family)
+    attention_was = model.config._attn_implementation
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    report = PatchReport(model_type, backend, patched, unpatched, attention_was, split_size)
+    model._bik_patch = report
+    return report
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Undo :func:`patch_model` exactly: original forwards and attention implementation."""
+    report = getattr(model, "_bik_patch", None)
+    if report is None:
+        raise ValueError("model: not patched by bik (bik.unpatch_model undoes bik.patch_model)")
+    for name, kind in report.patched.items():
+        module = model.get_submodule(name)
+        if kind == "bik.attention":
+            vars(module).pop("_bik_attention", None)
+        else:
+            del module.forward  # the class's own forward shows again
+    model.set_attn_implementation(report.attention_was)
+    del model._bik_patch
