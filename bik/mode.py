@@ -55,8 +55,8 @@ from .ops.log_softmax import log_softmax
 _library: torch.library.Library | None = None
 
 
-def _backend(device: torch.device) -> backends.Backend:
-    backend = backends.resolve(device)
+def _backend(device: torch.device, op: str = "matmul") -> backends.Backend:
+    backend = backends.resolve(device, op)
     if not backend.invariant:
         raise RuntimeError(
             f"bik batch_invariant_mode: the selected backend {backend.name!r} is not "
@@ -93,7 +93,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) 
         a = a.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    return _backend(a.device).matmul(a, b, bias)
+    return _backend(a.device).kernel("matmul")(a, b, bias)
 
 
 def _operands(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, rank: int):
@@ -293,7 +293,7 @@ def _refuse(op: str, what: str) -> Callable:
 
 def _log_softmax(op, self, dim, half_to_float):
     _covered(op, "self", self)
-    _backend(self.device)  # refuses a non-invariant backend
+    _backend(self.device, "log_softmax")  # refuses a non-invariant backend
     if self.dim() == 0:  # torch treats a 0-d tensor as one element along dim 0 / -1
         return _log_softmax(op, self.reshape(1), dim, half_to_float).reshape(())
     out_dtype = torch.float32 if half_to_float else self.dtype
@@ -374,7 +374,7 @@ def _sdpa_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=No
             "bik batch_invariant_mode: SDPA with attn_mask, dropout, or is_causal with Tq != Tk "
             "is not covered; call bik.attention with kv_start instead"
         )
-    _backend(query.device)
+    _backend(query.device, "attention")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out = attention(query, key, value, causal=is_causal, scale=scale)  # GQA natively
     # logsumexp is only read by torch's backward kernel: plain fp32 math (deterministic), the

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from bik.contract import check_split_size
 from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
 
-from . import tasks
+from . import remedies, tasks
 from .errors import ConfigError
 from .remedies import IS_REMEDIES, Precision, precision
 
@@ -47,19 +47,7 @@ TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
-REMEDIES = (
-    "none",
-    "token_tis",
-    "seq_tis",
-    "geo_is",
-    "geo_rs",
-    "token_mis",
-    "seq_mis",
-    "k1_rs",
-    "k3_rs",
-    "token_veto",
-    "fp16",
-)
+REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 
 

@@ -8,6 +8,7 @@ tokens: it runs both sides in float16 with a static loss scale (:func:`precision
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,20 +55,134 @@ def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-# The level each weighting remedy acts at: "token" remedies weight / drop tokens one by one,
-# "sequence" remedies weight / drop whole sequences (its remedy/*_frac stats count sequences).
-TOKEN_REMEDIES = ("token_tis", "token_mis")
-SEQUENCE_REMEDIES = ("seq_tis", "seq_mis", "geo_is", "geo_rs", "k1_rs", "k3_rs", "token_veto")
-# The remedies that weight by an importance ratio (the rest only keep or drop): refused with
-# remedy.bypass under a PPO loss, whose ratio pi_theta / pi_rollout already corrects for the
-# rollout policy (config.Config checks it).
-IS_REMEDIES = ("token_tis", "seq_tis", "seq_mis", "geo_is", "token_mis")
+@dataclass(frozen=True)
+class _Ratios:
+    """What every weighting remedy reads: r_t = old_t - rollout_t on valid tokens (0
+    elsewhere), rho_t = exp(r_t), the float mask ``m`` and the boolean ``valid`` tokens."""
+
+    r: torch.Tensor
+    rho: torch.Tensor
+    m: torch.Tensor
+    valid: torch.Tensor
+
+
+# A remedy's weight function: (w, keep, clipped). ``w`` and ``keep`` [B, T] or broadcastable
+# (None: all ones); ``clipped``: what a truncation capped, [B, T] or [B, 1] (None: nothing).
+_Weigh = Callable[["RemedyConfig", _Ratios], tuple]
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One mismatch remedy. level: "token" (weights / drops tokens one by one), "sequence"
+    (whole sequences; its remedy/*_frac stats count sequences) or None (weights nothing).
+    importance_sampling: it weights by an importance ratio (the rest only keep or drop), so
+    it is refused with remedy.bypass under a PPO loss, whose ratio pi_theta / pi_rollout
+    already corrects for the rollout policy (config.Config checks it). weigh: its weight
+    function (None: every weight 1). summary: one line for the docs."""
+
+    name: str
+    level: str | None
+    importance_sampling: bool
+    weigh: _Weigh | None
+    summary: str
+
+
+def _token_tis(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    return q.rho.clamp(max=cfg.clip), None, q.rho > cfg.clip
+
+
+def _seq_tis(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    seq_w = torch.exp(q.r.sum(-1, keepdim=True))  # prod_t rho_t
+    return seq_w.clamp(max=cfg.clip).expand_as(q.rho), None, seq_w > cfg.clip
+
+
+def _token_mis(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    inside = ((q.rho >= cfg.low) & (q.rho <= cfg.high)).float()
+    return q.rho * inside, inside, None
+
+
+def _seq_mis(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    seq_w = torch.exp(q.r.sum(-1, keepdim=True))
+    inside = ((seq_w >= cfg.low) & (seq_w <= cfg.high)).float()
+    return (seq_w * inside).expand_as(q.rho), inside.expand_as(q.rho), None
+
+
+def _geo_is(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    geo = torch.exp(_seq_mean(q.r, q.m))
+    return geo.clamp(max=cfg.clip).expand_as(q.rho), None, geo > cfg.clip
+
+
+def _geo_rs(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    geo = torch.exp(_seq_mean(q.r, q.m))
+    inside = (geo >= cfg.geo_low) & (geo <= cfg.geo_high)
+    return None, inside.float().expand_as(q.rho), None
+
+
+def _k1_rs(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    k1 = _seq_mean(-q.r, q.m).abs()
+    return None, (k1 <= cfg.k_threshold).float().expand_as(q.rho), None
+
+
+def _k3_rs(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    k3 = _seq_mean(q.rho - q.r - 1.0, q.m)
+    return None, (k3 <= cfg.k_threshold).float().expand_as(q.rho), None
+
+
+def _token_veto(cfg: RemedyConfig, q: _Ratios) -> tuple:
+    vetoed = ((q.rho < cfg.veto) & q.valid).any(-1, keepdim=True)
+    return None, (~vetoed).float().expand_as(q.rho), None
+
+
+REMEDIES: dict[str, Remedy] = {
+    remedy.name: remedy
+    for remedy in (
+        Remedy("none", None, False, None, "no remedy: every token weighs 1"),
+        Remedy("token_tis", "token", True, _token_tis, "w_t = min(rho_t, clip)"),
+        Remedy("seq_tis", "sequence", True, _seq_tis, "every token gets min(exp(R), clip)"),
+        Remedy("geo_is", "sequence", True, _geo_is, "min(exp(mean_t r_t), clip) per sequence"),
+        Remedy(
+            "geo_rs",
+            "sequence",
+            False,
+            _geo_rs,
+            "drop a sequence whose exp(mean_t r_t) leaves [geo_low, geo_high]",
+        ),
+        Remedy(
+            "token_mis",
+            "token",
+            True,
+            _token_mis,
+            "IcePop: w_t = rho_t inside [low, high], else the token is dropped",
+        ),
+        Remedy(
+            "seq_mis",
+            "sequence",
+            True,
+            _seq_mis,
+            "keep a sequence only when exp(R) lies in [low, high], weighted by exp(R)",
+        ),
+        Remedy("k1_rs", "sequence", False, _k1_rs, "drop a sequence whose mean |k1| > k_threshold"),
+        Remedy("k3_rs", "sequence", False, _k3_rs, "drop a sequence whose mean k3 > k_threshold"),
+        Remedy(
+            "token_veto",
+            "sequence",
+            False,
+            _token_veto,
+            "drop a sequence holding a token with rho_t < veto",
+        ),
+        Remedy("fp16", None, False, None, "both sides in float16 with a static loss scale"),
+    )
+}
+# The groupings other modules and the tests use, derived from the records.
+TOKEN_REMEDIES = tuple(name for name, r in REMEDIES.items() if r.level == "token")
+SEQUENCE_REMEDIES = tuple(name for name, r in REMEDIES.items() if r.level == "sequence")
+IS_REMEDIES = tuple(name for name, r in REMEDIES.items() if r.importance_sampling)
 
 
 def weights(
     cfg: RemedyConfig, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(weights, keep, stats) for remedy ``cfg.name``.
+    """(weights, keep, stats) for remedy ``cfg.name`` (its record in ``REMEDIES``).
 
     Remedies (rho_t = exp(old_t - rollout_t) per valid token, R = sum_t (old_t - rollout_t)
     per sequence):
@@ -86,8 +201,8 @@ def weights(
     - ``k1_rs`` / ``k3_rs``: drop a sequence whose mean k1 (abs) / k3 exceeds k_threshold.
     - ``token_veto``: drop a sequence holding a token with rho_t < veto.
 
-    stats, each counted at the remedy's own level (``TOKEN_REMEDIES``: a fraction of the
-    valid tokens; ``SEQUENCE_REMEDIES``: a fraction of the sequences with at least one
+    stats, each counted at the remedy's own level (token remedies: a fraction of the
+    valid tokens; sequence remedies: a fraction of the sequences with at least one
     response token; 0 when there are none):
 
     - ``remedy/clipped_frac``: what the truncation capped: tokens with rho_t > clip
@@ -96,45 +211,24 @@ def weights(
     - ``remedy/masked_frac``: what the remedy dropped (tokens for token_mis, sequences for
       the sequence remedies); 0 for the remedies that drop nothing.
     """
+    remedy = REMEDIES[cfg.name]
     m = mask.float()
     valid_tokens = mask.bool()
     r = (old - rollout) * m
     rho = torch.exp(r)
     ones = torch.ones_like(rho)
-    name, clip = cfg.name, cfg.clip
-    w, keep = ones, ones
-    clipped = torch.zeros_like(valid_tokens)  # [B, T] (token remedies) or [B, 1] (sequence)
-    if name == "token_tis":  # truncated IS per token
-        w = rho.clamp(max=clip)
-        clipped = rho > clip
-    elif name == "seq_tis":  # truncated sequence IS: prod_t rho_t, capped
-        seq_w = torch.exp(r.sum(-1, keepdim=True))
-        w, clipped = seq_w.clamp(max=clip).expand_as(rho), seq_w > clip
-    elif name == "token_mis":  # IcePop: keep rho only inside [low, high]
-        inside = ((rho >= cfg.low) & (rho <= cfg.high)).float()
-        w, keep = rho * inside, inside
-    elif name == "seq_mis":  # sequence masked IS: keep prod_t rho_t only inside [low, high]
-        seq_w = torch.exp(r.sum(-1, keepdim=True))
-        inside = ((seq_w >= cfg.low) & (seq_w <= cfg.high)).float()
-        w, keep = (seq_w * inside).expand_as(rho), inside.expand_as(rho)
-    elif name == "geo_is":  # geometric-mean sequence IS (length-invariant), capped
-        geo = torch.exp(_seq_mean(r, m))
-        w, clipped = geo.clamp(max=clip).expand_as(rho), geo > clip
-    elif name == "geo_rs":  # geometric-mean rejection (length-invariant)
-        geo = torch.exp(_seq_mean(r, m))
-        keep = ((geo >= cfg.geo_low) & (geo <= cfg.geo_high)).float().expand_as(rho)
-    elif name == "k1_rs":
-        keep = (_seq_mean(-r, m).abs() <= cfg.k_threshold).float().expand_as(rho)
-    elif name == "k3_rs":
-        keep = (_seq_mean(rho - r - 1.0, m) <= cfg.k_threshold).float().expand_as(rho)
-    elif name == "token_veto":  # drop a sequence holding any token with rho below the veto
-        vetoed = ((rho < cfg.veto) & valid_tokens).any(-1, keepdim=True)
-        keep = (~vetoed).float().expand_as(rho)
+    w, keep, clipped = ones, ones, None
+    if remedy.weigh is not None:
+        w, keep, clipped = remedy.weigh(cfg, _Ratios(r, rho, m, valid_tokens))
+        w = ones if w is None else w
+        keep = ones if keep is None else keep
+    if clipped is None:
+        clipped = torch.zeros_like(valid_tokens)
     w = w * keep
     if cfg.self_normalize:
         w = w / masked_mean(w, m).clamp(min=1e-12)
     dropped = (keep == 0) & valid_tokens
-    if name in SEQUENCE_REMEDIES:
+    if remedy.level == "sequence":
         rows = valid_tokens.any(-1)  # sequences with a response token
         n = rows.sum().clamp(min=1)
         clipped_frac = (clipped.any(-1) & rows).sum() / n

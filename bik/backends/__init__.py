@@ -1,10 +1,14 @@
 """Backend registry: which kernels run an op.
 
-A backend is a :class:`Backend` (see base.py): a name, the device types it serves, the five
-kernels and ``check_device``. Each backend lives in a module of this package that defines
-``BACKEND``; the module is imported on first use, so a backend whose extension is not built
-(cpu, cuda) or whose package is missing (triton) costs nothing until it is selected. Ops
-validate their inputs, then ask :func:`resolve` for the backend of the tensors' device.
+A backend is a :class:`Backend` (see base.py): a name, the device types it serves, its kernels
+by keyword (each optional), its capabilities and ``check_device``. Each backend lives in a
+module of this package that defines ``BACKEND``; the module is imported on first use, so a
+backend whose extension is not built (cpu, cuda) or whose package is missing (triton) costs
+nothing until it is selected. Ops
+validate their inputs, then ask :func:`kernel` (or :func:`resolve`) for the kernel of their op
+on the tensors' device: the selected backend's, or under "auto" the first backend of the
+device's order that is usable here and implements the op. ``python -m bik backends`` prints
+the op x backend matrix.
 
 Names:
   "auto"      -- picks per device type from what is available (see ``_AUTO_ORDER``);
@@ -22,13 +26,15 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import Backend
+from .base import OPS, Backend, Kernel
 
 __all__ = [
+    "OPS",
     "Backend",
     "available_backends",
     "check_name",
     "get_backend",
+    "kernel",
     "load",
     "register_backend",
     "resolve",
@@ -110,22 +116,30 @@ def _usable(name: str, device: torch.device) -> bool:
         return False
 
 
-def resolve(device: torch.device) -> Backend:
-    """The backend that will run an op on tensors living on ``device``."""
+def resolve(device: torch.device, op: str = "matmul") -> Backend:
+    """The backend that will run ``op`` on tensors living on ``device``: the selected one
+    (NotImplementedError if it lacks the op), or under "auto" the first usable backend of
+    ``_AUTO_ORDER`` that implements it."""
     if _current != "auto":
         backend = load(_current)
         backend.check_device(device)
+        backend.kernel(op)  # raises when the selected backend lacks the op
         return backend
     candidates = [n for n in _AUTO_ORDER.get(device.type, []) if n in _SOURCES]
     for name in candidates:
-        if _usable(name, device):
+        if _usable(name, device) and load(name).implements(op):
             return load(name)
     raise RuntimeError(
-        f"bik: no batch-invariant backend can run on device {device}. Tried {candidates}. "
+        f"bik: no batch-invariant backend can run {op} on device {device}. Tried {candidates}. "
         "On a CPU machine without the compiled cpu backend, set TRITON_INTERPRET=1 before "
         "importing bik to run the Triton kernels in the interpreter, or call "
         "bik.set_backend('reference') for plain (non-invariant) torch."
     )
+
+
+def kernel(device: torch.device, op: str) -> Kernel:
+    """The kernel that runs ``op`` on tensors living on ``device`` (see :func:`resolve`)."""
+    return resolve(device, op).kernel(op)
 
 
 register_backend("reference", "bik.backends.reference")

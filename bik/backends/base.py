@@ -1,21 +1,23 @@
-"""What a backend is: a name, the device types it serves, and the five kernels.
+"""What a backend is: a name, the device types it serves, the kernels it has, its order.
 
 Ops (bik.ops) validate their inputs and reshape them to the kernel layouts below, so a
 kernel never sees a bad argument; a kernel only has to compute its op in the fixed order the
-contract (bik.contract) sets for it.
+contract (bik.contract) sets for it. Kernels are given by keyword and each is optional: an op
+a backend lacks raises "op X is not implemented on backend Y" when selected explicitly, and
+"auto" passes on to the next backend of its order (bik.backends).
 
-Kernel layouts:
+Kernel layouts (``OPS``):
   matmul(a [B, M, K], b [B or 1, K, N], bias [N] | None) -> [B, M, N] in a's dtype
   rms_norm(x [R, D], weight [D], eps) -> [R, D] in x's dtype
   log_softmax(x [R, V], temperature, out_dtype) -> [R, V] in out_dtype
   token_logprobs(logits [R, V], tokens [R], temperature) -> fp32 [R]
   attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], causal, scale, kv_start int32 [B],
             split_size, softcap (float | None), window (int | None, only when causal)
-            [, sinks fp32 [Hq]: passed only when set, to backends that have attention sinks])
+            [, sinks=fp32 [Hq]: passed only when set, to backends declaring attention_sinks])
             -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
 
-Optional kernel (None: the op runs the backend's matmul once per group instead):
+Optional accelerator of matmul (None: grouped_linear runs matmul once per group instead):
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
 """
@@ -25,25 +27,46 @@ from dataclasses import dataclass
 
 import torch
 
+OPS = ("matmul", "rms_norm", "log_softmax", "token_logprobs", "attention")
+Kernel = Callable[..., torch.Tensor]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Backend:
-    """One backend: its kernels and the checks the registry runs before using it."""
+    """One backend: its kernels (each optional), its capabilities, and the checks the
+    registry runs before using it."""
 
     name: str
     device_types: tuple[str, ...]
     """torch device types it serves ("cpu", "cuda"); empty: every device."""
-    matmul: Callable[..., torch.Tensor]
-    rms_norm: Callable[..., torch.Tensor]
-    log_softmax: Callable[..., torch.Tensor]
-    token_logprobs: Callable[..., torch.Tensor]
-    attention: Callable[..., torch.Tensor]
-    grouped_matmul: Callable[..., torch.Tensor] | None = None
+    order: str
+    """One line: how its kernels fix their reduction orders (``python -m bik backends``)."""
+    matmul: Kernel | None = None
+    rms_norm: Kernel | None = None
+    log_softmax: Kernel | None = None
+    token_logprobs: Kernel | None = None
+    attention: Kernel | None = None
+    grouped_matmul: Kernel | None = None
     """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
+    attention_sinks: bool = False
+    """Its attention takes ``sinks`` (one learned logit per query head, gpt-oss)."""
     invariant: bool = True
     """False only for the reference oracle: plain torch picks orders by shape."""
     extra_device_check: Callable[[torch.device], None] | None = None
     """Raises RuntimeError (with how to fix it) when a served device type still cannot run."""
+
+    def implements(self, op: str) -> bool:
+        """Whether this backend has a kernel for ``op`` (one of ``OPS``)."""
+        if op not in OPS:
+            raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+        return getattr(self, op) is not None
+
+    def kernel(self, op: str) -> Kernel:
+        """The kernel of ``op``; NotImplementedError when this backend has none."""
+        kernel = getattr(self, op) if self.implements(op) else None
+        if kernel is None:
+            raise NotImplementedError(f"op {op} is not implemented on backend {self.name!r}")
+        return kernel
 
     def check_device(self, device: torch.device) -> None:
         """Raise ``RuntimeError`` saying how to fix it if this backend cannot run on ``device``."""

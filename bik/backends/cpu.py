@@ -4,6 +4,7 @@ Each output element is computed by one thread in one order (csrc/cpu/common.h, b
 so the bits do not depend on the batch, on chunking or padding, or on the number of threads.
 """
 
+from ..contract import CPU_LANES, KEY_BLOCK
 from .native import native_backend
 
 try:
@@ -14,4 +15,14 @@ except ImportError as error:
         "(`pip install -e .` in the bik checkout builds csrc/cpu)"
     ) from error
 
-BACKEND = native_backend("cpu", "cpu", _cpu, attention_sinks=True)
+BACKEND = native_backend(
+    "cpu",
+    "cpu",
+    _cpu,
+    order=(
+        "C++ (csrc/cpu): one fp32 accumulator per matmul output over ascending K; rows in "
+        f"{CPU_LANES} interleaved lanes, then a fixed pairwise tree; attention in "
+        f"{KEY_BLOCK}-key blocks and fixed-size splits merged in ascending order"
+    ),
+    attention_sinks=True,
+)

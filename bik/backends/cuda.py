@@ -13,6 +13,7 @@ setup.py where nvcc and a GPU are present, or with BIK_BUILD_CUDA=1."""
 
 import torch
 
+from ..contract import CUDA_ROW_THREADS, KEY_BLOCK
 from .native import native_backend
 
 try:
@@ -37,4 +38,15 @@ def _attention_scratch(q, tk, split_size):
     return scratch, (scratch.data_ptr(), n_splits)
 
 
-BACKEND = native_backend("cuda", "cuda", _cuda, _stream, _attention_scratch)
+BACKEND = native_backend(
+    "cuda",
+    "cuda",
+    _cuda,
+    order=(
+        "CUDA C++ (csrc/cuda), the portable reference: one thread's fma chain per matmul "
+        f"output over ascending K; rows over {CUDA_ROW_THREADS} strided threads, then a fixed "
+        f"shared-memory tree; attention in {KEY_BLOCK}-key blocks and fixed-size splits"
+    ),
+    launch_args=_stream,
+    attention_scratch=_attention_scratch,
+)

@@ -107,11 +107,6 @@ class _NativeKernels:
     ):
         """Split-KV attention; the kernels take ``softcap`` 0, ``window`` 0 and ``sinks``
         (a pointer to fp32 [Hq]) 0 for "off"."""
-        if sinks is not None and not self.attention_sinks:
-            raise NotImplementedError(
-                f"sinks: the {self.name} backend has no attention sinks; "
-                "use the triton or cpu backend"
-            )
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
         kv_start = kv_start.to(torch.int32).contiguous()
         batch, hq, tq, d = q.shape
@@ -149,19 +144,24 @@ def native_backend(
     name: str,
     device_type: str,
     lib: ModuleType,
+    *,
+    order: str,
     launch_args: Callable[[torch.device], tuple] = lambda device: (),
     attention_scratch: Callable | None = None,
     attention_sinks: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
-    ``attention_sinks``: its attention takes a sinks pointer after ``window``."""
+    ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
+    sinks pointer after ``window``)."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
-        name,
-        (device_type,),
-        kernels.matmul,
-        kernels.rms_norm,
-        kernels.log_softmax,
-        kernels.token_logprobs,
-        kernels.attention,
+        name=name,
+        device_types=(device_type,),
+        order=order,
+        matmul=kernels.matmul,
+        rms_norm=kernels.rms_norm,
+        log_softmax=kernels.log_softmax,
+        token_logprobs=kernels.token_logprobs,
+        attention=kernels.attention,
+        attention_sinks=attention_sinks,
     )

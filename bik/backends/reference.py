@@ -88,12 +88,14 @@ def _repeat_heads(t, groups):
 
 
 BACKEND = Backend(
-    "reference",
-    (),  # plain torch runs on every device
-    matmul,
-    rms_norm,
-    log_softmax,
-    token_logprobs,
-    attention,
+    name="reference",
+    device_types=(),  # plain torch runs on every device
+    order="plain torch, float64-capable: orders chosen by shape and threads (NOT invariant)",
+    matmul=matmul,
+    rms_norm=rms_norm,
+    log_softmax=log_softmax,
+    token_logprobs=token_logprobs,
+    attention=attention,
+    attention_sinks=True,
     invariant=False,
 )

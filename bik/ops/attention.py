@@ -160,11 +160,16 @@ def _attention(
 ) -> torch.Tensor:
     if q.numel() == 0:
         return q.new_empty(q.shape)
-    backend = backends.resolve(q.device)
+    backend = backends.resolve(q.device, "attention")
     args = (q, k, v, causal, scale, kv_start, split_size, softcap, window)
     if sinks is None:  # (backends without sinks keep their signature)
-        return backend.attention(*args)
-    return backend.attention(*args, sinks.float().contiguous())
+        return backend.kernel("attention")(*args)
+    if not backend.attention_sinks:
+        raise NotImplementedError(
+            f"sinks: the {backend.name} backend has no attention sinks; select one that has "
+            "(python -m bik backends lists them)"
+        )
+    return backend.kernel("attention")(*args, sinks=sinks.float().contiguous())
 
 
 _attention_op = custom_op("bik::attention", _attention)

@@ -54,16 +54,16 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor)
         return x.new_zeros(rows, n)
     order, offsets = _sorted_by_group(groups, weight.shape[0])
     packed = x[order]
-    backend = backends.resolve(x.device)
+    backend = backends.resolve(x.device, "matmul")
     if backend.grouped_matmul is not None:
         product = backend.grouped_matmul(packed, weight.transpose(1, 2), offsets)
     else:
         product = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        bounds = offsets.tolist()
+        matmul, bounds = backend.kernel("matmul"), offsets.tolist()
         for group, (start, end) in enumerate(itertools.pairwise(bounds)):
             if end > start:
                 b = weight[group].t().unsqueeze(0)
-                product[start:end] = backend.matmul(packed[start:end].unsqueeze(0), b, None)[0]
+                product[start:end] = matmul(packed[start:end].unsqueeze(0), b, None)[0]
     out = torch.empty_like(product)
     out[order] = product
     return out

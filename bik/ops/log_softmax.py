@@ -53,7 +53,7 @@ def _log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     rows = as_rows(x)
     if rows.numel() == 0:
         return x.new_empty(x.shape, dtype=out_dtype)
-    return shaped(backends.resolve(x.device).log_softmax(rows, 1.0, out_dtype), x.shape)
+    return shaped(backends.kernel(x.device, "log_softmax")(rows, 1.0, out_dtype), x.shape)
 
 
 _log_softmax_op = custom_op("bik::log_softmax", _log_softmax)
@@ -81,8 +81,8 @@ _log_softmax_op.register_autograd(_log_softmax_backward, setup_context=_log_soft
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     if tokens.numel() == 0:
         return logits.new_empty(tokens.shape, dtype=torch.float32)
-    backend = backends.resolve(logits.device)
-    out = backend.token_logprobs(as_rows(logits), tokens.reshape(-1), temperature)
+    kernel = backends.kernel(logits.device, "token_logprobs")
+    out = kernel(as_rows(logits), tokens.reshape(-1), temperature)
     return shaped(out, tokens.shape)
 
 

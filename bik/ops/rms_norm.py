@@ -27,7 +27,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     rows = as_rows(x)
     if rows.numel() == 0:
         return x.new_empty(x.shape)
-    return shaped(backends.resolve(x.device).rms_norm(rows, weight, eps), x.shape)
+    return shaped(backends.kernel(x.device, "rms_norm")(rows, weight, eps), x.shape)
 
 
 _rms_norm_op = custom_op("bik::rms_norm", _rms_norm)

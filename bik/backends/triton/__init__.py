@@ -7,6 +7,7 @@ except ImportError as error:  # registry reports this as "backend not usable"
 
 import torch
 
+from ...contract import KEY_BLOCK, MATMUL_BLOCK_K
 from ..base import Backend
 from ._common import INTERPRET
 from .attention import attention
@@ -24,13 +25,19 @@ def _needs_interpreter_on_cpu(device: torch.device) -> None:
 
 
 BACKEND = Backend(
-    "triton",
-    ("cuda", "cpu"),
-    matmul,
-    rms_norm,
-    log_softmax,
-    token_logprobs,
-    attention,
+    name="triton",
+    device_types=("cuda", "cpu"),
+    order=(
+        f"Triton: matmul in BLOCK_K={MATMUL_BLOCK_K} tiles added in ascending order; one row "
+        "(or row segment) per program, widths fixed by the row length; attention in "
+        f"{KEY_BLOCK}-key blocks and fixed-size splits merged in ascending order"
+    ),
+    matmul=matmul,
+    rms_norm=rms_norm,
+    log_softmax=log_softmax,
+    token_logprobs=token_logprobs,
+    attention=attention,
     grouped_matmul=grouped_matmul,
+    attention_sinks=True,
     extra_device_check=_needs_interpreter_on_cpu,
 )

@@ -1,0 +1,30 @@
+"""Facts with one home: tables in the docs that are checked against the code they describe."""
+
+import re
+from pathlib import Path
+
+import torch
+
+from bik import families
+from rl_harness.metrics import mismatch_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_family_table_is_the_registry():
+    assert families.readme_table() in (ROOT / "README.md").read_text()
+
+
+def test_the_harness_manual_names_every_mismatch_metric_and_no_other():
+    manual = (ROOT / "rl_harness" / "README.md").read_text()
+    table = manual.split("| `mismatch/...` | what it is |", 1)[1].split("\n\n", 1)[0]
+    documented = set()
+    for row in table.splitlines()[2:]:
+        documented |= {f"mismatch/{name}" for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    logp = torch.randn(2, 5)
+    assert documented == set(mismatch_metrics(logp, logp + 0.01, torch.ones(2, 5)))
+
+
+def test_the_readme_fits_on_a_screen_or_two():
+    # details live in docs/, rl_harness/README.md and benchmarks/README.md
+    assert len((ROOT / "README.md").read_text().encode()) <= 12 * 1024
