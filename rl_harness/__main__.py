@@ -1,5 +1,6 @@
-"""python -m rl_harness run | sweep | recipes | compare  (see README). ``run`` under
-``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
+"""python -m rl_harness run | sweep | recipes | compare | world-size  (see
+rl_harness/README.md). ``run`` under ``torchrun --nproc-per-node N`` runs data-parallel
+(rl_harness.distributed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import distributed, recipes, report, rundir, runner, sweep
+from . import distributed, recipes, report, rundir, runner, sweep, world_size
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -112,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("dirs", nargs="+", help="run directories or sweep arm directories")
     compare.add_argument("--out", default="runs/compare")
+    world = commands.add_parser(
+        "world-size", help="a config at world size 1 and on W processes, compared step by step"
+    )
+    world_size.add_arguments(world)
     return parser
 
 
@@ -122,7 +127,13 @@ def _warning_line(message: Warning | str, *args: object, **kwargs: object) -> st
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; a HarnessError ends it with a one-line message and status 2."""
     args = parser().parse_args(argv)
-    command = {"run": _run, "sweep": _sweep, "recipes": _recipes, "compare": _compare}[args.command]
+    command = {
+        "run": _run,
+        "sweep": _sweep,
+        "recipes": _recipes,
+        "compare": _compare,
+        "world-size": world_size.main,
+    }[args.command]
     formatwarning, warnings.formatwarning = warnings.formatwarning, _warning_line
     try:
         return command(args)

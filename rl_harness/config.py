@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bik.contract import check_split_size
+from bik.contract import DTYPE_NAMES, check_split_size
 from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
 
 from . import remedies, tasks
@@ -46,7 +46,7 @@ KERNELS = ("bik", "native")
 TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
 REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 

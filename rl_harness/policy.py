@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import bik
+from bik.contract import DTYPE_NAMES
 from bik.families import FAMILIES
 from bik.hf import generation_position_ids
 
@@ -30,8 +31,6 @@ from .rundir import write_atomic
 
 if TYPE_CHECKING:
     from .config import Config, ModelConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
@@ -98,7 +97,7 @@ def working_copy(
     master: torch.nn.Module, dtype: str, kernels: str, split_size: int = 0
 ) -> torch.nn.Module:
     """A copy of ``master`` in ``dtype`` running bik's kernels or native torch."""
-    work = copy.deepcopy(master).to(DTYPES[dtype])
+    work = copy.deepcopy(master).to(DTYPE_NAMES[dtype])
     if kernels == "bik":
         bik.patch_model(work, split_size=split_size or None)
     return work

@@ -27,7 +27,7 @@ $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m rl_harness run \
   --recipe zero_mismatch --out "$OUT/zero_mismatch_world2" > /dev/null 2>&1 || echo "FAILED: world2"
 mkdir -p "$OUT/world_size"
 for recipe in zero_mismatch high_lr drifting; do
-  $PY -m rl_harness.world_size --recipe "$recipe" --out "$OUT/world_size/$recipe.md" > /dev/null
+  $PY -m rl_harness world-size --recipe "$recipe" --out "$OUT/world_size/$recipe.md" > /dev/null
 done
 $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding \

@@ -37,7 +37,7 @@ from .errors import ConfigError, RunDirError
 from .evaluate import Heldout, due
 from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
-from .schedule import LengthSurgeLR
+from .schedule import LRSchedule
 
 read_metrics = rundir.read_metrics
 
@@ -117,7 +117,7 @@ class Run:
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
         )
-        self.schedule = LengthSurgeLR(cfg.lr_schedule, cfg.train.lr)
+        self.schedule = LRSchedule(cfg.lr_schedule, cfg.train.lr)
         self.detector = collapse.Detector(cfg.collapse)
         self.start = 0
         if state is not None:

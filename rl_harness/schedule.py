@@ -8,11 +8,12 @@ if TYPE_CHECKING:
     from .config import LRScheduleConfig
 
 
-class LengthSurgeLR:
-    """Algorithm 1 of arXiv 2602.01826 with its trigger: keep lr0 until the mean response length
-    surges (window mean >= surge_ratio x the first window's), then halve the LR every
-    decay_period steps (period = period_factor x surge step, or a fixed ``decay_period``),
-    never below min_ratio x lr0. With ``name=constant`` the LR stays lr0."""
+class LRSchedule:
+    """The schedule ``lr_schedule.name`` names. ``constant``: the LR stays lr0.
+    ``length_surge``: Algorithm 1 of arXiv 2602.01826 with its trigger: keep lr0 until the
+    mean response length surges (window mean >= surge_ratio x the first window's), then halve
+    the LR every decay_period steps (period = period_factor x surge step, or a fixed
+    ``decay_period``), never below min_ratio x lr0."""
 
     def __init__(self, cfg: LRScheduleConfig, lr0: float) -> None:
         self.cfg, self.lr0, self.lr = cfg, lr0, lr0

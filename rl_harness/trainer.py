@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bik.contract import DTYPE_NAMES
 from bik.hf import generation_position_ids
 
 from . import remedies
 from .logits import LogitsProcessor
 from .metrics import masked_mean
-from .policy import DTYPES
 
 if TYPE_CHECKING:
     from .config import Config
@@ -36,7 +36,7 @@ def _autocast(device_type: str, autocast: str) -> contextlib.AbstractContextMana
     """train.autocast's context: torch.autocast in that dtype, or nothing ("none")."""
     if autocast == "none":
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=DTYPES[autocast])
+    return torch.autocast(device_type, dtype=DTYPE_NAMES[autocast])
 
 
 def token_logprobs_and_entropy(

@@ -1,8 +1,8 @@
 """What data parallelism changes in a run: the same config at world size 1 and on W gloo
 processes, compared step by step.
 
-    python -m rl_harness.world_size [--recipe NAME] [--steps N] [--world W] [--set KEY=VALUE]
-                                    [--cache-dir DIR] [--out FILE]
+    python -m rl_harness world-size [--recipe NAME] [--steps N] [--world W] [--set KEY=VALUE]
+                                   [--cache-dir DIR] [--out FILE]
 
 Runs the config's steps with the harness's own step (runner.Run) in this process, then on W
 spawned processes (one thread each, as torchrun sets), and prints a markdown report: whether
@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import os
 import platform
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -137,15 +136,18 @@ def report(one: dict[str, Any], many: dict[str, Any], world: int, label: str) ->
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_harness.world_size", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``python -m rl_harness world-size``."""
     parser.add_argument("--recipe", default=recipes.DEFAULT)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", default=[])
     parser.add_argument("--cache-dir", default=".cache/rl_harness")
     parser.add_argument("--out", help="also write the report to this file")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Trace the config at world size 1 and W, print (and with --out write) the report."""
     sets = args.set + ([f"steps={args.steps}"] if args.steps is not None else [])
     cfg = config_lib.build(recipes.overrides(args.recipe), sets)
     one = trace(cfg, args.cache_dir, World())
@@ -155,7 +157,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.out).write_text(text)
     print(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

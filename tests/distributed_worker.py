@@ -52,7 +52,7 @@ def single_process_model(dtype: torch.dtype) -> torch.nn.Module:
 
 def logprobs(model: torch.nn.Module, rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Token log-probs of each row (every token after the first) from one left-padded batch."""
-    ids, mask = verify.left_pad(rows, PAD)
+    ids, mask = bik.hf.left_pad(rows, PAD)
     out = bik.sequence_logprobs(model, ids, mask, mask)
     return [out[i, out.shape[1] - len(row) + 1 :] for i, row in enumerate(rows)]
 
@@ -97,15 +97,23 @@ def emulate_step(
 ) -> dict[str, torch.Tensor]:
     """What data parallelism over ``world`` ranks computes, in one process: each rank's local
     gradient on the unsharded model, cast to ``reduce_dtype``, divided by the world size and
-    summed in rank order (for two ranks any order: a sum of two is commutative)."""
+    summed in rank order (for two ranks any order: a sum of two is commutative).
+
+    It runs on one thread, as each rank does: torch's own embedding backward (not a bik op)
+    sums a repeated token's rows in an order that depends on the thread count on some CPUs."""
     model = single_process_model(dtype)
     total = {}
-    for rank in range(world):
-        model.zero_grad(set_to_none=True)
-        loss(model, rows_of(rank, world), world).backward()
-        for name, p in model.named_parameters():
-            part = p.grad.to(reduce_dtype) / world
-            total[name] = part if rank == 0 else total[name] + part
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rank in range(world):
+            model.zero_grad(set_to_none=True)
+            loss(model, rows_of(rank, world), world).backward()
+            for name, p in model.named_parameters():
+                part = p.grad.to(reduce_dtype) / world
+                total[name] = part if rank == 0 else total[name] + part
+    finally:
+        torch.set_num_threads(threads)
     return total
 
 

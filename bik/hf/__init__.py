@@ -19,7 +19,7 @@ function and its mask analysis), ``autocast`` (how a patched forward runs its op
 
 from ..families import MOE_FAMILIES, SUPPORTED_FAMILIES
 from .attention import ATTENTION_NAME
-from .logprobs import generation_position_ids, sequence_logprobs
+from .logprobs import generation_position_ids, left_pad, sequence_logprobs
 from .patch import PatchReport, patch_model, unpatch_model
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "SUPPORTED_FAMILIES",
     "PatchReport",
     "generation_position_ids",
+    "left_pad",
     "patch_model",
     "sequence_logprobs",
     "unpatch_model",

@@ -1,6 +1,8 @@
 """The trainer side: log-probs of finished sequences from one full forward, as rollout
 computed them while sampling."""
 
+from collections.abc import Sequence
+
 import torch
 
 from ..ops.log_softmax import token_logprobs
@@ -46,3 +48,16 @@ def sequence_logprobs(
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=logp.device)
     out[:, 1:] = torch.where(response_mask[:, 1:].bool(), logp, 0.0)
     return out
+
+
+def left_pad(
+    sequences: Sequence[torch.Tensor], pad_id: int, extra: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D token tensors into ``ids, attention_mask`` with left padding (+ ``extra``)."""
+    width = max(len(s) for s in sequences) + extra
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = seq
+        mask[row, width - len(seq) :] = 1
+    return ids, mask

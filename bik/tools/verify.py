@@ -16,7 +16,7 @@ sample the same prompts, and each one's log-probs are compared with the bik-patc
 import argparse
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,7 +29,6 @@ from .cli import UsageError, check_device, positive_int
 from .cli import seed as seed_type
 
 PRESETS = {f"tiny-{family}": family for family in FAMILIES}
-DTYPES = DTYPE_NAMES
 
 
 def load_model(
@@ -54,23 +53,10 @@ def load_model(
 # -- batches -------------------------------------------------------------------------------
 
 
-def left_pad(
-    sequences: Sequence[torch.Tensor], pad_id: int, extra: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D token tensors into ``ids, attention_mask`` with left padding (+ ``extra``)."""
-    width = max(len(s) for s in sequences) + extra
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = seq
-        mask[row, width - len(seq) :] = 1
-    return ids, mask
-
-
 def _logprobs(model, sequences, pad_id, extra=0):
     """Per-sequence log-probs of every token after the first, from one padded forward."""
     device = model.device
-    ids, mask = left_pad(sequences, pad_id, extra)
+    ids, mask = hf.left_pad(sequences, pad_id, extra)
     out = hf.sequence_logprobs(model, ids.to(device), mask.to(device), mask.to(device))
     return [out[row, out.shape[1] - len(seq) + 1 :] for row, seq in enumerate(sequences)]
 
@@ -115,7 +101,7 @@ def check_decode(
     model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int, new_tokens: int = 8
 ) -> tuple[bool, float]:
     prompts = [_random_tokens(rng, vocab, rng.randrange(3, 20)) for _ in range(3)]
-    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = hf.left_pad(prompts, pad_id)
     device = model.device
     out = model.generate(
         input_ids=ids.to(device),
@@ -204,7 +190,7 @@ def first_divergent_module(model: torch.nn.Module, seed: int = 0) -> str | None:
             for name, m in model.named_modules()
             if name
         ]
-        ids, mask = left_pad(sequences, pad_id)
+        ids, mask = hf.left_pad(sequences, pad_id)
         with torch.no_grad():
             model(
                 input_ids=ids.to(model.device),
@@ -392,7 +378,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with bik against the bik-patched trainer, on a local model directory",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=list(DTYPE_NAMES), default="float32")
     parser.add_argument("--seed", type=seed_type, default=0)
     parser.add_argument(
         "--prompts",
@@ -446,7 +432,7 @@ def main(args: argparse.Namespace) -> int:
     names = list(PRESETS) if args.model == "all" else [args.model]
     failed = []
     for name in names:
-        model = _load(name, args.device, DTYPES[args.dtype], args.seed)
+        model = _load(name, args.device, DTYPE_NAMES[args.dtype], args.seed)
         print(f"\n## {name} ({args.dtype}, {args.device})")
         if not verify(model, args.seed, unpatched=not args.skip_unpatched):
             failed.append(name)
@@ -459,7 +445,7 @@ def _main_vllm(args: argparse.Namespace) -> int:
     from .verify_vllm import load_trainer, verify_vllm
 
     try:
-        model = load_trainer(args.model, args.device, DTYPES[args.dtype])
+        model = load_trainer(args.model, args.device, DTYPE_NAMES[args.dtype])
     except (OSError, ValueError) as error:
         raise UsageError("--model", f"cannot load {args.model!r}: {error}") from None
     problem = unpatchable(model)

@@ -17,7 +17,6 @@ import torch
 
 from .. import hf
 from . import vllm_engine
-from .verify import left_pad
 
 SHARED_PREFIX = 40  # tokens: more than one 32-token KV block, so the prefix cache is hit
 MAX_PROMPT = 48
@@ -79,7 +78,7 @@ def trainer_logprobs(
     with torch.no_grad():
         for start in range(0, len(flat), TRAINER_BATCH):
             chunk = flat[start : start + TRAINER_BATCH]
-            ids, mask = left_pad([seq for _, seq, _ in chunk], pad_id)
+            ids, mask = hf.left_pad([seq for _, seq, _ in chunk], pad_id)
             ids, mask = ids.to(model.device), mask.to(model.device)
             out = hf.sequence_logprobs(model, ids, mask, mask).cpu()
             scores += [out[row, ids.shape[1] - new :] for row, (_, _, new) in enumerate(chunk)]

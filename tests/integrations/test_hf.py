@@ -32,7 +32,7 @@ def test_sampled_rollout_logprobs_equal_training_logprobs(dtype):
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
-    ids, mask = verify.left_pad(prompts, pad_id=0)
+    ids, mask = bik.hf.left_pad(prompts, pad_id=0)
     torch.manual_seed(1)
     out = model.generate(
         input_ids=ids,

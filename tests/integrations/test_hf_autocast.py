@@ -60,7 +60,7 @@ def test_autocast_row_alone_equals_row_in_batch_bitwise():
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 256, (n,), generator=gen) for n in (9, 4, 12)]
-    ids, mask = verify.left_pad(rows, pad_id=0)
+    ids, mask = bik.hf.left_pad(rows, pad_id=0)
     positions = bik.hf.generation_position_ids(mask)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits

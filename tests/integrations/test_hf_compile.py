@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 def _left_padded_batch():
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (9, 4, 12)]
-    return verify.left_pad(prompts, pad_id=0)
+    return bik.hf.left_pad(prompts, pad_id=0)
 
 
 def _logits(model, ids, mask):

@@ -22,15 +22,20 @@ def calls(monkeypatch):
     """(op, selected backend, split size) of every bik call the patched forwards make."""
     seen = []
 
-    def spy(name, fn):
+    def spy(module, name, fn, label):
         def record(*args, **kwargs):
-            seen.append((name, bik.get_backend(), kwargs.get("split_size")))
+            seen.append((label, bik.get_backend(), kwargs.get("split_size")))
             return fn(*args, **kwargs)
 
-        monkeypatch.setattr(hf, name, record)
+        monkeypatch.setattr(module, name, record)
 
-    for name in ("linear", "rms_norm", "attention"):
-        spy(name, getattr(hf, name))
+    # the names the patched forwards call, where they look them up
+    for module, name, label in (
+        (hf.forwards, "linear", "linear"),
+        (hf.forwards, "rms_norm_like_transformers", "rms_norm"),
+        (hf.attention, "attention", "attention"),
+    ):
+        spy(module, name, getattr(module, name), label)
     return seen
 
 

@@ -10,7 +10,7 @@ read back here); then ``torchrun`` runs the command line, with ``--resume``. Che
   assertion   a mismatch on one rank stops every rank with the zero-mismatch error
   command     torchrun + ``python -m rl_harness run``, then ``--resume --steps``, gives the
               spawned run's metrics
-  report      ``python -m rl_harness.world_size``'s trace and markdown report
+  report      ``python -m rl_harness world-size``'s trace and markdown report
 """
 
 import os
@@ -221,7 +221,7 @@ def test_torchrun_command_line_and_resume(ranks, cache, tmp_path):
 
 
 def test_world_size_report(single, cache):
-    """``python -m rl_harness.world_size``'s trace and report (in one process; the module
+    """``python -m rl_harness world-size``'s trace and report (in one process; the module
     spawns the ranks as the fixture above does)."""
     one = world_size.trace(config.build({}, CONFIGS["zero"]), cache, World())
     assert torch.equal(one["batch0"]["train_logp"], single["zero"][0]["batch0"]["train_logp"])

@@ -13,7 +13,7 @@ from rl_harness.config import LRScheduleConfig, RemedyConfig
 from rl_harness.errors import RunDirError
 from rl_harness.logits import LogitsProcessor
 from rl_harness.metrics import mismatch_metrics
-from rl_harness.schedule import LengthSurgeLR
+from rl_harness.schedule import LRSchedule
 
 
 def test_zero_mismatch_gives_exact_zeros():
@@ -135,14 +135,14 @@ def test_advantages():
 
 def test_length_surge_lr_schedule():
     cfg = LRScheduleConfig(name="length_surge", surge_window=2)
-    schedule = LengthSurgeLR(cfg, 1.0)
+    schedule = LRSchedule(cfg, 1.0)
     lrs = [schedule.step(step, 3.0 if step < 10 else 9.0) for step in range(100)]
     assert schedule.surge_step == 10  # the first window whose mean is >= 1.5 x the first one's
     period = round(1.8 * 10)
     assert lrs[period - 1] == 1.0 and lrs[period] == 0.5 and lrs[2 * period] == 0.25
     assert min(lrs) == pytest.approx(0.1)  # floor: min_ratio x lr0
-    assert LengthSurgeLR(LRScheduleConfig(), 1.0).step(40, 100.0) == 1.0
-    fixed = LengthSurgeLR(LRScheduleConfig(name="length_surge", decay_period=5), 1.0)
+    assert LRSchedule(LRScheduleConfig(), 1.0).step(40, 100.0) == 1.0
+    fixed = LRSchedule(LRScheduleConfig(name="length_surge", decay_period=5), 1.0)
     assert [fixed.step(s, 3.0) for s in range(11)][4:] == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25]
 
 

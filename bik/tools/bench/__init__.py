@@ -24,7 +24,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,8 +44,8 @@ from ..cli import (
 )
 from . import cases as case_lib
 from . import vllm_throughput
+from .machine import device_name
 
-DTYPES = DTYPE_NAMES
 MIN_TIME = 0.2  # seconds per timed sample set
 TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}
 L2_FALLBACK = 50 * 2**20  # bytes: Hopper's L2 (H100), where torch does not report the size
@@ -62,20 +61,6 @@ BACKEND_NOTES = {
         "Triton backend (the default)."
     ),
 }
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(
-                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
 
 
 def _sync(device):
@@ -204,7 +189,7 @@ def run(
     say = (lambda line: echo(line, flush=True)) if echo is print else echo
     try:
         for dtype_name in dtypes:
-            dtype = DTYPES[dtype_name]
+            dtype = DTYPE_NAMES[dtype_name]
             peak_flops, peak_bw = measure_peaks(device, dtype, quick)
             peaks[dtype_name] = {"tflops": peak_flops / 1e12, "gbps": peak_bw / 1e9}
             for case in selected:
@@ -394,7 +379,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"only these ops, of: {', '.join(ops)} (--quick offers fewer)",
     )
     parser.add_argument(
-        "--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"]
+        "--dtypes", nargs="+", choices=sorted(DTYPE_NAMES), default=["float32", "bfloat16"]
     )
     parser.add_argument(
         "--quick", action="store_true", help="small shapes, about a minute on a CPU"

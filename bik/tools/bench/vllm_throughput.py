@@ -20,6 +20,7 @@ from ...contract import DTYPE_NAMES
 from .. import vllm_engine
 from ..verify_vllm import sample_prompts
 from .cases import qwen3_config
+from .machine import device_name
 
 OP = "vllm_generate"
 # The default model (random init, saved to a temporary directory): a small Qwen3.
@@ -130,7 +131,6 @@ def run(
     from transformers import AutoConfig
 
     from ... import backends
-    from . import device_name
 
     problem = vllm_engine.vllm_problem()
     if problem:
