@@ -133,12 +133,12 @@ def _wrap_init_vllm(original: Callable[[Any], None]) -> Callable[[Any], None]:
                     raise ValueError(f"bik.trl: the engine needs {key}={value!r}")
             return bik_vllm.LLM(model, backend=_state["backend"] or "auto", **kwargs)
 
-        native = module.LLM
-        module.LLM = engine
+        native = getattr(module, "LLM")  # noqa: B009 (a module global, set back below)
+        setattr(module, "LLM", engine)  # noqa: B010
         try:
             original(self)
         finally:
-            module.LLM = native
+            setattr(module, "LLM", native)  # noqa: B010
 
     return init_vllm
 
@@ -307,8 +307,9 @@ def _per_token_logps_and_entropies(
                 compute_entropy,
             )
         logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+        if entropy is not None:
+            entropies.append(entropy)
+    return torch.cat(logps), (torch.cat(entropies) if entropies else None), None
 
 
 def completion_logprobs(

@@ -159,7 +159,8 @@ def test_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path):
     for step, batch in enumerate(batches):
         mask = batch["completion_mask"].bool()
         assert bool((~batch["prompt_mask"].bool()).any()), "no left-padded prompt"
-        assert bool((~mask[:, -1]).any()), "no completion stopped early at EOS"
+        stopped = (batch["completion_ids"] == 1) & mask  # <eos> is token 1
+        assert bool((stopped.any(-1) & ~mask[:, -1]).any()), "no completion stopped early at EOS"
         ours, engine = batch["old_per_token_logps"][mask], batch["sampling_per_token_logps"][mask]
         unequal = (ours != engine).sum().item()
         assert unequal == 0, f"step {step}: {unequal} of {mask.sum().item()} log-probs differ"
