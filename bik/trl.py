@@ -34,7 +34,7 @@ from . import backends
 from .hf.logprobs import generation_position_ids
 from .ops.log_softmax import log_softmax, token_logprobs
 
-TESTED_TRL = ">=1.16.0,<1.17"  # the versions whose internals the patches below were read from
+TESTED_TRL = ">=1.16.0,<1.17"  # read from here by setup.py (the trl extra) and the Makefile
 _DIFFERENCE_METRICS = (
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
