@@ -1,4 +1,5 @@
-"""Rank processes for tests/integrations/test_distributed.py: a patched tiny model under FSDP2 or DDP.
+"""Rank processes for tests/integrations/test_distributed.py: a patched tiny model under FSDP2
+or DDP.
 
 ``spawn(world, out_dir, configs)`` starts ``world`` gloo processes, which run each (wrapper,
 dtype) config in turn. Each rank takes its share of ROWS (rank r: rows r, r + world, ...),

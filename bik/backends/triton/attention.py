@@ -13,11 +13,11 @@ of that pair is query position ``r // G`` of query head ``kv_head * G + r % G`` 
 so the query heads of a GQA group share a tile and read each key/value block once, and decode
 (Tq = 1) packs its G heads into one tile instead of wasting a tile per head. Every bf16 / fp16
 tile has 64 rows whatever Tq is, so prefill and decode run the same tensor-core instructions
-(HGMMA on Hopper, checked by tests/backends/test_sm90_attention.py); fp32 (IEEE dots on the FMA units,
-no tensor cores) uses 16-row tiles over 8 warps on both paths. Each row keeps its own position
-``p = Tk - Tq + r // G`` and its own causal and window masks. Heads wider than 128 are cut into
-128-wide chunks of value dims, one program each (every chunk computes the same scores), so the
-fp32 accumulators fit in registers.
+(HGMMA on Hopper, checked by tests/backends/test_sm90_attention.py); fp32 (IEEE dots on the FMA
+units, no tensor cores) uses 16-row tiles over 8 warps on both paths. Each row keeps its own
+position ``p = Tk - Tq + r // G`` and its own causal and window masks. Heads wider than 128 are
+cut into 128-wide chunks of value dims, one program each (every chunk computes the same
+scores), so the fp32 accumulators fit in registers.
 
 Two paths, the same bits (tests force each one):
   * in-register (prefill, long chunks): a program per (tile, batch x kv head) loops over the
