@@ -372,6 +372,10 @@ def test_gpu_run_names_bad_steps(tmp_path):
     assert done.returncode == 1 and "unknown group 'bogus'" in done.stderr
     done = _gpu_run("frobnicate", out=tmp_path)
     assert done.returncode == 2 and "unknown step 'frobnicate'" in done.stderr
+    for step in ([], ["rehearse"], ["bench", "bogus"], ["test", "bogus"]):
+        done = _gpu_run("rehearse", *step, out=tmp_path)
+        assert done.returncode == 1 and "gpu_run.sh: " in done.stderr, step
+    assert list(tmp_path.iterdir()) == []  # refused before any output or build
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPU")
@@ -381,3 +385,13 @@ def test_gpu_run_stops_before_building_without_a_gpu(tmp_path):
         assert done.returncode == 1 and "no usable CUDA device" in done.stderr, step
         assert "building" not in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="rehearses on a machine without GPU")
+def test_gpu_run_rehearsal_goes_on_without_a_gpu(tmp_path):
+    # env needs no GPU but its name: the rehearsal reports the environment in full. (build,
+    # test and bench rehearse the CUDA build first: benchmarks/README.md, by hand.)
+    done = _gpu_run("rehearse", "env", out=tmp_path)
+    assert done.returncode == 0 and "rehearsal without a GPU" in done.stdout, done.stderr
+    (report,) = tmp_path.glob("rehearsal-env-*.txt")
+    assert f"torch {torch.__version__}" in report.read_text()
