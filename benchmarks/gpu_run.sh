@@ -11,8 +11,9 @@
 #        after `--`, pytest arguments replace PART's files
 #        (e.g. `test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
 #   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
-#        GROUP: matmul (linear), attention (decode, prefill), rows (rms_norm, log_softmax,
-#        token_logprobs), e2e (patched models, MoE), quick (every op, small), all (long);
+#        GROUP: matmul (linear), attention (decode, prefill, paged decode), rows (rms_norm,
+#        log_softmax, token_logprobs), e2e (patched models: Qwen3-style, SmolLM2-135M's
+#        shapes, MoE), quick (every op, small), all (long);
 #        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
 #
 #   bash benchmarks/gpu_run.sh rehearse STEP [ARGS]
@@ -291,7 +292,7 @@ step_bench() {
   shift
   case "$group" in
   matmul) ops=(linear) ;;
-  attention) ops=(attention_decode attention_prefill) ;;
+  attention) ops=(attention_decode attention_prefill attention_paged_decode) ;;
   rows) ops=(rms_norm log_softmax token_logprobs) ;;
   e2e) ops=(e2e_forward e2e_decode moe_block e2e_moe_forward) ;;
   quick) extra=(--quick) ;;
