@@ -12,7 +12,22 @@ export BIK_REQUIRE_CPU := 1
 # Fewer hypothesis examples and no `slow` cases: every axis is still checked, in ~2 minutes.
 FAST := BIK_EXAMPLES=5 $(BIN)/python -m pytest -q -m "not slow" tests
 
-.PHONY: install install-vllm build demo test test-fast lint format clean
+# The GPU image's Triton (3.6) and transformers (5.17) on the CPU, in a venv of their own beside
+# .venv: the Triton kernels run interpreted, the sm_90a compile checks use that Triton's
+# compiler, the Hugging Face tests that transformers. numpy<2.4: Triton 3.6's interpreter turns
+# a scalar into an int with int() of a 1-element array, which numpy 2.4 refuses (fixed after
+# 3.6: triton-lang/triton#9171). The C++ extension is built in place, the same for both venvs
+# (one Python, one torch).
+GPU_VENV := .venv-gpu-image
+GPU_BIN := $(GPU_VENV)/bin
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_BUILT := $(GPU_VENV)/.built
+GPU_PINS := triton==3.6.0 transformers==5.17.0 "numpy<2.4"
+# test_hf_compile.py is left out: torch.compile is torch's, the same in both venvs (and slow).
+GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*.py) \
+	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
+
+.PHONY: install install-vllm build demo test test-fast test-gpu-image lint format clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +77,19 @@ test: $(BUILT)
 test-fast: $(BUILT)
 	$(FAST)
 
+$(GPU_STAMP): setup.py pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(GPU_BIN)/pip install --quiet $(GPU_PINS) pytest hypothesis "pybind11>=2.10" "setuptools>=64"
+	touch $(GPU_STAMP)
+
+$(GPU_BUILT): $(GPU_STAMP) $(CSRC)
+	$(GPU_BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(GPU_BUILT)
+
+test-gpu-image: $(GPU_BUILT)
+	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python -m pytest -q -m "not slow" $(GPU_TESTS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -71,4 +99,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so

@@ -11,9 +11,18 @@
 #        after `--`, pytest arguments replace PART's files
 #        (e.g. `test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
 #   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
-#        GROUP: matmul (linear), attention (decode, prefill), rows (rms_norm, log_softmax,
-#        token_logprobs), e2e (patched models, MoE), quick (every op, small), all (long);
+#        GROUP: matmul (linear), attention (decode, prefill, paged decode), rows (rms_norm,
+#        log_softmax, token_logprobs), e2e (patched models: Qwen3-style, SmolLM2-135M's
+#        shapes, MoE), quick (every op, small), all (long);
 #        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
+#
+#   bash benchmarks/gpu_run.sh rehearse STEP [ARGS]
+#        STEP as above, on a machine without a GPU: everything up to the first thing that
+#        needs one (the build, the backends' import, pytest's collection, the bench's argument
+#        parsing), then it stops with a message naming that thing (exit status 0). Outputs are
+#        named rehearsal-<what>-<date>. With PYTHON set to another environment (e.g.
+#        .venv-gpu-image/bin/python, the GPU image's Triton and transformers) it rehearses
+#        that one.
 #
 # Every step but env builds bik first when this tree is not built yet (a fresh machine), in
 # the same time budget. Run one step per command: each stops itself after BIK_STEP_SECONDS
@@ -45,6 +54,7 @@ STEP_SECONDS=${BIK_STEP_SECONDS:-540}
 START=$(date +%s)
 DATE=$(date +%F)
 STAMP=build/gpu_run.stamp
+REHEARSE=0 # 1: the `rehearse` step, on a machine that may have no GPU
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this tree's bik, in every subprocess too
 unset TRITON_INTERPRET # the Triton kernels must compile for the GPU, not run interpreted
@@ -72,14 +82,30 @@ fi
 remaining() { echo $((STEP_SECONDS - ($(date +%s) - START))); }
 
 need_gpu() { # sets TAG, the GPU's name for file names (nvidia-h100-80gb-hbm3), or exits
+  local rc
   TAG=$("$PY" -c "
 import re, sys, torch
 if not torch.cuda.is_available():
-    sys.exit(f'torch {torch.__version__} sees no CUDA device')
+    print(f'torch {torch.__version__} sees no CUDA device', file=sys.stderr)
+    sys.exit(3)
 print(re.sub(r'[^a-z0-9._-]+', '-', torch.cuda.get_device_name().lower()).strip('-'))
-") || die "no usable CUDA device for $PY"
+")
+  rc=$?
+  if [ $rc = 3 ] && [ "$REHEARSE" = 1 ]; then
+    TAG=rehearsal
+    echo "gpu_run.sh: rehearsal without a GPU: up to the first thing that needs one"
+  elif [ $rc != 0 ]; then
+    die "no usable CUDA device for $PY"
+  fi
   [ -n "$TAG" ] || die "no GPU name from $PY"
   mkdir -p "$OUT_DIR" build
+}
+
+# In a rehearsal without a GPU, the step ends here, successfully: all before it worked.
+gpu_point() { # $1: what needs the GPU; $2: a log to note it in (optional)
+  [ "$TAG" = rehearsal ] || return 0
+  echo "gpu_run.sh: rehearsal: stops here: $1 needs a CUDA device" | tee -a "${2:-/dev/null}"
+  exit 0
 }
 
 source_hash() {
@@ -123,9 +149,10 @@ for name in ("triton", "transformers", "numpy", "pybind11", "setuptools", "pytes
 EOF
 }
 
-# Which backends load and what "auto" picks on the GPU, plus one call of each GPU backend.
+# Which backends load and what "auto" picks on the GPU, plus one call of each GPU backend (in a
+# rehearsal without a GPU: the GPU backends' modules and extensions load, nothing more).
 check_backends() {
-  "$PY" - <<'EOF'
+  "$PY" - "$TAG" <<'EOF'
 import os
 import sys
 
@@ -137,9 +164,13 @@ from bik import backends
 here = os.path.dirname(bik.__file__)
 print("bik", bik.__version__, "from", here)
 ok = here == os.path.join(os.getcwd(), "bik")
+rehearsal = sys.argv[1] == "rehearsal"
 for name, device in (("cpu", "cpu"), ("triton", "cuda"), ("cuda", "cuda")):
     try:
         backend = backends.load(name)
+        if rehearsal and device == "cuda":
+            print(f"backend {name}: loads (running it needs a CUDA device)")
+            continue
         backend.check_device(torch.device(device))
         x = torch.randn(3, 64, device=device)
         w = torch.randn(16, 64, device=device)
@@ -151,7 +182,8 @@ for name, device in (("cpu", "cpu"), ("triton", "cuda"), ("cuda", "cuda")):
     except Exception as error:  # report every backend, then fail
         print(f"backend {name}: FAILED: {type(error).__name__}: {error}")
         ok = False
-print("auto on cuda ->", backends.resolve(torch.device("cuda")).name)
+if not rehearsal:
+    print("auto on cuda ->", backends.resolve(torch.device("cuda")).name)
 sys.exit(0 if ok else 1)
 EOF
 }
@@ -234,6 +266,13 @@ step_test() {
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then
     opts+=(--timeout "${BIK_TEST_TIMEOUT:-300}")
   fi
+  if [ "$TAG" = rehearsal ]; then # every test file imports, every argument is pytest's
+    "$PY" -m pytest --collect-only -q -p no:cacheprovider "${args[@]}" 2>&1 | tail -3 |
+      tee "$name.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || die "test: pytest could not collect the tests (exit status $rc)"
+    gpu_point "running the tests" "$name.log"
+  fi
   budget=$(remaining)
   [ "$budget" -gt 60 ] || die "test: only ${budget}s left of BIK_STEP_SECONDS=$STEP_SECONDS"
   echo "gpu_run.sh: pytest ${opts[*]} (${#args[@]} paths), stops after ${budget}s"
@@ -253,7 +292,7 @@ step_bench() {
   shift
   case "$group" in
   matmul) ops=(linear) ;;
-  attention) ops=(attention_decode attention_prefill) ;;
+  attention) ops=(attention_decode attention_prefill attention_paged_decode) ;;
   rows) ops=(rms_norm log_softmax token_logprobs) ;;
   e2e) ops=(e2e_forward e2e_decode moe_block e2e_moe_forward) ;;
   quick) extra=(--quick) ;;
@@ -281,6 +320,10 @@ step_bench() {
     "${extra[@]}" --json "$name.json" --markdown "$name.md" "$@" 2>&1 |
     tee "$name.log"
   rc=${PIPESTATUS[0]}
+  if [ "$TAG" = rehearsal ] && [ "$rc" = 2 ] &&
+    grep -q "argument --device: cuda requested" "$name.log"; then
+    gpu_point "bik bench (its arguments parsed; it refused --device cuda)" "$name.log"
+  fi
   echo "wrote $name.{json,md,png,log} (bench exit status $rc: 0 ok, 1 a case failed," \
     "124/130 stopped at the time limit with the records so far)"
   return "$rc"
@@ -302,6 +345,8 @@ main() {
     do_build "$OUT_DIR/$TAG-build-$DATE.log"
     rc=$?
     echo "wrote $OUT_DIR/$TAG-build-$DATE.log"
+    [ "$rc" != 0 ] ||
+      gpu_point "running the triton and cuda backends" "$OUT_DIR/$TAG-build-$DATE.log"
     exit "$rc"
     ;;
   files) # the test files of a part, one a line (no GPU needed)
@@ -310,6 +355,12 @@ main() {
     ;;
   test) step_test "$@" ;;
   bench) step_bench "$@" ;;
+  rehearse)
+    [ $# -gt 0 ] && [ "$1" != rehearse ] ||
+      die "rehearse: expected a step: env, build, test or bench"
+    REHEARSE=1
+    main "$@"
+    ;;
   *)
     echo "gpu_run.sh: unknown step '$step'" >&2
     usage 2

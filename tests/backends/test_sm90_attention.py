@@ -4,7 +4,8 @@ bf16, head dim 128, GQA 32 query / 8 kv heads: prefill (Tq = Tk = 8192) and deco
 Tk = 8192) use only HGMMA (never HMMA) and the same MMA instructions, spill nothing to local
 memory, and their binaries do not change with Tk (8192 vs 8193) nor with the decode's Tq
 (1 vs 3): the bits cannot depend on a length through the compiler's choices. fp32 uses no
-tensor-core instruction at all (IEEE, never TF32) and spills nothing either.
+tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
+nothing either. Checked with the Triton of .venv (3.9) and of `make test-gpu-image` (3.6).
 
 The launches are described here with meta tensors and compiled by ``bik.tools.sm90``.
 """
@@ -81,7 +82,8 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
             elif f["kernel"] == "_attention_kernel":  # the combine does no dot
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
     assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"]
-    assert facts["prefill"][0]["num_warps"] == facts["decode"][0]["num_warps"]
+    for prefill, decode in [("prefill", "decode"), ("fp32_prefill", "fp32_decode")]:
+        assert facts[prefill][0]["num_warps"] == facts[decode][0]["num_warps"]
 
 
 def test_no_spills(facts):

@@ -214,6 +214,23 @@ def test_cuda_cases_cover_llama_and_qwen_shapes():
     assert {"linear", "attention_decode", "attention_prefill", "e2e_decode"} <= quick_ops
 
 
+def test_paged_decode_case_and_its_baseline_agree():
+    # Pages in shuffled order, the last one partly used (70 keys in pages of 16).
+    case = cases.paged_decode(2, 4, 2, 70, 16)
+    args = case.inputs(torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(case.bik(*args), case.baseline(*args))
+
+
+def test_cuda_e2e_cases_include_the_real_models_decode_shapes():
+    config = cases.smollm2_config(528)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.intermediate_size, config.vocab_size) == (1536, 49152)
+    assert config.tie_word_embeddings
+    labels = [c.shape for c in cases.cuda_cases(False) if c.op == "e2e_decode"]
+    assert any("SmolLM2-135M" in label for label in labels)
+
+
 def _recording_case(seen, rotate=True):
     return cases.Case(
         "probe",
@@ -372,6 +389,10 @@ def test_gpu_run_names_bad_steps(tmp_path):
     assert done.returncode == 1 and "unknown group 'bogus'" in done.stderr
     done = _gpu_run("frobnicate", out=tmp_path)
     assert done.returncode == 2 and "unknown step 'frobnicate'" in done.stderr
+    for step in ([], ["rehearse"], ["bench", "bogus"], ["test", "bogus"]):
+        done = _gpu_run("rehearse", *step, out=tmp_path)
+        assert done.returncode == 1 and "gpu_run.sh: " in done.stderr, step
+    assert list(tmp_path.iterdir()) == []  # refused before any output or build
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPU")
@@ -381,3 +402,13 @@ def test_gpu_run_stops_before_building_without_a_gpu(tmp_path):
         assert done.returncode == 1 and "no usable CUDA device" in done.stderr, step
         assert "building" not in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="rehearses on a machine without GPU")
+def test_gpu_run_rehearsal_goes_on_without_a_gpu(tmp_path):
+    # env needs no GPU but its name: the rehearsal reports the environment in full. (build,
+    # test and bench rehearse the CUDA build first: benchmarks/README.md, by hand.)
+    done = _gpu_run("rehearse", "env", out=tmp_path)
+    assert done.returncode == 0 and "rehearsal without a GPU" in done.stdout, done.stderr
+    (report,) = tmp_path.glob("rehearsal-env-*.txt")
+    assert f"torch {torch.__version__}" in report.read_text()

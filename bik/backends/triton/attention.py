@@ -13,11 +13,11 @@ of that pair is query position ``r // G`` of query head ``kv_head * G + r % G`` 
 so the query heads of a GQA group share a tile and read each key/value block once, and decode
 (Tq = 1) packs its G heads into one tile instead of wasting a tile per head. Every bf16 / fp16
 tile has 64 rows whatever Tq is, so prefill and decode run the same tensor-core instructions
-(HGMMA on Hopper, checked by tests/backends/test_sm90_attention.py); fp32 (IEEE dots on the
-FMA units, no tensor cores) uses 16-row tiles on both paths. Each row keeps its own position
-``p = Tk - Tq + r // G`` and its own causal and window masks. Heads wider than 128 are cut into
-128-wide chunks of value dims, one program each (every chunk computes the same scores), so the
-fp32 accumulators fit in registers.
+(HGMMA on Hopper, checked by tests/backends/test_sm90_attention.py); fp32 (IEEE dots on the FMA
+units, no tensor cores) uses 16-row tiles over 8 warps on both paths. Each row keeps its own
+position ``p = Tk - Tq + r // G`` and its own causal and window masks. Heads wider than 128 are
+cut into 128-wide chunks of value dims, one program each (every chunk computes the same
+scores), so the fp32 accumulators fit in registers.
 
 Two paths, the same bits (tests force each one):
   * in-register (prefill, long chunks): a program per (tile, batch x kv head) loops over the
@@ -67,6 +67,10 @@ its tiles have :data:`FP32_BLOCK_M` rows, whose operands fit in registers."""
 FP32_BLOCK_M = 16
 BLOCK_N = KEY_BLOCK
 NUM_WARPS = 4  # one warpgroup
+FP32_NUM_WARPS = 8
+"""fp32's FMA dots hold their key and value blocks in registers: over 4 warps Triton 3.6
+spills the split-parallel kernel to local memory (336 bytes a thread at head dim 128), over 8
+neither 3.6 nor 3.9 spills (tests/backends/test_sm90_attention.py)."""
 NUM_STAGES = 3
 MAX_BLOCK_DV = 128
 """Value dims per program: a wider head (Gemma's 256) is cut into chunks of output dims, each
@@ -502,6 +506,12 @@ def _block_m(dtype):
     return FP32_BLOCK_M if dtype == torch.float32 else BLOCK_M
 
 
+def _num_warps(dtype):
+    """Warps per program: a function of the dtype only, the same on both paths (so the same
+    dot layout and reduction trees)."""
+    return FP32_NUM_WARPS if dtype == torch.float32 else NUM_WARPS
+
+
 def _use_split_parallel(batch, hkv, rows, n_splits, d, block_m=BLOCK_M):
     """The split-parallel path for few query rows (one tile per batch x kv head: decode,
     short chunks) while the in-register path would leave a GPU idle and the workspace is
@@ -579,7 +589,7 @@ def attention_launches(
         ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
     else:  # no workspace: the unused pointers point at the output
         ws_acc = ws_max = ws_sum = out
-    pinned = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    pinned = dict(num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES)
     launches = [
         Launch(
             _attention_kernel,

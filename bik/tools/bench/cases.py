@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import bik
 from bik.families import FAMILIES
+from bik.ops.paged_attention import paged_attention
 
 
 @dataclass
@@ -147,6 +148,49 @@ def attention(
     )
 
 
+PAGE = 16  # tokens per KV-cache page (vLLM's default block size)
+
+
+def paged_decode(batch: int, heads: int, kv_heads: int, tk: int, dim: int, model: str = "") -> Case:
+    """One new token per sequence over a paged KV cache whose pages lie in shuffled order, as
+    an engine leaves them: bik's paged attention (each sequence's pages gathered, then
+    bik.attention) vs the same pages gathered by one index, then SDPA."""
+    pages = -(-tk // PAGE)
+    query_start, seq_lens = list(range(batch + 1)), [tk] * batch
+
+    def inputs(device, dtype):
+        q = _randn(batch, heads, dim, device=device, dtype=dtype)
+        k, v = (
+            _randn(batch * pages, kv_heads, PAGE, dim, device=device, dtype=dtype) for _ in range(2)
+        )
+        table = torch.randperm(batch * pages, device=device).view(batch, pages).to(torch.int32)
+        return q, k, v, table
+
+    def run_bik(q, k, v, table):
+        return paged_attention(q, k, v, table, query_start, seq_lens, scale=dim**-0.5)
+
+    def baseline(q, k, v, table):
+        def gather(cache):  # [batch, kv_heads, tk, dim]
+            pages_first = cache[table.long()].transpose(1, 2)
+            return pages_first.reshape(batch, kv_heads, pages * PAGE, dim)[:, :, :tk]
+
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), gather(k), gather(v), enable_gqa=True)
+        return out[:, :, 0]
+
+    flops = 4 * batch * heads * tk * dim
+    traffic = 2 * (2 * batch * heads * dim + 2 * batch * kv_heads * tk * dim)
+    label = f"B={batch} H={heads}/{kv_heads} Tk={tk} D={dim} page={PAGE}"
+    return Case(
+        "attention_paged_decode",
+        label + (f" ({model})" if model else ""),
+        flops,
+        traffic,
+        inputs,
+        run_bik,
+        baseline,
+    )
+
+
 # The MoE variant: 16 experts of width hidden / 2, 4 per token (Qwen3-MoE's shape, scaled down).
 MOE_EXPERTS, MOE_TOP_K = 16, 4
 
@@ -169,6 +213,27 @@ def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool
         num_key_value_heads=max(1, hidden // 256),
         head_dim=64,
         max_position_embeddings=positions,
+        pad_token_id=0,
+    )
+
+
+def smollm2_config(positions: int):
+    """SmolLM2-135M's shapes (the embedded real model: Llama, 30 layers, hidden 576, MLP 1536,
+    9 query / 3 KV heads of 64, vocabulary 49152, tied embeddings), to be randomly
+    initialised."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
         pad_token_id=0,
     )
 
@@ -224,11 +289,36 @@ def end_to_end(
     """A random-init Qwen3-style (or Qwen3-MoE) model, patched with bik vs unpatched: one
     forward over ``batch x length`` tokens, or greedy decode of ``new_tokens`` tokens after
     that prompt."""
+    return _model_case(
+        f"e2e_moe_{kind}" if moe else f"e2e_{kind}",
+        kind,
+        f"B={batch} T={length} hidden={hidden} layers={layers}",
+        lambda: qwen3_config(hidden, layers, 32000, length + new_tokens, moe),
+        batch,
+        length,
+        new_tokens,
+    )
 
+
+def smollm2_decode(batch: int, length: int, new_tokens: int = 16) -> Case:
+    """Greedy decode with a random-init model of SmolLM2-135M's shapes, patched vs unpatched."""
+    return _model_case(
+        "e2e_decode",
+        "decode",
+        f"B={batch} T={length} (SmolLM2-135M shapes)",
+        lambda: smollm2_config(length + new_tokens),
+        batch,
+        length,
+        new_tokens,
+    )
+
+
+def _model_case(op, kind, label, make_config, batch, length, new_tokens) -> Case:
     def inputs(device, dtype):
-        config = qwen3_config(hidden, layers, 32000, length + new_tokens, moe)
+        config = make_config()
         plain, patched = _plain_and_patched(config, device, dtype)
-        return plain, patched, torch.randint(1, 32000, (batch, length), device=device)
+        ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
+        return plain, patched, ids
 
     def call(model, ids):
         with torch.no_grad():
@@ -244,10 +334,9 @@ def end_to_end(
             )
 
     tokens = batch * (length if kind == "forward" else new_tokens)
-    op = f"e2e_moe_{kind}" if moe else f"e2e_{kind}"
     return Case(
         op,
-        f"B={batch} T={length} hidden={hidden} layers={layers}",
+        label,
         0,
         0,
         inputs,
@@ -307,8 +396,9 @@ LM_HEAD = ("Llama-3.1-8B lm_head", 4096, 128256)
 
 def cuda_cases(quick: bool) -> list[Case]:
     """Llama / Qwen 1-8B shapes: their linear layers at M <= 64 (decode) and M >= 2048
-    (prefill, training); GQA decode over 1k-32k keys, causal prefill of 512-8k tokens; RMSNorm
-    at hidden 2048-4096, log-softmax over 32k-152k vocabularies; a patched model end to end."""
+    (prefill, training); GQA decode over 1k-32k keys (and 8k through a paged cache), causal
+    prefill of 512-8k tokens; RMSNorm at hidden 2048-4096, log-softmax over 32k-152k
+    vocabularies; patched models end to end (SmolLM2-135M's shapes among them)."""
     if quick:
         return [linear(m, 4096, 4096, "Llama-3.1-8B q/o") for m in (1, 64, 2048)] + [
             rms_norm(2048, 4096),
@@ -331,7 +421,9 @@ def cuda_cases(quick: bool) -> list[Case]:
         for t in (1024, 8192, 32768)
     ]
     cases += [attention(1, 32, 8, t, t, 128, "Llama-3.1-8B") for t in (512, 2048, 8192)]
+    cases += [paged_decode(b, 32, 8, 8192, 128, "Llama-3.1-8B") for b in (1, 16)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
+    cases += [smollm2_decode(16, 512)]
     cases += [moe_block(t, 2048) for t in (1, 256, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8, moe=True)]
     return cases
