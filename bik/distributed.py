@@ -63,6 +63,35 @@ def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
         _checks.dim_size("bias", bias, 0, n, "N, the first dim of weight")
 
 
+def _check_ranks_agree(
+    x_shard: torch.Tensor,
+    weight_shard: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks_per_rank: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Every rank must call with the same layout: other chunk counts would sum partials of
+    different trees (a result equal to no chunked_linear), other shapes would gather into
+    buffers of the wrong size. One small all_gather_object compares them; every rank raises
+    the same ValueError, naming each rank's values."""
+    layout = {
+        "chunks_per_rank": chunks_per_rank,
+        "x_shard shape": tuple(x_shard.shape),
+        "weight_shard shape": tuple(weight_shard.shape),
+        "dtype": str(x_shard.dtype),
+        "bias": None if bias is None else tuple(bias.shape),
+    }
+    layouts: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, layout, group=group)
+    for key in layout:
+        values = [entry[key] for entry in layouts if entry is not None]
+        if any(value != values[0] for value in values):
+            raise ValueError(
+                f"row_parallel_linear: every rank must pass the same {key}, got "
+                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            )
+
+
 def _partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
     """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``."""
     step = x.shape[-1] // chunks
@@ -110,7 +139,8 @@ def row_parallel_linear(
     ``weight[:, r*Ks:(r+1)*Ks]`` with Ks = K / world. The fp32 partials are all-gathered and
     summed in rank order by the tree, then the bias (the full bias, on every rank) is added
     once. Every rank returns the same full output. The world size must be a power of two.
-    Forward only.
+    The ranks' ``chunks_per_rank``, shapes, dtype and bias are compared first (one small
+    ``all_gather_object``): a disagreement raises ValueError on every rank. Forward only.
     """
     _check_operands("x_shard", x_shard, "weight_shard", weight_shard, bias, "the K slice of x")
     _check_chunks("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
@@ -124,6 +154,7 @@ def row_parallel_linear(
     world = dist.get_world_size(group)
     if world & (world - 1):
         raise ValueError(f"group: expected a power-of-two world size, got {world}")
+    _check_ranks_agree(x_shard, weight_shard, bias, chunks_per_rank, group)
     partial = _partial(x_shard, weight_shard, chunks_per_rank).contiguous()
     gathered = [torch.empty_like(partial) for _ in range(world)]
     dist.all_gather(gathered, partial, group=group)

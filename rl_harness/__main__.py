@@ -32,9 +32,19 @@ def _run(args: argparse.Namespace) -> int:
                 f"{Path(args.resume) / rundir.CONFIG} (only --steps may give it a new total); "
                 "start a new run with --out to change the config"
             )
+    elif args.trust_task_module:
+        raise RunDirError(
+            "--trust-task-module applies to --resume only (a new run names its module with "
+            "--set task.module=...)"
+        )
     with distributed.from_environment() as world:  # torchrun: one rank per process
         if args.resume:
-            summary = runner.resume(args.resume, steps=args.steps, cache_dir=args.cache_dir)
+            summary = runner.resume(
+                args.resume,
+                steps=args.steps,
+                cache_dir=args.cache_dir,
+                trust_task_module=args.trust_task_module,
+            )
         else:
             recipe = args.recipe or recipes.DEFAULT
             sets = list(args.set or [])
@@ -67,9 +77,15 @@ def _compare(args: argparse.Namespace) -> int:
     for d in args.dirs:
         if not Path(d).is_dir():
             raise RunDirError(f"compare: no run directory at {d}")
-    out = Path(args.out)
+    out = rundir.resolved(args.out)  # nosuch/../old is old: check what will be written
     if out.exists() and not out.is_dir():
         raise RunDirError(f"compare --out: {out} is a file; pass a directory for the table")
+    written = [name for name in report.COMPARE_FILES if (out / name).exists()]
+    if written:
+        raise RunDirError(
+            f"compare --out: {out} already holds {' and '.join(written)}; pass another --out "
+            "or remove them"
+        )
     labels = report.unique_labels(args.dirs)
     runs = {label: report.load(d) for label, d in zip(labels, args.dirs)}
     try:
@@ -95,9 +111,15 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="run directory, new or empty (default runs/<recipe>)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", metavar="DIR", help="continue the run in DIR")
+    run.add_argument(
+        "--trust-task-module",
+        metavar="MODULE",
+        help="with --resume: DIR's config names the plug-in task MODULE (task.module), and you "
+        "trust it to be imported (run); without it such a directory is refused",
+    )
     run.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
     arms = commands.add_parser(
-        "sweep", help="recipes on N seeds, each beside its zero-mismatch twin, with 95% CIs"
+        "sweep", help="recipes on N seeds, each beside its zero-mismatch twin, with 95%% CIs"
     )
     arms.add_argument("--recipe", action="append", required=True, help="an arm (repeatable)")
     arms.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")

@@ -324,6 +324,11 @@ class TrainConfig(_Section):
     ``loss_agg`` (rl_harness.trainer.policy_loss). ``autocast``: the trainer's forward under
     ``torch.autocast`` in that dtype over fp32 weights, as a mixed-precision trainer runs (a
     mismatch source: the rollout does not autocast).
+
+    ``grad_clip``: the largest global gradient norm. An update whose gradient norm is not
+    finite (an fp16 overflow, a NaN loss) is never applied: it is skipped (weights and
+    optimiser state unchanged), counted in the step's ``update_skipped`` metric and
+    reported by a warning. A task reward that is not a finite number stops the run first.
     """
 
     SECTION: ClassVar[str] = "train"
@@ -588,6 +593,7 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{path}: not a readable config ({error})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a JSON object of config sections")
+    values.pop("world_size", None)  # a run directory's record beside the sections (rundir)
     try:
         return Config.from_dict(values)
     except ConfigError as error:

@@ -54,6 +54,7 @@ class Heldout:
 
     def __init__(self, cfg: Config) -> None:
         self.task, self.vocab = tasks.of(cfg.task), vocab.of(cfg.model)
+        self.where = tasks.source(cfg.task)
         # Batches of the runner's rollout.prompts prompts, drawn one after the other from one
         # stream, until eval.prompts: the set does not depend on the rollout's batch shape.
         rng, repeats = random.Random(STREAM), cfg.rollout.samples_per_prompt
@@ -79,7 +80,8 @@ class Heldout:
         )
         responses = batch["sequences"][:, batch["prompt_width"] :].tolist()
         rewards = [
-            tasks.score(self.task, e, r, self.vocab) for e, r in zip(self.examples, responses)
+            tasks.score(self.task, e, r, self.vocab, self.where)
+            for e, r in zip(self.examples, responses)
         ]
         accuracy = sum(rewards) / len(rewards)
         metrics: dict[str, Any] = {

@@ -129,10 +129,11 @@ def sft_batch(
     task, words, task_cfg = tasks.of(config.task), vocab.of(config.model), config.task
     long_rows = round(config.warmup.long_form_share * size)
     rows = []
-    for row in range(size):
-        example = task.sample(rng, task_cfg.min_digits, task_cfg.max_digits)
-        target = task.target(example, long_form=row < long_rows)
-        rows.append((words.prompt(example.prompt), [*words.encode(target), words.eos]))
+    with tasks.texts_of(task_cfg):
+        for row in range(size):
+            example = task.sample(rng, task_cfg.min_digits, task_cfg.max_digits)
+            target = task.target(example, long_form=row < long_rows)
+            rows.append((words.prompt(example.prompt), [*words.encode(target), words.eos]))
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((size, width), words.pad, dtype=torch.long)
     attention, target_mask = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -211,7 +212,7 @@ def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Pa
     path = warmup_cache_path(config, cache_dir)
     if path.exists():
         try:
-            master.load_state_dict(torch.load(path))
+            master.load_state_dict(torch.load(path, weights_only=True))
             return path
         except Exception as error:  # a damaged cache entry is recomputed, not fatal
             warnings.warn(

@@ -15,6 +15,7 @@ import math
 import platform
 import re
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,13 +128,15 @@ def eval_last(history: History) -> float | None:
     return rows[-1][EVAL] if rows else None
 
 
-def summarize(history: History, cfg: Config, name: str) -> dict[str, Any]:
-    """The figures of one run that summary.md shows."""
+def summarize(history: History, cfg: Config, name: str, world_size: int = 1) -> dict[str, Any]:
+    """The figures of one run that summary.md shows; ``world_size``: the number of
+    processes that ran it (torchrun)."""
     import torch
 
     return {
         "name": name,
         "steps": len(history),
+        "world_size": world_size,
         "reward_first5": _mean("reward/mean", history[:5]),
         "reward_last5": _mean("reward/mean", history[-5:]),
         "k3_max": max((r["mismatch/k3_kl"] for r in history), default=0.0),
@@ -181,6 +184,7 @@ def summary_markdown(s: Mapping[str, Any]) -> str:
         f"# {s['name']}",
         "",
         f"- steps: {s['steps']}",
+        f"- processes: {s['world_size']} (data-parallel world size; gradients depend on it)",
         f"- overrides: {overrides}",
         f"- reward: first 5 steps {s['reward_first5']:.3f}, last 5 steps {s['reward_last5']:.3f}",
         f"- mismatch: k3 max {s['k3_max']:.3e}, mean fraction of unequal tokens "
@@ -214,11 +218,29 @@ def summary_markdown(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_run_report(out: Path, history: History, cfg: Config, name: str) -> dict[str, Any]:
-    """summary.md and metrics.png of the run in ``out``; returns the summary."""
-    summary = summarize(history, cfg, name)
+PLOT_NEEDS = "pip install 'bik[rl]' (matplotlib) to get the plots"
+
+
+def plot_or_warn(plot: Callable[[Path], None], path: Path) -> None:
+    """``plot(path)``, or a warning when it fails (matplotlib missing or broken): a plot is
+    written after the metrics and tables it shows, so a finished run never fails on it."""
+    try:
+        plot(path)
+    except Exception as error:
+        hint = f"; {PLOT_NEEDS}" if isinstance(error, ImportError) else ""
+        warnings.warn(
+            f"{path} not written ({type(error).__name__}: {error}){hint}", RuntimeWarning, 2
+        )
+
+
+def write_run_report(
+    out: Path, history: History, cfg: Config, name: str, world_size: int = 1
+) -> dict[str, Any]:
+    """summary.md, then metrics.png (or a warning: :func:`plot_or_warn`) of the run in
+    ``out``, run by ``world_size`` processes; returns the summary."""
+    summary = summarize(history, cfg, name, world_size)
     write_atomic(out / SUMMARY, summary_markdown(summary))
-    plot_runs({name: history}, out / PLOT)
+    plot_or_warn(lambda path: plot_runs({name: history}, path), out / PLOT)
     return summary
 
 
@@ -315,11 +337,15 @@ def unique_labels(dirs: Sequence[str | Path]) -> list[str]:
     return labels
 
 
+COMPARE_FILES = ("compare.md", "compare.png")
+
+
 def write_compare(runs: Mapping[str, History | Seeds], out: Path) -> str:
-    """compare.md and compare.png in ``out``; returns the table."""
+    """compare.md, then compare.png (or a warning: :func:`plot_or_warn`) in ``out``;
+    returns the table."""
     table = compare_markdown(runs)
-    plot_runs(runs, out / "compare.png")
-    write_atomic(out / "compare.md", table)
+    write_atomic(out / COMPARE_FILES[0], table)
+    plot_or_warn(lambda path: plot_runs(runs, path), out / COMPARE_FILES[1])
     return table
 
 

@@ -29,6 +29,9 @@ mkdir -p "$OUT/world_size"
 for recipe in zero_mismatch high_lr drifting; do
   $PY -m rl_harness world-size --recipe "$recipe" --out "$OUT/world_size/$recipe.md" > /dev/null
 done
+# compare refuses to overwrite an earlier table: the comparisons are rewritten from scratch
+rm -rf "${OUT:?}"/compare_sources "${OUT:?}"/compare_dose "${OUT:?}"/compare_remedies \
+  "${OUT:?}"/compare_moe
 $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/dtype_swap $OUT/split_swap \
   $OUT/microbatch_native $OUT/noise_random $OUT/noise_biased $OUT/logit_rounding \
   $OUT/fp8_weights $OUT/bf16_autocast --out $OUT/compare_sources
@@ -54,6 +57,7 @@ $PY -m rl_harness sweep --recipe collapse_constant --set train.lr=1e-3 --seeds 3
 find "$OUT/collapse" "$OUT/collapse_lr1e-3" -name checkpoint.pt -delete
 $PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
+  rm -rf "${OUT:?}/compare_engines"
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
     $OUT/vllm_native --out $OUT/compare_engines
 fi

@@ -1,13 +1,18 @@
 """The run directory: its files, the checks before a run writes into one, atomic writes, and
 reading metrics.jsonl back.
 
-A run directory holds ``config.json`` (the resolved config), ``metrics.jsonl`` (one JSON object
+A run directory holds ``config.json`` (the resolved config, and ``world_size``: the number of
+processes that ran it), ``metrics.jsonl`` (one JSON object
 per step, appended and flushed every step), ``checkpoint.pt`` (the latest checkpoint),
 ``summary.md`` and ``metrics.png``; with ``rollout.engine=vllm`` also ``vllm_model/`` while the
 run goes on (the policy the vLLM engine loaded; removed when the run ends). Every file but
 metrics.jsonl is replaced atomically (written beside, then renamed), so a crash leaves the old
 file or the new one, never half of one; a crash in the middle of a metrics line leaves a torn
 last line, which reading drops with a warning.
+
+Trust: checkpoints load with ``torch.load(weights_only=True)`` (no pickled code), and a
+config.json naming a plug-in task (``task.module``) is loaded only when the caller names that
+module again (:func:`load_config`), since loading it imports the module.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 PLOT = "metrics.png"
+WORLD_SIZE = "world_size"  # config.json's record of the number of processes (beside the sections)
 
 
 def write_atomic(path: str | Path, data: str | bytes | Callable[[Path], None]) -> None:
@@ -81,9 +87,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def resolved(out: str | Path) -> Path:
+    """``out`` as an absolute path with ``..`` and links resolved, the way the file system
+    will follow it once its missing folders exist: ``nosuch/../old`` is ``old``, which a
+    test of ``Path("nosuch/../old").exists()`` (False: ``nosuch`` is missing) would miss."""
+    return Path(out).resolve()
+
+
 def check_new(out: str | Path) -> Path:
-    """``--out`` for a new run: a new or empty directory, created here."""
-    out = Path(out)
+    """``--out`` for a new run: a new or empty directory, created here; returns its
+    resolved path (:func:`resolved`)."""
+    out = resolved(out)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out: {out} is a file; pass a directory for the run")
     if out.is_dir() and any(out.iterdir()):
@@ -117,9 +131,55 @@ def check_resume(run_dir: str | Path) -> Path:
     return run_dir
 
 
-def load_config(run_dir: Path) -> Any:
+def config_text(cfg: Any, world_size: int) -> str:
+    """The text of config.json: the config's sections (``Config.to_json``) and, beside them,
+    ``world_size``, the number of processes the run takes (a torchrun run's gradients differ
+    from a one-process run's, so a reader must know)."""
+    values = json.loads(cfg.to_json())
+    values[WORLD_SIZE] = world_size
+    return json.dumps(values, indent=1, sort_keys=True) + "\n"
+
+
+def recorded_world_size(run_dir: Path) -> int | None:
+    """The ``world_size`` config.json records (None: written before it was recorded)."""
+    size = _read_json(run_dir).get(WORLD_SIZE)
+    return size if isinstance(size, int) else None
+
+
+def _read_json(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / CONFIG
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunDirError(f"--resume: {path}: not a readable config ({error})") from None
+    if not isinstance(values, dict):
+        raise RunDirError(f"--resume: {path}: expected a JSON object of config sections")
+    return values
+
+
+def task_module(run_dir: Path) -> str | None:
+    """The plug-in ``task.module`` config.json names (None: a shipped task), read as text:
+    nothing is imported."""
+    task = _read_json(run_dir).get("task")
+    module = task.get("module") if isinstance(task, dict) else None
+    return None if module is None else str(module)
+
+
+def load_config(run_dir: Path, trust_task_module: str | None = None) -> Any:
+    """The Config of ``run_dir``. Building it imports a plug-in task's module (task.module),
+    which runs that module's code, so a directory whose config names one is loaded only
+    when ``trust_task_module`` names the same module (``--trust-task-module``): a run
+    directory received from someone else runs no code unless its module is named again."""
     from . import config as config_lib
 
+    module = task_module(run_dir)
+    if module is not None and module != trust_task_module:
+        given = "" if trust_task_module is None else f" (--trust-task-module {trust_task_module})"
+        raise RunDirError(
+            f"--resume: {run_dir / CONFIG} names the plug-in task task.module={module!r}, "
+            f"whose code resuming would import and run{given}; if you trust it, pass "
+            f"--trust-task-module {module}"
+        )
     try:
         return config_lib.load(run_dir / CONFIG)
     except ConfigError as error:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -187,9 +189,9 @@ class Run:
         self.batch = batch
         width = share["prompt_width"]
         responses = batch["sequences"][:, width:].tolist()
-        task, words = tasks.of(cfg.task), vocab.of(cfg.model)
+        task, words, where = tasks.of(cfg.task), vocab.of(cfg.model), tasks.source(cfg.task)
         rewards = torch.tensor(
-            [tasks.score(task, e, r, words) for e, r in zip(examples, responses)]
+            [tasks.score(task, e, r, words, where) for e, r in zip(examples, responses)]
         )
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
         mask = batch["response_mask"]
@@ -214,8 +216,16 @@ class Run:
                 f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
             )
         stats = self._ppo(share, (train_logp, entropy), batch, adv, rewards, rows)
-        updates = {k: stats.pop(k) for k in ("grad_norm", "grad_norm_max", "update_applied")}
+        counts = ("grad_norm", "grad_norm_max", "update_applied", "update_skipped")
+        updates = {k: stats.pop(k) for k in counts}
         batch_loss = stats.pop("loss")
+        if updates["update_skipped"] and world.main:
+            warnings.warn(
+                f"step {step}: {updates['update_skipped']} update(s) skipped, weights unchanged: "
+                f"non-finite gradient norm (max {updates['grad_norm_max']}; metric update_skipped)",
+                RuntimeWarning,
+                2,
+            )
         lengths = mask.sum(-1).float()
         metrics.update(stats)
         metrics.update(
@@ -285,7 +295,8 @@ class Run:
         train.filter_groups all dropped (by the whole batch's ``rewards``) gets no forward
         and no update (grad norm 0, not applied). Returns the step's stats: the policy_loss
         stats averaged over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them),
-        ``grad_norm`` (mean), ``grad_norm_max``, ``update_applied`` (how many were applied)
+        ``grad_norm`` (mean), ``grad_norm_max``, ``update_applied`` (how many were applied),
+        ``update_skipped`` (how many a non-finite gradient skipped: :meth:`_update`)
         and the optional terms' metrics (:meth:`_terms`); the per-update stats are kept in
         ``self.updates``."""
         cfg, t = self.cfg, self.cfg.train
@@ -321,6 +332,7 @@ class Run:
                     logp, batch, adv, cfg, here, select, current, entropy
                 )
                 stats["grad_norm"], stats["update_applied"] = self._update(loss)
+                stats["update_skipped"] = 1 - stats["update_applied"]
                 stale = stale or bool(stats["update_applied"])
                 self.updates.append(stats)
         n = len(self.updates)
@@ -332,6 +344,7 @@ class Run:
         out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in self.updates)
         out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in self.updates)
         out["update_applied"] = sum(u["update_applied"] for u in self.updates)
+        out["update_skipped"] = sum(u["update_skipped"] for u in self.updates)
         return {**out, **terms}
 
     def _filtered_out(
@@ -352,11 +365,16 @@ class Run:
                 None,
                 batch["entropy"][part],
             )
-        return {**stats, "grad_norm": 0.0, "update_applied": 0}
+        return {**stats, "grad_norm": 0.0, "update_applied": 0, "update_skipped": 0}
 
     def _update(self, loss: torch.Tensor) -> tuple[float, int]:
         """Backward on the trainer copy, fp32 grads into the master, summed over the ranks,
-        clip, AdamW step (every rank steps on the same gradients)."""
+        clip, AdamW step (every rank steps on the same gradients); returns the gradient norm
+        and 1 (applied) or 0.
+
+        A non-finite gradient norm (an fp16 overflow, a NaN loss) is never applied: the
+        update is skipped (weights and optimiser state unchanged); :meth:`step` counts it
+        in ``update_skipped`` and warns (train.grad_clip's docs)."""
         scale = self.precision.loss_scale
         self.train_model.zero_grad(set_to_none=True)
         (loss * scale).backward()
@@ -366,8 +384,8 @@ class Run:
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.train.grad_clip)
         )
-        if not torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)  # fp16 overflow: skip, say so in metrics
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
             return grad_norm, 0
         self.optimizer.step()
         if self.engine is not None:
@@ -418,7 +436,7 @@ def run(
 
     def create() -> Path:
         out = rundir.check_new(out_dir)
-        rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
+        rundir.write_atomic(out / rundir.CONFIG, rundir.config_text(cfg, world.size))
         return out
 
     return _loop(cfg, world.on_main(create), None, cache_dir, progress, name)
@@ -431,17 +449,26 @@ def resume(
     cache_dir: str | Path = ".cache/rl_harness",
     progress: bool = True,
     name: str | None = None,
+    trust_task_module: str | None = None,
 ) -> dict[str, Any]:
     """Continue the run in ``run_dir`` from its last checkpoint (from step 0 without one),
     with its own config.json; ``steps`` sets a new total number of steps. Steps recorded
     after the checkpoint are dropped and run again, so the result equals an uninterrupted
-    run. In a process group rank 0 reads the directory and hands config and checkpoint to
-    the other ranks."""
+    run: the run continues with the number of processes config.json records (another one
+    is refused). A config naming a plug-in task module is loaded only when
+    ``trust_task_module`` names it (rundir.load_config). In a process group rank 0 reads the
+    directory and hands config and checkpoint to the other ranks."""
     world = World.current()
 
     def load() -> tuple[Path, Config, dict[str, Any] | None]:
         out = rundir.check_resume(run_dir)
-        cfg = rundir.load_config(out)
+        recorded = rundir.recorded_world_size(out)
+        if recorded is not None and recorded != world.size:
+            raise RunDirError(
+                f"--resume: {out} was run by {recorded} process(es), this is {world.size}; "
+                f"resume it with {recorded} (gradients, hence the run, depend on the number)"
+            )
+        cfg = rundir.load_config(out, trust_task_module)
         state = rundir.load_checkpoint(out)
         done = 0 if state is None else state["step"] + 1
         if steps is not None:
@@ -450,7 +477,8 @@ def resume(
                     f"--steps: {out} already holds {done} checkpointed steps; pass at least {done}"
                 )
             cfg = cfg.replace(steps=steps)
-            rundir.write_atomic(out / rundir.CONFIG, cfg.to_json())
+        if steps is not None or recorded is None:
+            rundir.write_atomic(out / rundir.CONFIG, rundir.config_text(cfg, world.size))
         return out, cfg, state
 
     out, cfg, state = world.on_main(load)
@@ -494,4 +522,6 @@ def _loop(
                 _progress(step, cfg.steps, metrics, started, job.start)
     if progress and main:
         sys.stderr.write("\n")
-    return job.world.on_main(lambda: report.write_run_report(out, read_metrics(out), cfg, name))
+    return job.world.on_main(
+        lambda: report.write_run_report(out, read_metrics(out), cfg, name, job.world.size)
+    )

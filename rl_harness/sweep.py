@@ -80,7 +80,10 @@ def run_seeds(
         run_dir = out / f"seed{seed}"
         seeded = dataclasses.replace(cfg, seed=seed)
         done = len(rundir.read_metrics(run_dir)) if (run_dir / rundir.METRICS).exists() else 0
-        if (run_dir / rundir.CONFIG).exists() and rundir.load_config(run_dir) != seeded:
+        module = seeded.task.module  # named on this command line: trusted
+        if (run_dir / rundir.CONFIG).exists() and (
+            rundir.task_module(run_dir) != module or rundir.load_config(run_dir, module) != seeded
+        ):
             raise HarnessError(
                 f"sweep: {run_dir} holds a run of another config; remove it or choose --out"
             )
@@ -88,7 +91,9 @@ def run_seeds(
             say(f"{name} seed {seed}: complete, kept")
         elif (run_dir / rundir.CONFIG).exists():
             say(f"{name} seed {seed}: resuming at step {done}")
-            runner.resume(run_dir, cache_dir=cache_dir, progress=progress, name=name)
+            runner.resume(
+                run_dir, cache_dir=cache_dir, progress=progress, name=name, trust_task_module=module
+            )
         else:
             say(f"{name} seed {seed}: running {cfg.steps} steps")
             runner.run(seeded, run_dir, cache_dir=cache_dir, progress=progress, name=name)
@@ -187,13 +192,13 @@ def sweep(
 ) -> str:
     """Run every arm of ``configs`` (and the twins) on ``seeds`` seeds into ``out``; write and
     return sweep.md."""
-    out = Path(out)
+    out = rundir.resolved(out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
         arm: run_seeds(cfg, out / arm, seeds, cache_dir, progress, arm, say)
         for arm, cfg in arms(configs).items()
     }
     table = sweep_markdown(results)
-    plot_sweep(results, out / "sweep.png")
     write_atomic(out / "sweep.md", table)
+    report.plot_or_warn(lambda path: plot_sweep(results, path), out / "sweep.png")
     return table

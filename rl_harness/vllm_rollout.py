@@ -62,6 +62,11 @@ def check_available(cfg: Config, head_dim: int | None = None) -> None:
             "rollout.engine=vllm: vLLM is not installed in this environment; run "
             "`make install-vllm` (or use rollout.engine=hf)"
         )
+    if cfg.rollout.kernels == "bik":
+        try:
+            bik.vllm.check(bik.get_backend())
+        except ValueError as error:
+            raise ConfigError(f"rollout.engine=vllm: {error}") from None
     if cfg.rollout.kernels == "native":
         _check_native_allowed()
         if head_dim is not None:
@@ -76,7 +81,11 @@ def _check_native_allowed() -> None:
             f"process (backend {on!r}), so every vLLM engine built here runs bik's numerics, "
             "not vLLM's; run the native engine in a fresh process"
         )
-    if os.environ.get(bik.vllm.ENV_VAR):
+    try:
+        requested = bik.vllm.requested()
+    except ValueError as error:
+        raise ConfigError(f"rollout.engine=vllm: {error}") from None
+    if requested is not None:
         raise ConfigError(
             f"rollout.kernels=native with rollout.engine=vllm: {bik.vllm.ENV_VAR}="
             f"{os.environ[bik.vllm.ENV_VAR]!r} is set, so bik's vLLM plugin would switch bik "

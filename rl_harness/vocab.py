@@ -29,6 +29,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 """A model directory holding any of these holds a tokenizer."""
 
 
+class OutOfVocabulary(ValueError):
+    """A text with a character the character vocabulary lacks (rl_harness.tasks reports it
+    as a ConfigError naming the task)."""
+
+
 class CharVocab:
     """One id per character of :data:`CHARS` (from 3), after PAD 0, BOS 1 and EOS 2."""
 
@@ -36,7 +41,13 @@ class CharVocab:
     _ids: ClassVar[dict[str, int]] = {c: i + 3 for i, c in enumerate(CHARS)}
 
     def encode(self, text: str) -> list[int]:
-        return [self._ids[c] for c in text]
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError as error:
+            raise OutOfVocabulary(
+                f"the character {error.args[0]!r} of {text!r} is not in the character "
+                f"vocabulary {CHARS!r}"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` up to the first EOS (PAD and BOS dropped)."""

@@ -13,8 +13,9 @@ The parent compares all of it with the unsharded model in one process
 (``single_process_model``, ``emulate_step``).
 
 ``spawn_tp(world, out_dir)`` runs ``run_tp_rank``: the row-parallel linear prototype of
-``bik.distributed`` on each rank's K slice of ``tp_inputs``, and the plain tensor-parallel form
-(each rank's bik.linear partial, summed by an all-reduce) for comparison.
+``bik.distributed`` on each rank's K slice of ``tp_inputs``, the errors of calls whose ranks
+disagree, and the plain tensor-parallel form (each rank's bik.linear partial, summed by an
+all-reduce) for comparison.
 """
 
 import datetime
@@ -229,8 +230,16 @@ def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
                 result[dtype, per_rank] = row_parallel_linear(
                     xs, ws, bias, chunks_per_rank=per_rank
                 )
-        # Plain tensor parallelism: the rank's partial, summed by the all-reduce, plus bias.
+        # Ranks that disagree (issue 25, item 8): other chunk counts, other row counts.
         x, weight, bias = tp_inputs(torch.float32)
+        xs, ws = k_slice(x, rank, world), k_slice(weight, rank, world)
+        for what, per_rank, rows in (("chunks_per_rank", rank + 1, 6), ("rows", 1, 6 - rank)):
+            try:
+                row_parallel_linear(xs[:rows], ws, bias, chunks_per_rank=per_rank)
+                result["disagree", what] = None
+            except ValueError as error:
+                result["disagree", what] = str(error)
+        # Plain tensor parallelism: the rank's partial, summed by the all-reduce, plus bias.
         partial = bik.linear(k_slice(x, rank, world), k_slice(weight, rank, world))
         dist.all_reduce(partial)
         result["plain"] = partial + bias

@@ -5,7 +5,8 @@ and a registered autograd formula. :func:`run` picks the path:
   * eager inference (no input needs a graph): the kernel is called directly, without the
     dispatcher's per-call cost, which dominates small decode-time calls;
   * a graph to record, ``torch.compile`` tracing, a dispatch mode (FakeTensorMode, make_fx),
-    meta tensors or tensor subclasses: the custom op, so autograd, Dynamo and fake-tensor
+    a ``torch.vmap`` / ``torch.func`` transform, meta tensors or tensor subclasses: the
+    custom op, so autograd, Dynamo and fake-tensor
     propagation see one opaque op.
 Both paths run the same kernel on the same inputs, so compiled and eager graphs give the
 same bits.
@@ -14,6 +15,7 @@ same bits.
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,26 +34,64 @@ def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 _unsafe_view = torch.ops.aten._unsafe_view.default
 
 
-def custom_op(name: str, kernel: Callable[..., torch.Tensor]):
+def custom_op(
+    name: str, kernel: Callable[..., torch.Tensor], row_args: tuple[int, ...] = ()
+) -> Any:
     """``kernel`` (annotated) registered as the torch.library custom op ``name``. Its result
     is never a view (aten's ``_unsafe_view``, as torch's own ops return), so callers may
-    modify it in place under autograd (e.g. ``logits.div_(temperature)``)."""
+    modify it in place under autograd (e.g. ``logits.div_(temperature)``).
+
+    ``torch.vmap`` runs it by :func:`_vmap_rule`: ``row_args`` are the positions of the
+    arguments whose leading dims are rows of the output (``x [..., K]`` of a linear)."""
 
     @functools.wraps(kernel)  # the schema is read from kernel's signature
     def fresh_output(*args):
         out = kernel(*args)
         return _unsafe_view(out, out.shape) if out._is_view() else out
 
-    return torch.library.custom_op(name, fresh_output, mutates_args=())
+    op = torch.library.custom_op(name, fresh_output, mutates_args=())
+    op.register_vmap(functools.partial(_vmap_rule, name, op, row_args))
+    return op
+
+
+def _vmap_rule(
+    name: str,
+    op: Callable[..., torch.Tensor],
+    row_args: tuple[int, ...],
+    info: Any,
+    in_dims: tuple[int | None, ...],
+    *args: Any,
+) -> tuple[torch.Tensor, int]:
+    """``op`` under ``torch.vmap``. When exactly the row arguments are batched, their batch
+    dim becomes one more leading dim of rows and ``op`` runs once: a row's bits do not
+    depend on the other rows (the contract), so this equals one call per example. Otherwise
+    (a batched weight, attention's keys...) ``op`` runs on each example in turn and the
+    results are stacked."""
+    batched = tuple(i for i, d in enumerate(in_dims) if d is not None)
+    if row_args and batched == row_args:
+        args = tuple(a if d is None else a.movedim(d, 0) for a, d in zip(args, in_dims))
+        return op(*args), 0
+    if info.batch_size == 0:
+        raise ValueError(f"{name}: torch.vmap over an empty batch dim of a non-row argument")
+    outs = [
+        op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims)))
+        for i in range(info.batch_size)
+    ]
+    return torch.stack(outs), 0
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _needs_custom_op(args: tuple) -> bool:
-    # Dynamo tracing, or a dispatch mode (FakeTensorMode, make_fx...): a raw kernel would
-    # write through a fake data pointer or vanish from the traced graph.
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    # Dynamo tracing, a dispatch mode (FakeTensorMode, make_fx...) or a torch.func transform
+    # (vmap's batched tensors): a raw kernel would write through a fake data pointer, read a
+    # wrapper's, or vanish from the traced graph.
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
         return True
     grad = torch.is_grad_enabled()
     for a in args:

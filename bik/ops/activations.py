@@ -51,7 +51,7 @@ def _activation(name: str, formula: Callable[[torch.Tensor], torch.Tensor], doc:
         return formula(x)
 
     kernel.__name__ = f"_{name}"
-    op = custom_op(f"bik::{name}", kernel)
+    op = custom_op(f"bik::{name}", kernel, row_args=(0,))
     op.register_fake(lambda x: x.new_empty(x.shape))
 
     def setup_context(ctx, inputs, output):

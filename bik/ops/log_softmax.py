@@ -56,7 +56,7 @@ def _log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return shaped(backends.kernel(x.device, "log_softmax")(rows, 1.0, out_dtype), x.shape)
 
 
-_log_softmax_op = custom_op("bik::log_softmax", _log_softmax)
+_log_softmax_op = custom_op("bik::log_softmax", _log_softmax, row_args=(0,))
 
 
 @_log_softmax_op.register_fake
@@ -86,7 +86,7 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return shaped(out, tokens.shape)
 
 
-_token_logprobs_op = custom_op("bik::token_logprobs", _token_logprobs)
+_token_logprobs_op = custom_op("bik::token_logprobs", _token_logprobs, row_args=(0, 1))
 
 
 @_token_logprobs_op.register_fake

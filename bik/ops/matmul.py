@@ -53,7 +53,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     return shaped(out, (*a.shape[:-1], n))
 
 
-_matmul_op = custom_op("bik::matmul", _matmul)
+_matmul_op = custom_op("bik::matmul", _matmul, row_args=(0,))
 
 
 @_matmul_op.register_fake

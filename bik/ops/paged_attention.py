@@ -28,6 +28,7 @@ def write_kv_cache(
     Negative slots (padding tokens) are skipped."""
     _check_cache("key_cache", key_cache, key)
     _check_cache("value_cache", value_cache, value)
+    _check_slots(slot_mapping, key, value, key_cache)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -63,19 +64,11 @@ def paged_attention(
     _checks.rank("query", query, 3)
     _check_cache("key_cache", key_cache, query)
     _check_cache("value_cache", value_cache, query)
-    if len(query_start) != len(seq_lens) + 1:
-        raise ValueError(
-            f"query_start: expected {len(seq_lens) + 1} entries (one more than seq_lens), "
-            f"got {len(query_start)}"
-        )
+    _check_step(query, key_cache, block_table, query_start, seq_lens)
     out = query.new_zeros(query.shape)
     decodes = []
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start[i], query_start[i + 1]
-        if not 0 < end - start <= seq_len:
-            raise ValueError(
-                f"seq_lens[{i}] = {seq_len} must be >= its query length {end - start} (> 0)"
-            )
         if end - start == 1:
             decodes.append(i)
             continue
@@ -142,6 +135,91 @@ def _gather(key_cache, value_cache, blocks, seq_len, padded_len):
         return rows.unsqueeze(0)
 
     return contiguous(key_cache), contiguous(value_cache)
+
+
+def _check_step(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: list[int],
+    seq_lens: list[int],
+) -> None:
+    """Every query token belongs to one sequence, and every page a sequence reads is listed
+    in its row of ``block_table`` and is a block of the cache: otherwise rows would come back
+    as zeros, or attend over fewer keys than ``seq_lens`` says, without a word."""
+    tokens, count = query.shape[0], len(seq_lens)
+    if len(query_start) != count + 1:
+        raise ValueError(
+            f"query_start: expected {count + 1} entries (one more than seq_lens), "
+            f"got {len(query_start)}"
+        )
+    if query_start[0] != 0 or query_start[-1] != tokens:
+        raise ValueError(
+            f"query_start: expected to run from 0 to {tokens} (the query's tokens, each in "
+            f"one sequence), got {query_start[0]} to {query_start[-1]}"
+        )
+    for i, seq_len in enumerate(seq_lens):
+        length = query_start[i + 1] - query_start[i]
+        if not 0 < length <= seq_len:
+            raise ValueError(
+                f"seq_lens[{i}] = {seq_len} must be >= its query length {length} (> 0; "
+                f"query_start[{i}:{i + 2}] = {list(query_start[i : i + 2])})"
+            )
+    _integers("block_table", block_table, 2, "block ids")
+    if block_table.shape[0] < count:
+        raise ValueError(
+            f"block_table: expected a row for each of the {count} sequences, got shape "
+            f"{tuple(block_table.shape)}"
+        )
+    block_size, blocks = key_cache.shape[2], key_cache.shape[0]
+    pages = [-(-n // block_size) for n in seq_lens]
+    widest = max(range(count), key=pages.__getitem__, default=None)
+    if widest is not None and pages[widest] > block_table.shape[1]:
+        raise ValueError(
+            f"block_table: seq_lens[{widest}] = {seq_lens[widest]} tokens fill "
+            f"{pages[widest]} pages of {block_size}, but the table has "
+            f"{block_table.shape[1]} columns (shape {tuple(block_table.shape)})"
+        )
+    if count:  # the pages in use only: engines leave the rest of a row unset
+        width = pages[widest]
+        listed = block_table[:count, :width]
+        in_use = torch.arange(width, device=listed.device) < torch.tensor(
+            pages, device=listed.device
+        ).unsqueeze(1)
+        _checks.values_in_range(
+            "block_table",
+            torch.where(in_use, listed, 0),
+            0,
+            blocks - 1,
+            f"ids of the cache's {blocks} blocks, in the pages the sequences use",
+        )
+
+
+def _integers(name: str, value: torch.Tensor, dims: int, what: str) -> None:
+    """A ``dims``-D tensor of integers (a float table would be silently truncated)."""
+    _checks.tensor(name, value)
+    _checks.rank(name, value, dims)
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer dtype ({what}), got {value.dtype}")
+
+
+def _check_slots(
+    slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
+) -> None:
+    _integers("slot_mapping", slot_mapping, 1, "cache slots")
+    for name, tokens in (("key", key), ("value", value)):
+        _checks.rank(name, tokens, 3)
+        _checks.dim_size(name, tokens, 0, slot_mapping.shape[0], "T, one per slot_mapping entry")
+        _checks.dim_size(name, tokens, 1, key_cache.shape[1], "Hkv, the heads of the caches")
+        _checks.dim_size(name, tokens, 2, key_cache.shape[3], "D, the head size of the caches")
+    capacity = key_cache.shape[0] * key_cache.shape[2]
+    _checks.values_in_range(
+        "slot_mapping",
+        slot_mapping,
+        torch.iinfo(slot_mapping.dtype).min,
+        capacity - 1,
+        f"below the cache's {capacity} slots; negative: a padding token, skipped",
+    )
 
 
 def _check_cache(name, cache, like):

@@ -30,7 +30,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return shaped(backends.kernel(x.device, "rms_norm")(rows, weight, eps), x.shape)
 
 
-_rms_norm_op = custom_op("bik::rms_norm", _rms_norm)
+_rms_norm_op = custom_op("bik::rms_norm", _rms_norm, row_args=(0,))
 
 
 @_rms_norm_op.register_fake

@@ -421,6 +421,9 @@ def check(args: argparse.Namespace) -> None:
             f"--engine vllm needs a local model directory (write one with "
             f"model.save_pretrained(directory)), got {args.model!r}",
         )
+    problem = vllm_engine.model_problem(args.model)
+    if problem:
+        raise UsageError("--model", problem)
     for option, default in VLLM_DEFAULTS.items():
         if getattr(args, option) is None:
             setattr(args, option, default)

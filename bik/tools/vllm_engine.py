@@ -33,6 +33,28 @@ def vllm_problem() -> str | None:
     return INSTALL_VLLM if importlib.util.find_spec("vllm") is None else None
 
 
+def model_problem(model_dir: str) -> str | None:
+    """Why bik.vllm cannot run the model in ``model_dir``, read off its config.json before
+    any engine starts (None when it can, or when the directory has no readable config: the
+    loader reports that): a mixture-of-experts model."""
+    from bik.families import EXPERT_COUNT_KEYS
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    experts = max((config.get(key) or 0 for key in EXPERT_COUNT_KEYS), default=0)
+    if not experts:
+        return None
+    return (
+        f"{model_dir!r} holds a mixture-of-experts model ({config.get('model_type')!r}, "
+        f"{experts} experts): bik.vllm does not run mixture-of-experts layers (bik.patch_model "
+        "does, for Hugging Face models: python -m bik verify --engine hf)"
+    )
+
+
 def vllm_version() -> str:
     try:
         return importlib.metadata.version("vllm")

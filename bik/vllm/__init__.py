@@ -5,7 +5,14 @@ Two ways to switch it on, both per process (vLLM's engine process inherits it):
 * ``from bik.vllm import LLM`` and ``LLM(model_dir, ...)``: a ``vllm.LLM`` with bik enabled
   (``backend=`` picks bik's kernels, ``enforce_eager=True`` by default);
 * ``BIK_VLLM=<backend> vllm serve ...`` (or any script that builds a vLLM engine): bik's
-  ``vllm.general_plugins`` entry point (:mod:`bik.vllm.plugin`) reads the variable.
+  ``vllm.general_plugins`` entry point (:mod:`bik.vllm.plugin`) reads the variable. Unset,
+  empty, ``0`` or ``off``: bik stays off; any other value must name an invariant backend
+  (auto, cpu, cuda, triton), else the engine stops with an error naming ``BIK_VLLM``.
+
+Only batch-invariant backends run in vLLM: ``reference`` (plain torch) is refused. vLLM loads
+only the plugins ``VLLM_PLUGINS`` lists when it is set, so :func:`enable` refuses a
+``VLLM_PLUGINS`` without ``bik`` (its engine processes would run vLLM's own numerics); with
+the environment variable alone no bik code runs to notice, so set both or neither.
 
 Enabled, bik replaces vLLM's RMSNorm, SiLU-and-multiply and rotary layers through vLLM's
 custom-op registry, runs unquantized linear layers and the LM head through ``bik.linear``,
@@ -18,17 +25,78 @@ for every batch vLLM forms: continuous batching, chunked prefill, prefix caching
 """
 
 import os
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 from .. import backends
 
-ENV_VAR = "BIK_VLLM"  # the bik backend to run vLLM with; unset or empty: bik stays off
+ENV_VAR = "BIK_VLLM"  # the bik backend to run vLLM with; unset, empty, 0 or off: bik stays off
+OFF = ("", "0", "off")  # BIK_VLLM values (any case) that leave bik off
+PLUGIN = "bik"  # bik's name in vLLM's general plugins (setup.py), as VLLM_PLUGINS lists it
 _enabled: str | None = None
+
+
+def requested() -> str | None:
+    """The backend ``BIK_VLLM`` asks for, or None when it leaves bik off (see the module
+    doc); a ValueError naming ``BIK_VLLM`` when it names no invariant backend."""
+    value = os.environ.get(ENV_VAR, "")
+    if value.strip().lower() in OFF:
+        return None
+    try:
+        return _invariant_backend(value)
+    except ValueError as error:
+        raise ValueError(
+            f"{ENV_VAR}={value!r}: {error}; unset it (or set {'/'.join(OFF[1:])}) for bik off"
+        ) from None
+
+
+def _invariant_backend(backend: str) -> str:
+    """``backend`` if it is "auto" or a batch-invariant backend (a vLLM engine exists to
+    give the trainer's bits: a non-invariant one cannot), else a ValueError."""
+    name = backends.check_name(backend)
+    if name == "auto":
+        return name
+    try:
+        invariant = backends.load(name).invariant
+    except ImportError:  # not built here: its first kernel call says how to build it
+        return name
+    if not invariant:
+        raise ValueError(
+            f"backend: {name!r} is not batch-invariant, so vLLM's log-probs would not equal "
+            "the trainer's; bik.vllm runs the invariant backends only (auto, cpu, cuda, triton)"
+        )
+    return name
+
+
+def _check_plugins() -> None:
+    """vLLM loads only the plugins VLLM_PLUGINS lists (when set): without bik's, the engine
+    processes it starts would run vLLM's numerics while this one believes bik is on."""
+    listed = os.environ.get("VLLM_PLUGINS")
+    if listed is not None and PLUGIN not in [name.strip() for name in listed.split(",")]:
+        raise ValueError(
+            f"VLLM_PLUGINS={listed!r} does not list bik's plugin {PLUGIN!r}: vLLM's engine "
+            f"processes would not load bik and would run vLLM's own numerics; add {PLUGIN} to "
+            "VLLM_PLUGINS or unset it"
+        )
+
+
+def check(backend: str = "auto") -> str:
+    """What :func:`enable` refuses, checked without enabling anything: ``backend`` when it
+    is batch-invariant and VLLM_PLUGINS lets vLLM load bik, else a ValueError."""
+    backend = _invariant_backend(backend)
+    _check_plugins()
+    return backend
 
 
 def enable(backend: str = "auto") -> None:
     """Route vLLM's numerics through bik in this process (see the module doc). Idempotent;
-    a second call may only change the kernel backend."""
+    a second call may only change the kernel backend. ValueError for a backend that is not
+    batch-invariant, or a VLLM_PLUGINS that leaves bik's plugin out."""
     global _enabled
+    backend = check(backend)
     backends.set_backend(backend)
     os.environ[ENV_VAR] = backend  # engine processes vLLM spawns enable bik too
     if _enabled is None:
@@ -78,10 +146,50 @@ def _install():
     base_loader.process_weights_after_loading = process_then_check
 
 
-def update_weights(llm, named_tensors) -> None:
+def update_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write new policy weights (``(name, tensor)`` pairs with Hugging Face parameter names,
     e.g. ``model.named_parameters()``) into a running engine, then drop its prefix cache,
-    whose KV blocks were computed with the old weights."""
-    weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+    whose KV blocks were computed with the old weights. Every pair is checked against the
+    engine's model first (a TypeError or ValueError naming the parameter): a bad one leaves
+    every weight as it was."""
+    weights = list(named_tensors)
+    _check_weights(weights, _parameter_shapes(llm))
+    weights = [(name, tensor.detach()) for name, tensor in weights]
     llm.apply_model(lambda model: model.load_weights(iter(weights)))
     llm.reset_prefix_cache()
+
+
+_SHAPES: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _parameter_shapes(llm: Any) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face parameter names and shapes of ``llm``'s model (tied ones included),
+    from its config on the meta device: no memory, no weights read."""
+    if llm not in _SHAPES:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(llm.llm_engine.model_config.hf_config)
+        _SHAPES[llm] = {
+            name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)
+        }
+    return _SHAPES[llm]
+
+
+def _check_weights(weights: list[Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    for i, pair in enumerate(weights):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {pair!r}")
+        name, tensor = pair
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if name not in shapes:
+            raise ValueError(
+                f"{name}: not a parameter of the engine's model (expected Hugging Face names, "
+                f"such as {next(iter(shapes), '?')!r})"
+            )
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"{name}: expected shape {shapes[name]}, got {tuple(tensor.shape)}; no weight "
+                "was written"
+            )

@@ -26,12 +26,16 @@ use the characters of rl_harness.vocab.CHARS only, which the character vocabular
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
+import numbers
 import random
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..vocab import CHAR, Vocab
+from ..vocab import CHAR, OutOfVocabulary, Vocab
 from ..vocab import of as vocab_of
 from .base import Example, Task, final_answer
 from .direct import ADDITION, COUNTING, SORTING
@@ -40,7 +44,18 @@ from .growable import ITERATE, SCRATCH_ADDITION
 if TYPE_CHECKING:
     from ..config import Config, TaskConfig
 
-__all__ = ["TASKS", "Example", "Task", "final_answer", "load", "of", "prompt_batch", "score"]
+__all__ = [
+    "TASKS",
+    "Example",
+    "Task",
+    "final_answer",
+    "load",
+    "of",
+    "prompt_batch",
+    "score",
+    "source",
+    "texts_of",
+]
 
 TASKS: dict[str, Task] = {
     "addition": ADDITION,
@@ -72,20 +87,57 @@ def of(task_cfg: TaskConfig) -> Task:
     return load(task_cfg.module) if task_cfg.module else TASKS[task_cfg.name]
 
 
+def source(task_cfg: TaskConfig) -> str:
+    """The config key that chose the task, for messages: ``task.module='pkg.mod'`` or
+    ``task.name='addition'``."""
+    if task_cfg.module:
+        return f"task.module={task_cfg.module!r}"
+    return f"task.name={task_cfg.name!r}"
+
+
+@contextlib.contextmanager
+def texts_of(task_cfg: TaskConfig) -> Iterator[None]:
+    """Encoding the task's texts: a character outside the character vocabulary is a
+    ConfigError naming the task (``task.module``) and the character."""
+    try:
+        yield
+    except OutOfVocabulary as error:
+        raise ConfigError(
+            f"{source(task_cfg)}: {error}; a task's prompts and targets use these characters "
+            "only (or a model.path whose tokenizer encodes them)"
+        ) from None
+
+
 def prompt_batch(cfg: Config, rng: random.Random) -> tuple[list[list[int]], list[Example]]:
     """A batch of ``cfg``'s prompts drawn from ``rng`` (token ids of the run's vocabulary),
     each repeated rollout.samples_per_prompt times, and the example of each row."""
     task, words = of(cfg.task), vocab_of(cfg.model)
     rows, examples = [], []
-    for _ in range(cfg.rollout.prompts):
-        example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
-        for _ in range(cfg.rollout.samples_per_prompt):
-            rows.append(words.prompt(example.prompt))
-            examples.append(example)
+    with texts_of(cfg.task):
+        for _ in range(cfg.rollout.prompts):
+            example = task.sample(rng, cfg.task.min_digits, cfg.task.max_digits)
+            for _ in range(cfg.rollout.samples_per_prompt):
+                rows.append(words.prompt(example.prompt))
+                examples.append(example)
     return rows, examples
 
 
-def score(task: Task, example: Example, response_ids: list[int], vocab: Vocab = CHAR) -> float:
+def score(
+    task: Task,
+    example: Example,
+    response_ids: list[int],
+    vocab: Vocab = CHAR,
+    where: str = "the task",
+) -> float:
     """``task``'s reward of a sampled response (token ids, PAD after EOS) decoded by the
-    run's ``vocab`` (rl_harness.vocab.of)."""
-    return task.reward(example, vocab.decode(response_ids), vocab.eos in response_ids)
+    run's ``vocab`` (rl_harness.vocab.of). A reward that is not a finite real number would
+    turn the advantages and the gradient into NaN: it is a ConfigError naming ``where``
+    (:func:`source`)."""
+    response = vocab.decode(response_ids)
+    reward = task.reward(example, response, vocab.eos in response_ids)
+    if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise ConfigError(
+            f"{where}: reward() returned {reward!r} (prompt {example.prompt!r}, response "
+            f"{response!r}); expected a finite real number"
+        )
+    return float(reward)

@@ -89,8 +89,13 @@ def test_bad_arguments():
         row_parallel_linear(x.long(), weight)
 
 
-def test_row_parallel_linear_on_two_ranks(tmp_path):
-    results = worker.spawn_tp(2, str(tmp_path))
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """What each of 2 gloo ranks computed (distributed_worker.run_tp_rank)."""
+    return worker.spawn_tp(2, str(tmp_path_factory.mktemp("tp")))
+
+
+def test_row_parallel_linear_on_two_ranks(results):
     for dtype in DTYPES:
         x, weight, bias = worker.tp_inputs(dtype)
         for per_rank in (1, 2):
@@ -104,6 +109,21 @@ def test_row_parallel_linear_on_two_ranks(tmp_path):
     for result in results:
         assert_bitwise(result["plain"], chunked_linear(x, weight, bias, chunks=2), "plain TP")
         assert not torch.equal(result["plain"], bik.linear(x, weight, bias))
+
+
+def test_row_parallel_linear_refuses_ranks_that_disagree(results):
+    """Issue 25, item 8: ranks with other chunks_per_rank summed partials of different trees
+    (a result equal to no chunked_linear); other row counts aborted one rank and left the
+    other with uninitialised gather buffers. Every rank now raises, naming each rank's value."""
+    for result in results:
+        assert result["disagree", "chunks_per_rank"] == (
+            "row_parallel_linear: every rank must pass the same chunks_per_rank, got "
+            "rank 0: 1, rank 1: 2"
+        )
+        assert result["disagree", "rows"] == (
+            "row_parallel_linear: every rank must pass the same x_shard shape, got "
+            "rank 0: (6, 128), rank 1: (5, 128)"
+        )
 
 
 def test_row_parallel_linear_refuses_inputs_that_need_gradients():

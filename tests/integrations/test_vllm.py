@@ -166,16 +166,36 @@ def test_update_weights_then_generate(model_dir):
     bik.patch_model(model, backend="cpu")
     prompt = prompts(1)[0]
     params = vllm.SamplingParams(max_tokens=8, logprobs=0, detokenize=False)
-    first = llm.generate(
-        [vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
-    )  # fills the prefix cache with the old weights
+    greedy = vllm.SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, detokenize=False)
+
+    def generate(engine, sampling):
+        out = engine.generate([vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], sampling)
+        return out[0].outputs[0]
+
+    first = generate(llm, greedy)  # fills the prefix cache with the old weights
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    # Issue 25, item 9: a wrongly shaped tensor raised a bare AssertionError from vLLM's
+    # loader after the earlier tensors were written. Every pair is checked first.
+    named = list(model.named_parameters())
+    last, tensor = named[-1]
+    with pytest.raises(
+        ValueError,
+        match=rf"^{last}: expected shape \(512, 96\), got \(511, 96\); no weight was written$",
+    ):
+        bik.vllm.update_weights(llm, [*named[:-1], (last, tensor[:-1])])
+    with pytest.raises(ValueError, match=r"^model\.nope: not a parameter of the engine's model"):
+        bik.vllm.update_weights(llm, [*named, ("model.nope", tensor)])
+    with pytest.raises(TypeError, match=r"^lm_head\.weight: expected a torch\.Tensor, got list"):
+        bik.vllm.update_weights(llm, [*named, ("lm_head.weight", [1.0])])
+    unchanged = generate(llm, greedy)
+    assert unchanged.token_ids == first.token_ids
+    assert [lp[t].logprob for lp, t in zip(unchanged.logprobs, unchanged.token_ids)] == [
+        lp[t].logprob for lp, t in zip(first.logprobs, first.token_ids)
+    ]
     bik.vllm.update_weights(llm, model.named_parameters())
-    sample = llm.generate(
-        [vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False
-    )[0].outputs[0]
+    sample = generate(llm, params)
     del llm, first
     gc.collect()
     tokens = list(sample.token_ids)

@@ -4,7 +4,7 @@ whose compiled, eager and fake paths agree."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICE, randn
+from helpers import DEVICE, assert_bitwise, randn
 
 import bik
 from bik.backends import reference
@@ -168,3 +168,51 @@ def test_fake_tensors_and_make_fx_go_through_the_custom_ops():
     targets = {str(node.target) for node in graph.graph.nodes}
     assert {"bik.matmul.default", "bik.log_softmax.default"} <= targets
     assert torch.equal(graph(x, w), bik.log_softmax(bik.linear(x, w)))
+
+
+def test_value_checks_are_skipped_on_fake_and_meta_tensors():
+    """Issue 25, item 14: under a bare FakeTensorMode, bik.attention(kv_start=...) and
+    bik.token_logprobs raised DataDependentOutputException: validation read values that a
+    fake tensor does not have. Real tensors are still checked."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, kv_start = torch.randn(2, 2, 4, 8), torch.tensor([0, 1])
+    logits, tokens = torch.randn(3, 10), torch.tensor([1, 2, 3])
+    with FakeTensorMode() as mode:
+        fake_q = mode.from_tensor(q)
+        out = bik.attention(fake_q, fake_q, fake_q, kv_start=mode.from_tensor(kv_start))
+        logp = bik.token_logprobs(mode.from_tensor(logits), mode.from_tensor(tokens))
+    assert out.shape == q.shape and logp.shape == (3,)
+    assert bik.token_logprobs(logits.to("meta"), tokens.to("meta")).shape == (3,)
+    with pytest.raises(ValueError, match=r"tokens: expected values in \[0, 9\]"):
+        bik.token_logprobs(logits, torch.tensor([1, 2, 10]))
+
+
+def test_vmap_over_batch_dims():
+    """Issue 25, item 13: ``torch.vmap(lambda t: bik.linear(t, w))(x)`` failed with "Cannot
+    access data pointer". Row ops run once on the examples' rows (a row's bits do not depend
+    on the others); batched weights and attention run example by example. Either way the
+    result equals one call per example, bit for bit."""
+    x, w, ws = torch.randn(4, 3, 16), torch.randn(8, 16), torch.randn(4, 8, 16)
+    norm_w, logits = torch.randn(16), torch.randn(4, 3, 10)
+    tokens = torch.randint(0, 10, (4, 3))
+    q = torch.randn(4, 1, 2, 5, 8)
+    each = lambda f, *args: torch.stack([f(*(a[i] for a in args)) for i in range(4)])
+    cases = [
+        (lambda t: bik.linear(t, w), (x,)),
+        (bik.linear, (x, ws)),  # a batched weight
+        (lambda t: bik.rms_norm(t, norm_w), (x,)),
+        (bik.log_softmax, (logits,)),
+        (bik.token_logprobs, (logits, tokens)),
+        (lambda t: bik.token_logprobs(t, tokens[0]), (logits,)),  # only the logits batched
+        (lambda t: bik.attention(t, t, t, causal=True), (q,)),
+    ]
+    for f, args in cases:
+        assert_bitwise(torch.vmap(f)(*args), each(f, *args))
+    assert_bitwise(
+        torch.vmap(lambda t: bik.linear(t, w), in_dims=1)(x), bik.linear(x, w).transpose(0, 1)
+    )
+    nested = torch.vmap(torch.vmap(lambda t: bik.linear(t, w)))(x)
+    assert_bitwise(nested, bik.linear(x, w))
+    with pytest.raises(ValueError, match=r"tokens: expected values in \[0, 9\]"):
+        torch.vmap(bik.token_logprobs)(logits, tokens.masked_fill(tokens == tokens[0, 0], 10))

@@ -131,3 +131,59 @@ def test_errors():
         paged_attention(q, kc.half(), kc, table, [0, 3], [3], scale=1.0)
     with pytest.raises(ValueError, match="value_cache"):
         paged_attention(q, kc, kc[0], table, [0, 3], [3], scale=1.0)
+
+
+def _two_sequences():
+    """A prefill of 40 tokens (3 pages of 16) and a decode row of a 5-token sequence."""
+    *_, queries, kc, vc, table, _ = make_step([40, 5], [40, 1], 1, 1, 8, 16, torch.float32, 3)
+    return torch.cat(queries), kc, vc, table, [0, 40, 41], [40, 5]
+
+
+def test_layout_errors_name_the_argument():
+    """Issue 25, items 3, 4 and 10: a block table too narrow for seq_lens attended over the
+    keys its pages held; a query_start not running from 0 to the token count returned rows
+    of zeros; a short table, a bad block id or slot raised a raw IndexError or RuntimeError;
+    a float table was truncated. Each is now refused, naming the argument."""
+    q, kc, vc, table, starts, lens = _two_sequences()
+    expected = paged_attention(q, kc, vc, table, starts, lens, scale=1.0)
+    unset = torch.cat((table, torch.full((2, 2), -7, dtype=table.dtype)), 1)  # unused columns
+    assert_bitwise(paged_attention(q, kc, vc, unset, starts, lens, scale=1.0), expected)
+    narrow = "block_table: seq_lens.0. = 40 tokens fill 3 pages of 16, but the table has 2 col"
+    blocks = kc.shape[0]
+    bad_ids = [table.clone(), table.clone()]
+    bad_ids[0][0, 2], bad_ids[1][1, 0] = blocks, -1
+    cases = [
+        ((q, table[:, :2], starts, lens), ValueError, narrow),
+        ((q[-1:], table[:1, :2], [0, 1], [40]), ValueError, narrow),  # a decode row
+        ((q, table, [1, 40, 41], lens), ValueError, "query_start: expected to run from 0 to 41"),
+        ((q, table, [0, 40, 40], lens), ValueError, "got 0 to 40"),
+        ((torch.cat((q, q[:1])), table, starts, lens), ValueError, "from 0 to 42"),
+        ((q, table, [0, 41, 41], [41, 5]), ValueError, r"query_start\[1:3\] = \[41, 41\]"),
+        ((q, table[:1], starts, lens), ValueError, "block_table: expected a row for each of"),
+        (
+            (q, bad_ids[0], starts, lens),
+            ValueError,
+            rf"block_table: expected values in \[0, {blocks - 1}\]",
+        ),
+        ((q, bad_ids[1], starts, lens), ValueError, "got min -1"),
+        ((q, table.float(), starts, lens), TypeError, "block_table: expected an integer dtype"),
+        ((q, table[0], starts, lens), ValueError, "block_table: expected 2 dims"),
+    ]
+    for (query, block_table, query_start, seq_lens), error, message in cases:
+        with pytest.raises(error, match=message):
+            paged_attention(query, kc, vc, block_table, query_start, seq_lens, scale=1.0)
+
+
+def test_write_kv_cache_errors_name_the_argument():
+    """Issue 25, item 10: a slot past the cache raised a raw IndexError."""
+    k, kc = torch.ones(3, 1, 4), torch.zeros(2, 1, 16, 4)
+    cases = [
+        (torch.tensor([0, 1, 32]), ValueError, r"slot_mapping: expected values in \[.*, 31\]"),
+        (torch.tensor([0.0, 1.0, 2.0]), TypeError, "slot_mapping: expected an integer dtype"),
+        (torch.tensor([0, 1]), ValueError, "key: expected size 2 in dim 0"),
+    ]
+    for slots, error, message in cases:
+        with pytest.raises(error, match=message):
+            write_kv_cache(k, k, kc, kc.clone(), slots)
+    with pytest.raises(ValueError, match="value: expected size 4 in dim 2"):
+        write_kv_cache(k, k[..., :2], kc, kc[..., :2].clone(), torch.tensor([0, 1, 2]))

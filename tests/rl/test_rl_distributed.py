@@ -13,6 +13,7 @@ read back here); then ``torchrun`` runs the command line, with ``--resume``. Che
   report      ``python -m rl_harness world-size``'s trace and markdown report
 """
 
+import json
 import os
 import pathlib
 import subprocess
@@ -188,6 +189,16 @@ def test_only_rank_0_writes(ranks):
     for name in CONFIGS:
         assert {p.name for p in (tmp / name).iterdir()} == RUN_FILES
     assert {Path(p).parent.name for p in results[0]["writes"]} == {*CONFIGS, "sabotaged"}
+
+
+def test_config_and_summary_record_the_world_size(single, ranks):
+    """Issue 25, item 17: a torchrun run's config.json and summary did not say how many
+    processes made it (its gradients differ from a one-process run's)."""
+    tmp, _ = ranks
+    for name in CONFIGS:
+        for run_dir, size in ((single[name][1], 1), (tmp / name, 2)):
+            assert json.loads((run_dir / "config.json").read_text())["world_size"] == size
+            assert f"- processes: {size} (data-parallel" in (run_dir / "summary.md").read_text()
 
 
 def test_zero_mismatch_is_asserted_on_every_rank(ranks):

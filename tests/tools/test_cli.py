@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bik import hf
-from bik.__main__ import main
+from bik.__main__ import TOOLS, main
 from bik.tools import bench, demo, verify
 
 FAMILIES = ", ".join(hf.SUPPORTED_FAMILIES)
@@ -156,3 +156,27 @@ def test_bad_argument_in_a_process_is_one_line_without_traceback():
     assert done.stderr.splitlines()[-1].startswith(
         "python -m bik verify: error: argument --model: expected 'all', a preset"
     )
+
+
+def _help(run, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        run(argv)
+    assert exit_.value.code == 0, argv
+    return capsys.readouterr().out
+
+
+def test_help_of_every_subcommand_of_both_command_lines(capsys):
+    """Issue 25, item 16: ``python -m rl_harness --help`` crashed on an unescaped ``%`` in a
+    help string (argparse formats help text with %)."""
+    import argparse
+
+    import rl_harness.__main__ as rl_cli
+
+    rl_commands = next(
+        a.choices for a in rl_cli.parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for run, commands in ((main, TOOLS), (rl_cli.main, rl_commands)):
+        assert "usage:" in _help(run, ["--help"], capsys)
+        for command in commands:
+            assert f" {command} " in _help(run, [command, "--help"], capsys)
+    assert "95% CIs" in _help(rl_cli.main, ["--help"], capsys)

@@ -130,3 +130,16 @@ def test_vllm_options_need_engine_vllm(capsys, no_work):
 def test_model_given_twice_must_agree(capsys, no_work, qwen3_dir):
     line = usage_error(capsys, ["verify", "--model", "tiny-qwen3", str(qwen3_dir)])
     assert "argument --model: got 'tiny-qwen3' and MODEL" in line
+
+
+def test_a_mixture_of_experts_model_is_refused_before_any_engine(capsys, no_work, tmp_path):
+    """Issue 25, item 15: given a MoE model directory, ``verify --engine vllm`` ran a whole
+    native sampling and then failed with exit 1; ``bench --vllm`` ended in a traceback. Both
+    now stop at once with status 2 (only config.json is read)."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 4}')
+    expected = f"argument --model: '{tmp_path}' holds a mixture-of-experts model ('qwen3_moe', 4"
+    for argv in (
+        ["verify", "--engine", "vllm", str(tmp_path)],
+        ["bench", "--vllm", "--model", str(tmp_path)],
+    ):
+        assert expected in usage_error(capsys, argv)

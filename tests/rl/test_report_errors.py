@@ -1,0 +1,81 @@
+"""Reports without matplotlib (issue 25, item 18): a finished run, a comparison or a sweep
+never fails on its plot; its metrics and tables are written first and a missing plotting
+library is a warning. The package declares matplotlib in its ``rl`` extra."""
+
+import ast
+import contextlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from rl_helpers import TINY as RL_TINY
+
+from rl_harness import runner
+from rl_harness.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [*RL_TINY, "steps=1", "warmup.steps=0"]  # no warm-up: the reports are the subject
+NO_PLOTS = r"not written \(ModuleNotFoundError: .*matplotlib.*pip install 'bik\[rl\]'"
+
+
+def _sets(sets):
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+@pytest.fixture
+def without_matplotlib(monkeypatch):
+    """``import matplotlib`` fails from now on, as where it is not installed."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def test_run_compare_and_sweep_finish_without_matplotlib(tmp_path, cache, without_matplotlib):
+    """After ``pip install -e .`` without the dev extra, ``run`` computed the whole run and
+    then died writing metrics.png (exit 1); compare and sweep likewise."""
+    out = tmp_path / "run"
+    argv = ["run", "--out", str(out), "--cache-dir", str(cache), *_sets(TINY)]
+    with pytest.warns(RuntimeWarning, match=f"metrics.png {NO_PLOTS}"):
+        assert main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {
+        "config.json",
+        "metrics.jsonl",
+        "checkpoint.pt",
+        "summary.md",
+    }
+    assert len(runner.read_metrics(out)) == 1
+    with pytest.warns(RuntimeWarning, match=f"compare.png {NO_PLOTS}"):
+        assert main(["compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
+    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"compare.md"}
+    sweep = ["sweep", "--recipe", "zero_mismatch", "--seeds", "1", "--out", str(tmp_path / "sw")]
+    with pytest.warns(RuntimeWarning) as caught:  # the seed's metrics.png, then sweep.png
+        assert main([*sweep, "--cache-dir", str(cache), *_sets(TINY)]) == 0
+    assert [re.search(f"(metrics|sweep).png {NO_PLOTS}", str(w.message))[1] for w in caught] == [
+        "metrics",
+        "sweep",
+    ]
+    assert (tmp_path / "sw" / "sweep.md").exists() and not (tmp_path / "sw" / "sweep.png").exists()
+
+
+def _setup_keywords() -> dict:
+    """The literal keywords of setup.py's ``setup(...)`` call (install_requires,
+    extras_require...), read without running it."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"
+    )
+    keywords = {}
+    for keyword in call.keywords:
+        with contextlib.suppress(ValueError):  # computed ones (version, ext_modules...)
+            keywords[keyword.arg] = ast.literal_eval(keyword.value)
+    return keywords
+
+
+def test_matplotlib_is_declared_in_the_rl_extra():
+    """The harness's plots need matplotlib, which only the dev extra listed."""
+    keywords = _setup_keywords()
+    assert "matplotlib" in keywords["extras_require"]["rl"]
+    assert "matplotlib" not in keywords["install_requires"]  # the kernels do not need it
