@@ -43,7 +43,7 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
     words = vocab.of(model_cfg)
     if model_cfg.path:
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch.float32)
         except (OSError, ValueError) as error:
             raise ConfigError(
                 f"model.path: cannot load a causal LM from {model_cfg.path!r} ({error})"
