@@ -40,13 +40,13 @@ install-vllm: $(VLLM) $(BUILT)
 
 build: $(BUILT)
 
-# The main job: the kernel demo, then a zero-mismatch RL run next to a kernel-swapped one.
+# The main job, on the real model (SmolLM2-135M-Instruct, prepared on first use): plain torch
+# vs bik (and native vLLM vs vLLM + bik when vLLM is installed), then two short RL runs whose
+# PPO ratio shows what the mismatch does to an update.
 demo: $(BUILT)
 	$(BIN)/python -m bik demo
-	rm -rf runs/zero_mismatch runs/kernel_swap
-	$(BIN)/python -m rl_harness run --out runs/zero_mismatch
-	$(BIN)/python -m rl_harness run --recipe kernel_swap --out runs/kernel_swap
-	$(BIN)/python -m rl_harness compare runs/zero_mismatch runs/kernel_swap --out runs/compare
+	rm -rf runs/demo
+	$(BIN)/python -m rl_harness.demo --out runs/demo
 
 test: $(BUILT)
 	$(BIN)/python -m pytest -q tests

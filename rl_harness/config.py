@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from bik.contract import check_split_size
 from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
+from bik.models import MODELS
 
 from . import tasks
 from .errors import ConfigError
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 KERNELS = ("bik", "native")
-TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate")
+TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate", "chat_addition")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -172,13 +173,18 @@ class _Section:
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    """A tiny random-init policy of ``family``, or a local model directory (``path``).
+    """A tiny random-init policy of ``family``, or a local model directory (``path``), or a
+    real model of bik.models by name (``path=smollm2``: prepared on first use).
+
+    ``chat_template``: prompts are the user turn of the tokenizer's chat template, ready for
+    the assistant's answer (a ``path`` model whose tokenizer has one).
 
     ``experts`` and ``experts_per_token`` size the mixture-of-experts families
     (bik.families.MOE_FAMILIES); the dense families ignore them."""
 
     SECTION: ClassVar[str] = "model"
     path: str | None = None
+    chat_template: bool = False
     family: str = spec("qwen3", choices=SUPPORTED_FAMILIES)
     hidden_size: int = spec(64, ge=1)
     layers: int = spec(2, ge=1)
@@ -210,8 +216,15 @@ class ModelConfig(_Section):
                 f"model.kv_heads: expected a divisor of model.heads ({self.heads}), "
                 f"got {self.kv_heads}"
             )
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ConfigError(f"model.path: no model directory at {self.path!r}")
+        if self.path is not None and self.path not in MODELS and not Path(self.path).is_dir():
+            raise ConfigError(
+                f"model.path: no model directory at {self.path!r} (nor a real model: "
+                f"{', '.join(MODELS)})"
+            )
+        if self.chat_template and self.path is None:
+            raise ConfigError(
+                "model.chat_template: expected a model.path whose tokenizer has a chat template"
+            )
 
 
 @dataclass(frozen=True)
@@ -492,6 +505,11 @@ class Config(_Section):
                 f"train.mini_batches: expected a divisor of rollout.prompts "
                 f"({self.rollout.prompts}; a mini-batch holds whole prompt groups), "
                 f"got {self.train.mini_batches}"
+            )
+        if self.task.name == "chat_addition" and not self.task.module and not self.model.path:
+            raise ConfigError(
+                "task.name=chat_addition: its questions are words, which need a model.path "
+                "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
             )
         if self.model.moe and self.rollout.engine == "vllm":
             raise ConfigError(

@@ -89,3 +89,21 @@ def test_missing_packages_name_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     with pytest.raises(models.ModelUnavailableError, match=r"pip install -e '\.\[models\]'"):
         models._convert(tmp_path / "x.gguf", tmp_path / "out")
+
+
+@pytest.mark.slow  # the real model end to end; the tiny presets check every axis elsewhere
+def test_the_demo_runs_on_the_real_model(capsys):
+    assert main(["demo", "--tokens", "2", "--no-vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "| rollout (decode, KV cache) vs trainer (one forward) |" in out
+    assert "| bf16 |" in out and "| fp16 |" in out
+    tables = [line for line in out.splitlines() if line.startswith("| ")]
+    # every bik cell is identical; plain torch moves somewhere (the negative control)
+    assert any("max" in line for line in tables)
+
+
+@pytest.mark.slow  # verify's checks on the 135M model: the tiny presets run them in test_hf
+def test_verify_passes_on_the_real_model_and_plain_torch_differs(capsys):
+    assert main(["verify", "--model", "smollm2", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "all checks bit-identical under bik" in out
