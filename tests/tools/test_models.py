@@ -107,3 +107,14 @@ def test_verify_passes_on_the_real_model_and_plain_torch_differs(capsys):
     assert main(["verify", "--model", "smollm2", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "DIFFERS" in out and "all checks bit-identical under bik" in out
+
+
+@pytest.mark.slow  # loads the real model twice (plain and patched)
+def test_bench_times_the_real_model_end_to_end():
+    from bik.tools.bench import cases
+
+    assert {"e2e_smollm2_forward", "e2e_smollm2_decode"} <= {c.op for c in cases.cpu_cases(False)}
+    case = cases.real_model("forward", 1, 8)
+    ours, theirs = case.make("cpu", torch.float32)
+    assert ours().shape == theirs().shape == (1, 8, 49152)
+    torch.testing.assert_close(ours(), theirs(), rtol=1e-3, atol=1e-3)
