@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def path(name: str, echo: object = None) -> Path:
+def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
     """The local directory of model ``name`` (see :data:`MODELS`), prepared on first use.
 
     ``echo`` (a callable taking one line, e.g. ``print``) reports the preparation's steps.
@@ -82,7 +83,7 @@ def path(name: str, echo: object = None) -> Path:
         raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
     target = cache_dir() / name
     if not target.is_dir():
-        _prepare(name, target, echo if callable(echo) else _quiet)
+        _prepare(name, target, echo or _quiet)
     _verify(name, target)
     return target
 
@@ -144,7 +145,7 @@ def file_sha256(file: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _prepare(name: str, target: Path, echo) -> None:
+def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
     """Download, convert and save model ``name`` into ``target``, atomically."""
     spec = MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ def load(directory: str, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
 
-def chat_prompts(tokenizer, texts: tuple[str, ...]) -> list[torch.Tensor]:
+def chat_prompts(tokenizer: Any, texts: tuple[str, ...]) -> list[torch.Tensor]:
     """Each text as a user turn of the tokenizer's chat template, ready for the answer."""
     return [
         torch.tensor(

@@ -212,7 +212,9 @@ def moe_block(tokens: int, hidden: int) -> Case:
     )
 
 
-def _generate_or_forward(model, ids, kind: str, new_tokens: int, pad: int):
+def _generate_or_forward(
+    model: torch.nn.Module, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
+) -> torch.Tensor:
     with torch.no_grad():
         if kind == "forward":
             return model(input_ids=ids).logits
