@@ -543,8 +543,13 @@ class Config(_Section):
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
-        """Nested plain values, one object per section (the layout of config.json)."""
-        return dataclasses.asdict(self)
+        """Nested plain values, one object per section (the layout of config.json). A key
+        added after runs were recorded is written only when set (``model.chat_template``),
+        so the config.json of a run without it stays byte for byte what it was."""
+        values = dataclasses.asdict(self)
+        if not self.model.chat_template:
+            del values["model"]["chat_template"]
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:
