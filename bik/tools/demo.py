@@ -99,10 +99,29 @@ class Rollout:
     prompt_width: int
 
 
+def _token_counter(tokens: int) -> Any:
+    """A stopping criterion that stops nothing and prints how many tokens were generated
+    (generation is the demo's longest wait on a loaded machine)."""
+    from transformers import StoppingCriteria
+
+    class Counter(StoppingCriteria):
+        done = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            self.done += 1
+            end = "\n" if self.done == tokens else ""
+            print(f"\r  .. token {self.done}/{tokens}", end=end, flush=True)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Counter()
+
+
 def sample(
     model: torch.nn.Module, prompts: list[torch.Tensor], tokens: int, seed: int, pad: int
 ) -> Rollout:
     """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all)."""
+    from transformers import StoppingCriteriaList
+
     ids, mask = left_pad(prompts, pad)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -117,6 +136,7 @@ def sample(
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=pad,
+            stopping_criteria=StoppingCriteriaList([_token_counter(tokens)]),
         )
     generated = out.sequences[:, ids.shape[1] :]
     logprobs = token_logprobs(torch.stack(out.logits, 1).float(), generated, TEMPERATURE)
