@@ -127,6 +127,8 @@ def _load(path: str | None, chat_template: bool = False) -> Vocab:
     if path is not None:
         path = model_directory(path)
     if path is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        if chat_template:
+            raise ConfigError(f"model.chat_template: {path!r} holds no tokenizer")
         return CHAR
     from transformers import AutoTokenizer
 
