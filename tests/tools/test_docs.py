@@ -55,7 +55,16 @@ def test_blocks_are_found_and_skips_need_a_reason():
     assert python_blocks(text)[0][2] is None  # no reason, no skip
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def _page_params() -> list:
+    """A page whose blocks build a vLLM engine is `slow` (minutes on a CPU): make test runs
+    it, make test-fast leaves it out."""
+    return [
+        pytest.param(page, marks=[pytest.mark.slow] if "vllm" in script_of(page) else [])
+        for page in PAGES
+    ]
+
+
+@pytest.mark.parametrize("page", _page_params(), ids=lambda p: p.name)
 def test_python_blocks_run(page, tmp_path):
     script = script_of(page)
     if not script.strip():
