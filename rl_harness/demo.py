@@ -1,9 +1,9 @@
 """``python -m rl_harness.demo``: the RL part of ``make demo``, on the real model.
 
-Two short runs of one setup on SmolLM2-135M-Instruct (recipes ``smollm2`` and
-``smollm2_native``: chat addition through its chat template, bf16 on both sides, PPO with
-pi_old := the rollout's log-probs, as verl's bypass mode; clip 0.1), one with bik on both
-sides, one with native torch kernels on both sides. The difference to look at is the PPO
+Two short runs of one setup on SmolLM2-135M-Instruct (recipe ``smollm2``: chat addition
+through its chat template, bf16 on both sides, PPO with pi_old := the rollout's log-probs, as
+verl's bypass mode; clip 0.1), one as the recipe is, with bik on both sides, one with
+``rollout.kernels=native train.kernels=native``. The difference to look at is the PPO
 ratio of the first update of every step: the policy has not moved yet, so it should be
 exactly 1. With native kernels the trainer's forward gives the sampled tokens other
 log-probs than the sampler did, the ratio spreads around 1, and PPO clips tokens (drops their
@@ -20,20 +20,27 @@ from pathlib import Path
 
 from . import config, recipes, report, runner
 
-RUNS = {"smollm2": "bik", "smollm2_native": "native torch"}
+RECIPE = "smollm2"
+# run directory name: (what runs on both sides, --set overrides on top of the recipe)
+RUNS = {
+    "smollm2": ("bik", []),
+    "smollm2_native": ("native torch", ["rollout.kernels=native", "train.kernels=native"]),
+}
 
 
-def _run(recipe: str, out: Path, steps: int, cache_dir: str, index: int) -> list[dict]:
-    cfg = config.build(recipes.overrides(recipe), [f"steps={steps}"])
+def _run(name: str, out: Path, steps: int, cache_dir: str, index: int) -> list[dict]:
+    kernels, sets = RUNS[name]
+    cfg = config.build(recipes.overrides(RECIPE), [*sets, f"steps={steps}"])
+    shown = "".join(f" --set {s}" for s in sets)
     print(
-        f"\n[{index}/{len(RUNS)}] rl_harness run --recipe {recipe} --steps {steps} "
-        f"({RUNS[recipe]} on both sides) ...",
+        f"\n[{index}/{len(RUNS)}] rl_harness run --recipe {RECIPE}{shown} --steps {steps} "
+        f"({kernels} on both sides) ...",
         flush=True,
     )
     start = time.perf_counter()
-    runner.run(cfg, out / recipe, cache_dir=cache_dir, name=recipe)
+    runner.run(cfg, out / name, cache_dir=cache_dir, name=name)
     print(f"\n[{index}/{len(RUNS)}] done in {time.perf_counter() - start:.0f} s", flush=True)
-    return runner.read_metrics(out / recipe)
+    return runner.read_metrics(out / name)
 
 
 def _ratio(row: dict) -> str:
@@ -68,10 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     histories = {
-        recipe: _run(recipe, out, args.steps, args.cache_dir, index)
-        for index, recipe in enumerate(RUNS, 1)
+        name: _run(name, out, args.steps, args.cache_dir, index)
+        for index, name in enumerate(RUNS, 1)
     }
-    runs = {RUNS[recipe]: report.load(out / recipe) for recipe in RUNS}
+    runs = {RUNS[name][0]: report.load(out / name) for name in RUNS}
     report.write_compare(runs, out / "compare")
     print(
         f"\nPPO on SmolLM2-135M-Instruct, bf16 ({args.steps} steps each; plots and the full "

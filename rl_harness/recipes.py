@@ -146,10 +146,6 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "SmolLM2-135M-Instruct, chat addition, bf16, bik on both sides: the PPO ratio is 1",
         _SMOLLM2,
     ),
-    "smollm2_native": (
-        "SmolLM2-135M-Instruct, chat addition, bf16, native torch on both sides",
-        {**_SMOLLM2, "rollout.kernels": "native", "train.kernels": "native"},
-    ),
     "collapse_constant": (
         "collapse experiment: fp8-like native bf16 rollout vs bik fp32 trainer, constant LR 2e-3",
         _COLLAPSE,

@@ -1,4 +1,4 @@
-"""The harness on the real model (recipes smollm2, smollm2_native), its chat task, the demo's
+"""The harness on the real model (recipe smollm2), its chat task, the demo's
 table and the plots' readability rules."""
 
 import random
