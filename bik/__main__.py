@@ -1,10 +1,10 @@
-"""Command line: ``python -m bik demo|verify|bench|backends ...`` (``python -m bik.bench`` is
-an alias of ``python -m bik bench``)."""
+"""Command line: ``python -m bik demo|verify|bench|backends|model ...`` (``python -m
+bik.bench`` is an alias of ``python -m bik bench``)."""
 
 import argparse
 import sys
 
-from .tools import backends, bench, demo, verify
+from .tools import backends, bench, demo, model, verify
 from .tools.cli import UsageError
 
 TOOLS = {
@@ -12,6 +12,7 @@ TOOLS = {
     "verify": (verify, "run the invariance checks on a causal LM, unpatched and patched"),
     "bench": (bench, "time bik's kernels against the non-invariant baselines, same run"),
     "backends": (backends, "which backend implements which op, its order, whether it runs here"),
+    "model": (model, "prepare a real pretrained model (first use) and print its directory"),
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from bik.contract import DTYPE_NAMES, check_split_size
 from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
+from bik.models import MODELS
 
 from . import remedies, tasks
 from .errors import ConfigError
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 KERNELS = ("bik", "native")
-TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate")
+TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate", "chat_addition")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
@@ -160,13 +161,18 @@ class _Section:
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    """A tiny random-init policy of ``family``, or a local model directory (``path``).
+    """A tiny random-init policy of ``family``, or a local model directory (``path``), or a
+    real model of bik.models by name (``path=smollm2``: prepared on first use).
+
+    ``chat_template``: prompts are the user turn of the tokenizer's chat template, ready for
+    the assistant's answer (a ``path`` model whose tokenizer has one).
 
     ``experts`` and ``experts_per_token`` size the mixture-of-experts families
     (bik.families.MOE_FAMILIES); the dense families ignore them."""
 
     SECTION: ClassVar[str] = "model"
     path: str | None = None
+    chat_template: bool = False
     family: str = spec("qwen3", choices=SUPPORTED_FAMILIES)
     hidden_size: int = spec(64, ge=1)
     layers: int = spec(2, ge=1)
@@ -198,8 +204,15 @@ class ModelConfig(_Section):
                 f"model.kv_heads: expected a divisor of model.heads ({self.heads}), "
                 f"got {self.kv_heads}"
             )
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ConfigError(f"model.path: no model directory at {self.path!r}")
+        if self.path is not None and self.path not in MODELS and not Path(self.path).is_dir():
+            raise ConfigError(
+                f"model.path: no model directory at {self.path!r} (nor a real model: "
+                f"{', '.join(MODELS)})"
+            )
+        if self.chat_template and self.path is None:
+            raise ConfigError(
+                "model.chat_template: expected a model.path whose tokenizer has a chat template"
+            )
 
 
 @dataclass(frozen=True)
@@ -486,6 +499,11 @@ class Config(_Section):
                 f"({self.rollout.prompts}; a mini-batch holds whole prompt groups), "
                 f"got {self.train.mini_batches}"
             )
+        if self.task.name == "chat_addition" and not self.task.module and not self.model.path:
+            raise ConfigError(
+                "task.name=chat_addition: its questions are words, which need a model.path "
+                "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
+            )
         if self.model.moe and self.rollout.engine == "vllm":
             raise ConfigError(
                 f"rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
@@ -518,8 +536,13 @@ class Config(_Section):
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
-        """Nested plain values, one object per section (the layout of config.json)."""
-        return dataclasses.asdict(self)
+        """Nested plain values, one object per section (the layout of config.json). A key
+        added after runs were recorded is written only when set (``model.chat_template``),
+        so the config.json of a run without it stays byte for byte what it was."""
+        values = dataclasses.asdict(self)
+        if not self.model.chat_template:
+            del values["model"]["chat_template"]
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import bik
+import bik.models
 from bik.contract import DTYPE_NAMES
 from bik.families import FAMILIES
 from bik.hf import generation_position_ids
@@ -42,7 +43,8 @@ def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
     words = vocab.of(model_cfg)
     if model_cfg.path:
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, torch_dtype=torch.float32)
+            directory = vocab.model_directory(model_cfg.path)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         except (OSError, ValueError) as error:
             raise ConfigError(
                 f"model.path: cannot load a causal LM from {model_cfg.path!r} ({error})"
@@ -200,7 +202,11 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
         "seed": warmup_seed(config),
         **{k: dataclasses.asdict(v) for k, v in sections.items()},
     }
-    if config.model.path:
+    if not config.model.chat_template:  # the keys of runs without it stay what they were
+        del key["model"]["chat_template"]
+    if config.model.path in bik.models.MODELS:  # its weights are checked against this digest
+        key["model_files"] = bik.models.MODELS[config.model.path].weights_sha256
+    elif config.model.path:
         key["model_files"] = model_files_digest(config.model.path)
     text = json.dumps(key, sort_keys=True)
     return Path(cache_dir) / f"warmup-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"

@@ -13,6 +13,30 @@ _VLLM = {"rollout.engine": "vllm", "model.head_dim": 32}
 # A tiny Qwen3-MoE policy: 8 experts, 2 per token (model.experts, model.experts_per_token).
 _MOE = {"model.family": "qwen3_moe"}
 
+# The real model (bik.models, SmolLM2-135M-Instruct) on a task it can partly do, asked through
+# its chat template; no warm-up (it is pretrained); bf16 on both sides, as trainers run it.
+# remedy.bypass takes the rollout's log-probs as pi_old (one forward less, as verl's bypass
+# mode), so the PPO ratio at the first update is pi_train / pi_rollout: exactly 1 under bik,
+# and where the kernels make it differ PPO clips tokens whose policy has not moved (clip 0.1).
+_SMOLLM2 = {
+    "model.path": "smollm2",
+    "model.chat_template": True,
+    "task.name": "chat_addition",
+    "task.max_digits": 1,
+    "warmup.steps": 0,
+    "steps": 3,
+    "rollout.prompts": 4,
+    "rollout.samples_per_prompt": 2,
+    "rollout.max_new_tokens": 8,
+    "rollout.temperature": 0.7,
+    "rollout.dtype": "bfloat16",
+    "train.dtype": "bfloat16",
+    "train.lr": 1e-6,
+    "train.clip_low": 0.1,
+    "train.clip_high": 0.1,
+    "remedy.bypass": True,
+}
+
 # The pre-registered collapse experiment (results/rl/RESULTS.md section 8): a growable task
 # (iterate, long forms up to 74 tokens) warmed up with 30 % long-form targets, a hot sampler,
 # a high LR, and an fp8-like native bf16 rollout against bik's fp32 trainer. Every arm shares
@@ -117,6 +141,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "moe_dtype_swap": (
         "Qwen3-MoE policy, rollout in bfloat16, trainer in float32",
         {**_MOE, "rollout.dtype": "bfloat16"},
+    ),
+    "smollm2": (
+        "SmolLM2-135M-Instruct, chat addition, bf16, bik on both sides: the PPO ratio is 1",
+        _SMOLLM2,
     ),
     "collapse_constant": (
         "collapse experiment: fp8-like native bf16 rollout vs bik fp32 trainer, constant LR 2e-3",

@@ -40,6 +40,7 @@ PANELS = [
     ("mismatch/tokens_unequal_frac", "fraction of unequal tokens"),
     ("grad_norm", "grad norm"),
     ("lr", "learning rate"),
+    ("ppo/clip_frac", "share of tokens outside PPO's clip range"),
     (EVAL, "held-out accuracy (greedy)"),  # only when a run evaluated
 ]
 
@@ -349,18 +350,55 @@ def write_compare(runs: Mapping[str, History | Seeds], out: Path) -> str:
     return table
 
 
+# Line styles and markers by run, so that a curve lying on another one stays visible.
+STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 2)), "x")]
+
+
+def plain_ticks(ax: Axes) -> None:
+    """Each y tick labelled with its own value in 3 significant digits: no offset text and no
+    shared exponent to combine with it."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+
+
 def plot_panel(ax: Axes, runs: Mapping[str, Sequence[History]], key: str, title: str) -> None:
     """One line per label of ``runs``: a single history's ``key`` per step, or the mean over
-    several (seeds) with the 95 % interval as a band."""
-    for name, group in runs.items():
+    several (seeds) with the 95 % interval as a band. Each run has its own line style and
+    marker; tick labels are plain numbers (no offset or shared exponent), and a flat panel
+    still gets a range with several ticks."""
+    from matplotlib.ticker import MaxNLocator
+
+    values = []
+    for index, (name, group) in enumerate(runs.items()):
         steps, mean, half = band(group, key)
-        (line,) = ax.plot(steps, mean, label=name, linewidth=1)
+        style, marker = STYLES[index % len(STYLES)]
+        (line,) = ax.plot(
+            steps,
+            mean,
+            label=name,
+            linewidth=1.2,
+            linestyle=style,
+            marker=marker,
+            markersize=4,
+            markevery=max(1, len(steps) // 12),
+            fillstyle="none",
+        )
+        values += mean
         if len(group) > 1:
             low = [m - w for m, w in zip(mean, half)]
             high = [m + w for m, w in zip(mean, half)]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+    finite = [v for v in values if math.isfinite(v)]
+    if finite and max(finite) == min(finite):  # flat: one tick would say nothing
+        centre = finite[0]
+        pad = abs(centre) * 0.5
+        ax.set_ylim(*((centre - pad, centre + pad) if pad else (-0.1, 1.0)))
+    plain_ticks(ax)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel(title.split(" (")[0], fontsize=8)
 
 
 def plot_runs(runs: Mapping[str, History | Seeds], path: Path) -> None:
@@ -378,11 +416,11 @@ def plot_runs(runs: Mapping[str, History | Seeds], path: Path) -> None:
     fig, axes = plt.subplots(2, columns, figsize=(13 * columns / 3, 6.5))
     for ax, (key, title) in zip(axes.flat, panels):
         plot_panel(ax, groups, key, title)
-        if key in ("mismatch/k3_kl", "grad_norm") and any(m.get(key, 0) > 0 for m in rows):
-            ax.set_yscale("symlog", linthresh=1e-8 if key == "mismatch/k3_kl" else 1e-3)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes.flat[0].get_legend_handles_labels()  # one legend, above the panels
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.95), ncol=4, fontsize=8)
+    fig.suptitle(f"rl_harness: {', '.join(groups)} (per step)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

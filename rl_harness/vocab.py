@@ -14,6 +14,8 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import bik.models
+
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ class TokenizerVocab:
     tokenizer's (required), PAD its pad token or else EOS, BOS its BOS token or None, when
     prompts are the text's tokens alone."""
 
-    def __init__(self, tokenizer: Any, path: str) -> None:
+    def __init__(self, tokenizer: Any, path: str, chat_template: bool = False) -> None:
         if tokenizer.eos_token_id is None:
             raise ConfigError(f"model.path: the tokenizer in {path!r} has no EOS token")
         self.tokenizer = tokenizer
@@ -77,6 +79,9 @@ class TokenizerVocab:
         self.pad: int = self.eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         self.bos: int | None = tokenizer.bos_token_id
         self.size: int = len(tokenizer)
+        if chat_template and not tokenizer.chat_template:
+            raise ConfigError(f"model.chat_template: the tokenizer in {path!r} has none")
+        self.chat_template = chat_template
         self._special = set(tokenizer.all_special_ids) | {self.pad}
 
     def encode(self, text: str) -> list[int]:
@@ -97,7 +102,14 @@ class TokenizerVocab:
         return "".join([*out, self.tokenizer.decode(run)])
 
     def prompt(self, text: str) -> list[int]:
-        """The token ids of a prompt: BOS (if the tokenizer has one), then ``text``."""
+        """The token ids of a prompt: BOS (if the tokenizer has one), then ``text``; with
+        ``chat_template``, ``text`` as the user turn of the tokenizer's chat template, up to
+        the start of the assistant's answer."""
+        if self.chat_template:
+            turn = [{"role": "user", "content": text}]
+            return list(
+                self.tokenizer.apply_chat_template(turn, add_generation_prompt=True)["input_ids"]
+            )
         return ([] if self.bos is None else [self.bos]) + self.encode(text)
 
 
@@ -107,12 +119,27 @@ CHAR = CharVocab()
 
 def of(model_cfg: ModelConfig) -> Vocab:
     """The vocabulary of a run's model section (see the module docstring)."""
-    return _load(model_cfg.path)
+    return _load(model_cfg.path, model_cfg.chat_template)
+
+
+def model_directory(path: str) -> str:
+    """The local directory of ``model.path``: a real model of bik.models by name (prepared
+    on first use), or the directory itself."""
+    if path in bik.models.MODELS:
+        try:
+            return str(bik.models.path(path))
+        except bik.models.ModelUnavailableError as error:
+            raise ConfigError(f"model.path: {error}") from None
+    return path
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str | None) -> Vocab:
+def _load(path: str | None, chat_template: bool = False) -> Vocab:
+    if path is not None:
+        path = model_directory(path)
     if path is None or not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        if chat_template:
+            raise ConfigError(f"model.chat_template: {path!r} holds no tokenizer")
         return CHAR
     from transformers import AutoTokenizer
 
@@ -120,4 +147,4 @@ def _load(path: str | None) -> Vocab:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ConfigError(f"model.path: cannot load the tokenizer in {path!r} ({error})") from None
-    return TokenizerVocab(tokenizer, path)
+    return TokenizerVocab(tokenizer, path, chat_template)

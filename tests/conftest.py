@@ -66,3 +66,11 @@ def cache(tmp_path_factory):
     """rl_harness tests: one warm-up cache per module (warm-ups are keyed by their config,
     so a module's runs share them). Shadows pytest's cache fixture, which no test uses."""
     return tmp_path_factory.mktemp("warmup-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real model's local directory (bik.models; prepared on first use, then cached)."""
+    from bik import models
+
+    return str(models.path("smollm2"))

@@ -68,33 +68,53 @@ class _WindowActive(Exception):
 
 
 def _kv_bounds(mask, batch, tq, tk, window):
-    """Each row's first valid key and the number of keys in use, read off the mask, which
-    must be exactly causal with left padding (anything else cannot be expressed to bik)."""
+    """Each row's first valid key and the number of keys in use, read off the mask.
+
+    A row's valid keys must be one contiguous run [start, end): left padding before it, and
+    zeros after it (a sequence that stopped at EOS, or right padding), and every query inside
+    the run must see exactly the keys from start to itself. Trailing zeros are exact under
+    causal attention: no query before ``end`` sees a key at or after it. Queries outside the
+    run are padding; no real query sees their outputs, and bik computes them causally from
+    ``start`` (transformers' mask may give them other keys)."""
     if mask is None:
-        kv_start, kv_len = torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
-    else:
-        allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
-        allowed = allowed[:, 0].expand(batch, tq, tk)
-        seen = allowed.any(1)  # [B, Tk]: keys some query sees (a window hides none of them)
-        if not bool(seen.any(-1).all()):
-            raise RuntimeError(
-                "bik attention: attention_mask leaves a row with no key to attend to (a row of "
-                "padding only); give every row at least one token"
-            )
-        kv_start = seen.int().argmax(-1)
-        kv_len = tk - int(seen.flip(-1).int().argmax(-1).min())
-        expected = reference.attention_mask(tq, kv_len, kv_start, causal=True)[:, 0]
-        if not torch.equal(allowed[..., :kv_len], expected) or bool(allowed[..., kv_len:].any()):
-            if window is not None and _windowed(expected, tq, kv_len, window).equal(
-                allowed[..., :kv_len]
-            ):
-                raise _WindowActive
-            raise RuntimeError(
-                "bik attention: attention_mask is not causal with left padding (right padding "
-                "or packed sequences), which bik cannot make invariant; pad on the left "
-                "(tokenizer.padding_side = 'left') with one sequence per row"
-            )
-    if window is not None and kv_len - int(kv_start.min()) > window:
+        if window is not None and tk > window:
+            raise _WindowActive
+        return torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
+    allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
+    allowed = allowed[:, 0].expand(batch, tq, tk)
+    seen = allowed.any(1)  # [B, Tk]: keys some query sees (a window hides none of them)
+    if not bool(seen.any(-1).all()):
+        raise RuntimeError(
+            "bik attention: attention_mask leaves a row with no key to attend to (a row of "
+            "padding only); give every row at least one token"
+        )
+    keys = torch.arange(tk, device=seen.device)
+    kv_start = seen.int().argmax(-1)
+    kv_end = tk - seen.flip(-1).int().argmax(-1)
+    run = (keys >= kv_start[:, None]) & (keys < kv_end[:, None])
+    if not torch.equal(seen, run):
+        raise RuntimeError(
+            "bik attention: attention_mask has zeros between a row's tokens (packed "
+            "sequences, or generation continuing a right-padded prompt), which bik cannot "
+            "make invariant; give each row one sequence: padding before it (left padding) "
+            "and, if any, zeros after its last token only"
+        )
+    kv_len = int(kv_end.max())
+    positions = keys[tk - tq :]
+    real = (positions >= kv_start[:, None]) & (positions < kv_end[:, None])  # [B, Tq]
+    expected = reference.attention_mask(tq, tk, kv_start, causal=True)[:, 0]
+    if not torch.equal(allowed & real[..., None], expected & real[..., None]):
+        windowed = _windowed(expected, tq, tk, window) if window is not None else None
+        if windowed is not None and torch.equal(
+            allowed & real[..., None], windowed & real[..., None]
+        ):
+            raise _WindowActive
+        raise RuntimeError(
+            "bik attention: attention_mask is not causal within a row (a query sees keys "
+            "after itself, or misses keys of its own sequence), which bik cannot make "
+            "invariant; pass the causal LM's own padding mask (1 for tokens, 0 for padding)"
+        )
+    if window is not None and int((kv_end - kv_start).max()) > window:
         raise _WindowActive
     return kv_start.to(torch.int32), kv_len
 

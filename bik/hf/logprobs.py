@@ -26,6 +26,10 @@ def sequence_logprobs(
     Returns fp32 ``[B, T]``: entry t is log p(input_ids[t] | input_ids[:t]) where
     ``response_mask[:, t]`` is set, else 0 (position 0 has no prediction). Positions come from
     the attention mask as in generation, and the one-token shift is done here.
+
+    ``attention_mask`` is 1 on each row's tokens: left padding before them, and zeros after
+    them where a sequence stopped at EOS before the longest one (exact: under causal
+    attention no token sees a later one). A zero between two tokens of a row raises.
     """
     for name, t in (
         ("input_ids", input_ids),

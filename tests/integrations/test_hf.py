@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bik
 from bik.__main__ import main
@@ -91,12 +93,118 @@ def test_patch_with_explicit_backend():
     assert bik.get_backend() == "auto"  # the model's backend does not leak
 
 
-def test_right_padding_is_rejected_loudly():
+def test_a_gap_inside_a_row_is_rejected_loudly():
     model = tiny("tiny-qwen3")
     bik.patch_model(model)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    with pytest.raises(RuntimeError, match="causal with left padding"):
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]])
+    with pytest.raises(RuntimeError, match="zeros between a row's tokens"):
         model(input_ids=torch.randint(3, 256, (2, 4)), attention_mask=mask)
+
+
+def _stopped_at_eos(prompts, responses, pad_id=0):
+    """The batch an RL trainer builds: left-padded prompts, responses of different lengths
+    (each ends at its EOS), zeros after EOS; the response mask marks the response tokens."""
+    width = max(map(len, prompts)) + max(map(len, responses))
+    ids = torch.full((len(prompts), width), pad_id)
+    mask, response = torch.zeros_like(ids), torch.zeros_like(ids)
+    left = max(map(len, prompts))
+    for row, (prompt, answer) in enumerate(zip(prompts, responses)):
+        ids[row, left - len(prompt) : left + len(answer)] = torch.cat([prompt, answer])
+        mask[row, left - len(prompt) : left + len(answer)] = 1
+        response[row, left : left + len(answer)] = 1
+    return ids, mask, response, left
+
+
+def _eos_rows_vs_alone(model, prompts, responses):
+    """Per row: (the row's response log-probs in the EOS-padded batch, the same row alone)."""
+    ids, mask, response, left = _stopped_at_eos(prompts, responses)
+    with torch.no_grad():
+        batch = bik.sequence_logprobs(model, ids, mask, response)
+    pairs = []
+    for row, (prompt, answer) in enumerate(zip(prompts, responses)):
+        seq = torch.cat([prompt, answer])[None]
+        resp = torch.zeros_like(seq)
+        resp[:, len(prompt) :] = 1
+        with torch.no_grad():
+            alone = bik.sequence_logprobs(model, seq, torch.ones_like(seq), resp)
+        pairs.append((batch[row, left : left + len(answer)], alone[0, len(prompt) :]))
+    return pairs
+
+
+@settings(deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 12)), min_size=2, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_stopping_at_eos_equal_each_row_alone(dtype, lengths, seed):
+    model = _patched_qwen3(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (p,), generator=gen) for p, _ in lengths]
+    responses = [torch.randint(3, 256, (r,), generator=gen) for _, r in lengths]
+    for in_batch, alone in _eos_rows_vs_alone(model, prompts, responses):
+        assert torch.equal(in_batch, alone)
+
+
+def test_rows_stopping_at_eos_move_under_plain_torch():
+    """Negative control: the same batches through the unpatched model change some row."""
+    model = tiny("tiny-qwen3", torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7, 9, 3, 12, 4)]
+    responses = [torch.randint(3, 256, (n,), generator=gen) for n in (12, 3, 8, 1, 6, 10, 2, 9)]
+    pairs = _eos_rows_vs_alone(model, prompts, responses)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+
+
+_PATCHED = {}
+
+
+def _patched_qwen3(dtype):
+    """One patched tiny model per dtype for the hypothesis examples (built once)."""
+    if dtype not in _PATCHED:
+        _PATCHED[dtype] = tiny("tiny-qwen3", dtype)
+        bik.patch_model(_PATCHED[dtype])
+    return _PATCHED[dtype]
+
+
+def test_generate_stopping_at_eos_equals_the_trainer_with_zeros_after_eos():
+    """Rows of one sampled batch stop at EOS at different steps; the trainer scores them with
+    zeros after each EOS and gets the rollout's log-probs of every real token, bit for bit."""
+    model = tiny("tiny-qwen3", torch.bfloat16)
+    bik.patch_model(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
+    ids, mask = verify.left_pad(prompts, pad_id=0)
+
+    def sample(eos):
+        torch.manual_seed(1)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=12,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=eos,
+        )
+
+    # EOS := a token the first row samples mid-way, so rows stop at different steps
+    eos = int(sample(None).sequences[0, ids.shape[1] + 4])
+    out = sample(eos)
+    generated = out.sequences[:, ids.shape[1] :]
+    stops = [
+        int((row == eos).int().argmax()) + 1 if (row == eos).any() else len(row)
+        for row in generated
+    ]
+    assert len(set(stops)) > 1, "rows should stop at different lengths"
+    rollout = bik.token_logprobs(torch.stack(out.logits, 1), generated)
+    keep = torch.arange(generated.shape[1])[None] < torch.tensor(stops)[:, None]
+    full_mask = torch.cat([mask, keep.long()], 1)
+    response = torch.cat([torch.zeros_like(mask), keep.long()], 1)
+    trained = bik.sequence_logprobs(model, out.sequences, full_mask, response)
+    assert torch.equal(trained[:, ids.shape[1] :], torch.where(keep, rollout, 0.0))
 
 
 def test_first_divergent_module_is_named_for_plain_torch():

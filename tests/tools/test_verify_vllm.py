@@ -117,7 +117,7 @@ def test_without_vllm_the_error_says_how_to_install_it(capsys, no_work, monkeypa
 @pytest.mark.parametrize("model", ["all", "tiny-qwen3"])
 def test_engine_vllm_needs_a_model_directory(capsys, no_work, model):
     line = usage_error(capsys, ["verify", "--engine", "vllm", "--model", model])
-    assert "argument --model: --engine vllm needs a local model directory" in line
+    assert "argument --model: --engine vllm needs a real model (smollm2) or a local model" in line
 
 
 def test_vllm_options_need_engine_vllm(capsys, no_work):

@@ -352,7 +352,11 @@ def plot(result: dict, path: str) -> None:
     records = [r for r in result["records"] if "ratio" in r]
     labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in records]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(records) + 1.5))
-    ax.barh(range(len(records)), [r["ratio"] for r in records])
+    ratios = [r["ratio"] for r in records]
+    ax.barh(range(len(records)), ratios)
+    for row, ratio in enumerate(ratios):  # the value beside each bar: a zero bar stays visible
+        ax.text(ratio, row, f" {ratio:.2f}", va="center", fontsize=7)
+    ax.set_xlim(0, max([*ratios, 1.0]) * 1.15)
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(records)), labels, fontsize=7)
     ax.invert_yaxis()

