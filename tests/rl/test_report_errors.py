@@ -67,8 +67,14 @@ def _setup_keywords() -> dict:
         for node in ast.walk(tree)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"
     )
-    keywords = {}
+    keywords: dict = {}
     for keyword in call.keywords:
+        if isinstance(keyword.value, ast.Dict):  # extras_require: its literal entries
+            keywords[keyword.arg] = {}
+            for key, value in zip(keyword.value.keys, keyword.value.values):
+                with contextlib.suppress(ValueError):  # computed ones (the trl extra's pin)
+                    keywords[keyword.arg][ast.literal_eval(key)] = ast.literal_eval(value)
+            continue
         with contextlib.suppress(ValueError):  # computed ones (version, ext_modules...)
             keywords[keyword.arg] = ast.literal_eval(keyword.value)
     return keywords
