@@ -90,6 +90,13 @@ def test_filtered_loss_is_the_loss_of_the_kept_rows_alone(how):
         assert stats[key] == pytest.approx(alone_stats[key], rel=1e-6), key
 
 
+def test_a_kl_term_without_the_references_logprobs_is_refused():
+    cfg = config.build({}, ["train.kl_coef=0.1"])
+    batch = _batch(2)
+    with pytest.raises(ValueError, match=r"batch\.ref_logp"):
+        trainer.policy_loss(batch.train_logp, batch, torch.zeros(2), cfg)
+
+
 def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
     """warmup.steps=0: a random policy answers nothing right, every group's rewards are
     equal, so every group is dropped: no update, finite metrics."""
