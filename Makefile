@@ -93,6 +93,7 @@ test-gpu-image: $(GPU_BUILT)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -155,7 +155,15 @@ setup(
     # pybind11 is a build requirement (pyproject.toml); dev also lists it, with setuptools, for
     # `make build`, which rebuilds the extension without an isolated build environment.
     extras_require={
-        "dev": ["pytest", "hypothesis", "matplotlib", "ruff", "pybind11>=2.10", "setuptools>=64"],
+        "dev": [
+            "pytest",
+            "hypothesis",
+            "matplotlib",
+            "ruff",
+            "mypy",
+            "pybind11>=2.10",
+            "setuptools>=64",
+        ],
         # rl_harness's plots (metrics.png, compare.png, sweep.png); without it a run still
         # writes its metrics and summary, and warns that the plots are missing.
         "rl": ["matplotlib"],

@@ -3,6 +3,8 @@ chunked or padded, so rollout and training compute the same bits."""
 
 __version__ = "0.1.0"  # the one version source (setup.py reads it)
 
+from typing import TYPE_CHECKING
+
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
@@ -13,14 +15,17 @@ from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
 
+if TYPE_CHECKING:  # what __getattr__ imports on first use; other names are errors
+    from .hf import PatchReport, patch_model, sequence_logprobs, unpatch_model
+else:
 
-def __getattr__(name: str) -> object:
-    # The Hugging Face layer is imported on first use: the kernels never need transformers.
-    if name in ("patch_model", "unpatch_model", "sequence_logprobs", "PatchReport"):
-        from . import hf
+    def __getattr__(name: str) -> object:
+        # The Hugging Face layer is imported on first use: the kernels never need transformers.
+        if name in ("patch_model", "unpatch_model", "sequence_logprobs", "PatchReport"):
+            from . import hf
 
-        return getattr(hf, name)
-    raise AttributeError(f"module 'bik' has no attribute {name!r}")
+            return getattr(hf, name)
+        raise AttributeError(f"module 'bik' has no attribute {name!r}")
 
 
 __all__ = [

@@ -46,7 +46,14 @@ def _check_chunks(name: str, chunks: int, k: int) -> None:
         raise ValueError(f"{name}: K = {k} (the last dim of x) is not divisible by {chunks}")
 
 
-def _check_operands(x_name, x, w_name, weight, bias, k_what):
+def _check_operands(
+    x_name: str,
+    x: torch.Tensor,
+    w_name: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k_what: str,
+) -> None:
     _checks.floating(x_name, x)
     _checks.floating(w_name, weight)
     _checks.rank(w_name, weight, 2)

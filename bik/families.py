@@ -54,6 +54,13 @@ class Family:
     shared_expert_key: str | None = None
     fp32_router_weights: bool = False
 
+    def __post_init__(self) -> None:
+        if (self.experts_key is None) != (self.expert_width_key is None):
+            raise ValueError(
+                f"{self.model_type}: experts_key and expert_width_key: expected both (a "
+                "mixture-of-experts family) or neither (a dense one)"
+            )
+
     @property
     def moe(self) -> bool:
         return self.experts_key is not None
@@ -64,7 +71,7 @@ class Family:
         """The config keys of ``experts`` experts of MLP width ``width``, ``top_k`` per token
         (and a shared expert of ``shared_width`` where the family has one), router jitter off:
         it would make a token's routing a random draw. Empty for a dense family."""
-        if not self.moe:
+        if self.experts_key is None or self.expert_width_key is None:  # dense
             return {}
         keys: dict[str, Any] = {
             "num_experts_per_tok": top_k,

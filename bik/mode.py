@@ -432,7 +432,7 @@ def _inplace_form(op: str, fn: Callable) -> Callable:
 # --- registration --------------------------------------------------------------------------
 
 # aten op -> (bik kernel, its out= overload, its in-place overload), on CPU and CUDA
-_COVERED_FORMS = {
+_COVERED_FORMS: dict[str, tuple[Callable[..., torch.Tensor], str, str | None]] = {
     "mm": (_mm, "mm.out", None),
     "addmm": (_addmm, "addmm.out", "addmm_"),
     "bmm": (_bmm, "bmm.out", None),
@@ -451,7 +451,7 @@ _COVERED_FORMS = {
 }
 
 # What torch has only as CUDA kernels (on CPU it decomposes them into covered ops).
-_CUDA_ONLY_FORMS = {
+_CUDA_ONLY_FORMS: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "mm.dtype": (_mm, "mm.dtype_out"),
     "bmm.dtype": (_bmm, "bmm.dtype_out"),
     "addmm.dtype": (_addmm, "addmm.dtype_out"),
@@ -488,7 +488,8 @@ def _exists(overload: str) -> bool:
 
 
 def _build() -> tuple[dict[str, Callable], dict[str, Callable]]:
-    both, cuda = {}, {}
+    both: dict[str, Callable] = {}
+    cuda: dict[str, Callable] = {}
     for op, (fn, out, inplace) in _COVERED_FORMS.items():
         both[op] = functools.partial(fn, op)
         if out:

@@ -120,6 +120,8 @@ class _Section:
     the section's own cross-field checks (``_validate``)."""
 
     SECTION: ClassVar[str] = ""
+    # every section is a dataclass: this declares it to the type checker (no runtime effect)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def _key(self, name: str) -> str:
         return f"{self.SECTION}.{name}" if self.SECTION else name
@@ -586,7 +588,8 @@ def _construct(flat: Mapping[str, Any]) -> Config:
         section, _, name = key.rpartition(".")
         (sections[section] if section else top)[name] = value
     try:
-        built = {name: kind(**sections[name]) for name, kind in SECTIONS.items()}
+        # Config's section fields by name (each of its own type: Any to the type checker)
+        built: dict[str, Any] = {name: kind(**sections[name]) for name, kind in SECTIONS.items()}
         return Config(**top, **built)
     except TypeError as error:  # a dataclass refusing an argument: report it as config
         raise ConfigError(str(error)) from None

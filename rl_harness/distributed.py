@@ -37,7 +37,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,8 @@ class World:
         in the next collective); any other error stops the other ranks with a RuntimeError."""
         if self.size == 1:
             return fn()
-        outcome: list[object] = [None]
+        # ("ok", fn's result), ("error", the HarnessError) or ("failed", its message): pickled
+        outcome: list[Any] = [None]
         failure: BaseException | None = None
         if self.main:
             try:
@@ -135,7 +136,7 @@ class World:
         dist.broadcast_object_list(outcome, src=0)
         if failure is not None:
             raise failure
-        kind, value = outcome[0]  # type: ignore[misc]
+        kind, value = outcome[0]
         if kind == "error":
             raise value
         if kind == "failed":

@@ -78,7 +78,7 @@ class Heldout:
             torch.Generator(),  # never drawn from: greedy
             greedy=True,
         )
-        responses = batch["sequences"][:, batch["prompt_width"] :].tolist()
+        responses = batch.sequences[:, batch.prompt_width :].tolist()
         rewards = [
             tasks.score(self.task, e, r, self.vocab, self.where)
             for e, r in zip(self.examples, responses)
@@ -86,7 +86,7 @@ class Heldout:
         accuracy = sum(rewards) / len(rewards)
         metrics: dict[str, Any] = {
             "eval/accuracy": accuracy,
-            "eval/response_length": float(batch["response_mask"].sum(-1).float().mean()),
+            "eval/response_length": float(batch.response_mask.sum(-1).float().mean()),
         }
         for flag, raised in job.detector.update_eval(accuracy).items():
             metrics[f"collapse/{flag}"] = int(raised)

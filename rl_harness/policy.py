@@ -31,10 +31,12 @@ from .logits import round_mantissa
 from .rundir import write_atomic
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from .config import Config, ModelConfig
 
 
-def build_master(model_cfg: ModelConfig, seed: int) -> torch.nn.Module:
+def build_master(model_cfg: ModelConfig, seed: int) -> PreTrainedModel:
     """The fp32 master policy: ``model.path`` loaded, or a random-init ``model.family``; its
     config (and generation config) carries the run vocabulary's special ids
     (rl_harness.vocab.of), which the samplers read."""
@@ -96,10 +98,11 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
 
 
 def working_copy(
-    master: torch.nn.Module, dtype: str, kernels: str, split_size: int = 0
-) -> torch.nn.Module:
+    master: PreTrainedModel, dtype: str, kernels: str, split_size: int = 0
+) -> PreTrainedModel:
     """A copy of ``master`` in ``dtype`` running bik's kernels or native torch."""
-    work = copy.deepcopy(master).to(DTYPE_NAMES[dtype])
+    # transformers types PreTrainedModel.to through a decorator that drops its signature
+    work = copy.deepcopy(master).to(DTYPE_NAMES[dtype])  # type: ignore[arg-type]
     if kernels == "bik":
         bik.patch_model(work, split_size=split_size or None)
     return work

@@ -9,7 +9,8 @@ and synthetic perturbations of the rollout logits (:func:`rl_harness.logits.pert
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -17,15 +18,18 @@ from transformers import DynamicCache
 from bik.hf import generation_position_ids
 
 from . import routing
+from .batch import Rollout
 from .logits import LogitsProcessor, perturb
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from .config import RolloutConfig
 
 
 @torch.no_grad()
 def sample(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prompts: list[list[int]],
     cfg: RolloutConfig,
     drift: torch.Tensor,
@@ -33,7 +37,7 @@ def sample(
     rows: slice | None = None,
     *,
     greedy: bool = False,
-) -> dict[str, Any]:
+) -> Rollout:
     """Sample a response for every prompt (lists of token ids: BOS, if the vocabulary has
     one, then the text), or for the prompts ``rows`` (a contiguous range: one rank's share
     under data parallelism). PAD and EOS are the ids in ``model.config`` (the run's
@@ -47,12 +51,8 @@ def sample(
     for the whole batch, each row using its own: a row's tokens and log-probs do not depend on
     which rows are sampled with it (bik's kernels make the forward independent of the rest).
 
-    Returns dict: ``sequences``, ``attention_mask`` (left padding, then ones), ``response_mask``
-    (response tokens up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response)
-    ``prompt_width`` and ``pad_id`` (the PAD id of the padding), for the rows sampled; for a
-    mixture-of-experts model also
-    ``routing`` ``[B, L, layers, k]``, the top-k experts each position was routed to
-    (rl_harness.routing; the last position, never fed back, is routing.UNROUTED).
+    Returns the rows sampled (:class:`~rl_harness.batch.Rollout`), with ``routing`` for a
+    mixture-of-experts model.
     """
     processor = LogitsProcessor.of(cfg)
     total = len(prompts)
@@ -100,17 +100,17 @@ def sample(
     sequences = torch.cat([ids, generated], dim=1)
     full_attention = torch.cat([attention[:, :width], torch.ones_like(generated)], dim=1)
     pad_prompt = torch.zeros_like(ids)
-    batch = {
-        "sequences": sequences,
-        "attention_mask": full_attention,
-        "response_mask": torch.cat([pad_prompt, response_mask], dim=1),
-        "rollout_logp": torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
-        "prompt_width": width,
-        "pad_id": pad,
-    }
+    batch = Rollout(
+        sequences=sequences,
+        attention_mask=full_attention,
+        response_mask=torch.cat([pad_prompt, response_mask], dim=1),
+        rollout_logp=torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
+        prompt_width=width,
+        pad_id=pad,
+    )
     if recorder.routers:
         experts = recorder.pop(last - first, calls_along="positions")
-        batch["routing"] = routing.pad_positions(experts, sequences.shape[1])
+        batch.routing = routing.pad_positions(experts, sequences.shape[1])
     return batch
 
 
@@ -126,25 +126,23 @@ def _draw(probs: torch.Tensor, generator: torch.Generator, rows: slice, total: i
     return torch.multinomial(whole, 1, generator=generator)[rows, 0]
 
 
-def pad_responses(batch: dict[str, Any], length: int) -> dict[str, Any]:
+def pad_responses(batch: Rollout, length: int) -> Rollout:
     """``batch`` (from :func:`sample`) extended to ``length`` columns as a finished row goes on
     in :func:`sample` while other rows still generate: PAD tokens, attended, off the response,
     log-prob 0. Data-parallel ranks pad their shares to the batch's longest response, so each
     rank's rows equal the single-process batch's rows, columns included."""
-    extra = length - batch["sequences"].shape[1]
+    extra = length - batch.sequences.shape[1]
     if extra == 0:
         return batch
 
     def extend(t: torch.Tensor, value: float) -> torch.Tensor:
         return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
 
-    padded = {
-        **batch,
-        "sequences": extend(batch["sequences"], batch["pad_id"]),
-        "attention_mask": extend(batch["attention_mask"], 1),
-        "response_mask": extend(batch["response_mask"], 0),
-        "rollout_logp": extend(batch["rollout_logp"], 0.0),
-    }
-    if "routing" in batch:
-        padded["routing"] = routing.pad_positions(batch["routing"], length)
-    return padded
+    return dataclasses.replace(
+        batch,
+        sequences=extend(batch.sequences, batch.pad_id),
+        attention_mask=extend(batch.attention_mask, 1),
+        response_mask=extend(batch.response_mask, 0),
+        rollout_logp=extend(batch.rollout_logp, 0.0),
+        routing=None if batch.routing is None else routing.pad_positions(batch.routing, length),
+    )

@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,7 @@ from . import (
     vllm_rollout,
     vocab,
 )
+from .batch import Batch, Rollout, Tokens
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, RunDirError
@@ -40,6 +41,9 @@ from .evaluate import Heldout, due
 from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
 from .schedule import LRSchedule
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 read_metrics = rundir.read_metrics
 
@@ -93,7 +97,7 @@ class Run:
                     f"({type(self.master).__name__}); use rollout.engine=hf"
                 )
             vllm_rollout.check_available(cfg, vllm_rollout.head_dim(self.master.config))
-        self.batch: dict[str, torch.Tensor] = {}  # the last step's whole batch, for inspection
+        self.batch: Batch | None = None  # the last step's whole batch, for inspection
         self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
@@ -107,7 +111,7 @@ class Run:
         self.reference = self._reference(state)
         # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
         self.moe = bool(routing.routers(self.train_model))
-        self.rollout_model: torch.nn.Module | None = None
+        self.rollout_model: PreTrainedModel | None = None
         if cfg.rollout.engine == "hf":
             self.rollout_model = policy.working_copy(
                 self.master,
@@ -169,38 +173,39 @@ class Run:
             share = rollout.sample(
                 self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
             )
-        share = rollout.pad_responses(share, world.max(share["sequences"].shape[1]))
+        share = rollout.pad_responses(share, world.max(share.sequences.shape[1]))
         recorder = routing.Recorder(self.train_model)
         with recorder if self.moe else contextlib.nullcontext():
             train_logp, entropy = self._forward(self.train_model, share)
         # Every rank's rows, in order: the single-process batch. Everything below but the
         # backward of this rank's share is computed from it, identically on every rank.
-        keys = ("sequences", "attention_mask", "response_mask", "rollout_logp")
-        gathered = {
-            **{k: share[k] for k in keys},
-            "train_logp": train_logp.detach(),
-            "entropy": entropy.detach(),
-        }
+        gathered = Batch(
+            share.sequences,
+            share.attention_mask,
+            share.response_mask,
+            share.rollout_logp,
+            train_logp=train_logp.detach(),
+            entropy=entropy.detach(),
+        )
         if self.moe:
-            gathered["rollout_routing"] = share["routing"]
-            rows_here = share["sequences"].shape[0]
-            gathered["train_routing"] = recorder.pop(rows_here, calls_along="rows")
-        batch = world.gather_rows(gathered)
+            gathered.rollout_routing = share.routing
+            rows_here = share.sequences.shape[0]
+            gathered.train_routing = recorder.pop(rows_here, calls_along="rows")
+        batch = Batch(**world.gather_rows(gathered.tensors()))
         self.batch = batch
-        width = share["prompt_width"]
-        responses = batch["sequences"][:, width:].tolist()
+        width = share.prompt_width
+        responses = batch.sequences[:, width:].tolist()
         task, words, where = tasks.of(cfg.task), vocab.of(cfg.model), tasks.source(cfg.task)
         rewards = torch.tensor(
             [tasks.score(task, e, r, words, where) for e, r in zip(examples, responses)]
         )
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-        mask = batch["response_mask"]
-        metrics = mismatch_metrics(
-            batch["train_logp"], batch["rollout_logp"], mask, cfg.remedy.clip
-        )
+        mask = batch.response_mask
+        metrics = mismatch_metrics(batch.train_logp, batch.rollout_logp, mask, cfg.remedy.clip)
         if self.moe:
+            assert batch.rollout_routing is not None and batch.train_routing is not None
             metrics.update(
-                routing.routing_metrics(batch["rollout_routing"], batch["train_routing"], mask)
+                routing.routing_metrics(batch.rollout_routing, batch.train_routing, mask)
             )
         if (
             cfg.zero_mismatch
@@ -235,7 +240,7 @@ class Run:
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 **updates,
-                "entropy": float((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1)),
+                "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
                 "loss": batch_loss,
                 "lr": self.optimizer.param_groups[0]["lr"],
             }
@@ -247,9 +252,7 @@ class Run:
             metrics[f"collapse/{flag}"] = int(raised)
         return metrics
 
-    def _forward(
-        self, model: torch.nn.Module, rows: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, model: torch.nn.Module, rows: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainer's forward of ``model`` (the trainer copy or the reference) over the
         batch rows ``rows``: log-probs and entropy (trainer.token_logprobs_and_entropy) with
         train.micro_batch_size and train.autocast, the entropy with grad when it is in the
@@ -259,9 +262,7 @@ class Run:
             model, rows, self.processor, t.micro_batch_size, t.autocast, t.entropy_coef > 0
         )
 
-    def _terms(
-        self, share: dict[str, Any], batch: dict[str, torch.Tensor], rewards: torch.Tensor
-    ) -> dict[str, float]:
+    def _terms(self, share: Rollout, batch: Batch, rewards: torch.Tensor) -> dict[str, float]:
         """Adds to ``batch`` what the loss's optional terms need (trainer.policy_loss) and
         returns their step metrics: with train.filter_groups, ``kept`` (trainer.kept_rows)
         and ``train/groups_kept_frac``; with train.kl_coef > 0, ``ref_logp`` (the
@@ -269,26 +270,26 @@ class Run:
         (trainer.mean_kl, at pi_old)."""
         t, stats = self.cfg.train, {}
         if t.filter_groups:
-            batch["kept"] = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
-            stats["train/groups_kept_frac"] = float(batch["kept"].mean())
+            batch.kept = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
+            stats["train/groups_kept_frac"] = float(batch.kept.mean())
         if self.reference is not None:
             with torch.no_grad():
                 ref_logp, _ = self._forward(self.reference, share)
-            batch["ref_logp"] = self.world.gather_rows({"ref": ref_logp})["ref"]
+            batch.ref_logp = self.world.gather_rows({"ref": ref_logp})["ref"]
             stats["train/kl"] = trainer.mean_kl(batch, t.kl_estimator)
         return stats
 
     def _ppo(
         self,
-        share: dict[str, Any],
+        share: Rollout,
         forward: tuple[torch.Tensor, torch.Tensor],
-        batch: dict[str, torch.Tensor],
+        batch: Batch,
         adv: torch.Tensor,
         rewards: torch.Tensor,
         rows: slice,
     ) -> dict[str, Any]:
         """train.ppo_epochs passes over train.mini_batches mini-batches (whole prompt groups, a
-        fixed order), one update each, against pi_old = ``batch["train_logp"]``. The first
+        fixed order), one update each, against pi_old = ``batch.train_logp``. The first
         update of a single mini-batch reuses the batch forward ``forward`` (this rank's
         rows' log-probs and entropy, with grad); every other update refreshes the trainer
         copy if the master changed and runs its own forward. A mini-batch whose groups
@@ -301,7 +302,7 @@ class Run:
         ``self.updates``."""
         cfg, t = self.cfg, self.cfg.train
         terms = self._terms(share, batch, rewards)
-        size = batch["sequences"].shape[0] // t.mini_batches
+        size = batch.sequences.shape[0] // t.mini_batches
         parts = (
             [None]
             if t.mini_batches == 1
@@ -311,7 +312,7 @@ class Run:
         stale = False  # the trainer copy lags the master
         for epoch in range(t.ppo_epochs):
             for select in parts:
-                if "kept" in batch and not bool(batch["kept"][select or slice(None)].any()):
+                if batch.kept is not None and not bool(batch.kept[select or slice(None)].any()):
                     self.updates.append(self._filtered_out(batch, adv, select))
                     continue
                 if epoch == 0 and select is None:
@@ -321,10 +322,7 @@ class Run:
                         policy.refresh(self.train_model, self.master)
                         stale = False
                     # one process holds the whole batch whenever a mini-batch is not all of it
-                    sub = share
-                    if select is not None:
-                        sub = {k: batch[k][select] for k in ("sequences", "attention_mask")}
-                        sub["response_mask"] = batch["response_mask"][select]
+                    sub: Tokens = share if select is None else batch.take(select)
                     logp, entropy = self._forward(self.train_model, sub)
                     current = self.world.gather_rows({"logp": logp.detach()})["logp"]
                     here = rows if select is None else slice(None)
@@ -348,7 +346,7 @@ class Run:
         return {**out, **terms}
 
     def _filtered_out(
-        self, batch: dict[str, torch.Tensor], adv: torch.Tensor, select: slice | None
+        self, batch: Batch, adv: torch.Tensor, select: slice | None
     ) -> dict[str, Any]:
         """The stats of an update whose mini-batch train.filter_groups emptied: policy_loss's
         at pi_old over no token (loss 0, ratio 1, no clipping), grad norm 0, not applied (an
@@ -356,14 +354,14 @@ class Run:
         part = select or slice(None)
         with torch.no_grad():
             _, stats = trainer.policy_loss(
-                batch["train_logp"][part],
+                batch.train_logp[part],
                 batch,
                 adv,
                 self.cfg,
                 None,
                 select,
                 None,
-                batch["entropy"][part],
+                batch.entropy[part],
             )
         return {**stats, "grad_norm": 0.0, "update_applied": 0, "update_skipped": 0}
 
@@ -509,7 +507,7 @@ def _loop(
     ):
         for step in range(job.start, cfg.steps):
             metrics = job.step(step)
-            if not main:
+            if log is None:  # not rank 0
                 continue
             if heldout is not None and due(cfg, step):
                 metrics.update(heldout.evaluate(job))  # before the checkpoint: its detector

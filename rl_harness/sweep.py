@@ -122,6 +122,11 @@ EVAL_STATISTICS: tuple[Statistic, ...] = (
 )
 
 
+def _minus(a: float | None, b: float | None) -> float | None:
+    """``a - b``; None (not measured) where either is."""
+    return None if a is None or b is None else a - b
+
+
 def _cell(values: Sequence[float | None]) -> str:
     return report.cell(values, ".3g", ".2g")
 
@@ -154,7 +159,7 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
         ]
         for arm in paired:
             cells = [
-                _cell([stat(a) - stat(t) for a, t in zip(results[arm], results[arm + TWIN])])
+                _cell([_minus(stat(a), stat(t)) for a, t in zip(results[arm], results[arm + TWIN])])
                 for _, stat in differences
             ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")

@@ -11,6 +11,7 @@ from bik.contract import DTYPE_NAMES
 from bik.hf import generation_position_ids
 
 from . import remedies
+from .batch import Batch, Tokens
 from .logits import LogitsProcessor
 from .metrics import masked_mean
 
@@ -41,7 +42,7 @@ def _autocast(device_type: str, autocast: str) -> contextlib.AbstractContextMana
 
 def token_logprobs_and_entropy(
     model: torch.nn.Module,
-    batch: dict[str, Any],
+    batch: Tokens,
     processor: LogitsProcessor,
     micro_batch_size: int,
     autocast: str = "none",
@@ -55,7 +56,7 @@ def token_logprobs_and_entropy(
     ``autocast`` (train.autocast): the model's forward under ``torch.autocast`` in that dtype
     ("none": off); the processing stays fp32. ``entropy_grad``: the entropy with grad (an
     entropy bonus in the loss); otherwise it is computed under no_grad."""
-    ids, attention = batch["sequences"], batch["attention_mask"]
+    ids, attention = batch.sequences, batch.attention_mask
     size = micro_batch_size or ids.shape[0]
     logps, entropies = [], []
     for start in range(0, ids.shape[0], size):
@@ -73,7 +74,7 @@ def token_logprobs_and_entropy(
             entropies.append(-(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1))
     logp = torch.cat(logps)
     zeros = torch.zeros_like(logp[:, :1])
-    logp = torch.where(batch["response_mask"].bool(), torch.cat([zeros, logp], 1), 0.0)
+    logp = torch.where(batch.response_mask.bool(), torch.cat([zeros, logp], 1), 0.0)
     return logp, torch.cat([zeros, torch.cat(entropies)], 1)
 
 
@@ -101,11 +102,18 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> 
     raise ValueError(f"train.kl_estimator: unknown estimator {estimator!r}")
 
 
-def mean_kl(batch: dict[str, Any], estimator: str) -> float:
+def mean_kl(batch: Batch, estimator: str) -> float:
     """``train/kl``: the mean over the batch's response tokens of the KL estimate between
-    pi_old (``batch["train_logp"]``) and the reference (``batch["ref_logp"]``)."""
-    kl = kl_per_token(batch["train_logp"], batch["ref_logp"], estimator)
-    return float(masked_mean(kl, batch["response_mask"].float()))
+    pi_old (``batch.train_logp``) and the reference (``batch.ref_logp``)."""
+    kl = kl_per_token(batch.train_logp, _ref_logp(batch), estimator)
+    return float(masked_mean(kl, batch.response_mask.float()))
+
+
+def _ref_logp(batch: Batch) -> torch.Tensor:
+    """``batch.ref_logp``, which train.kl_coef > 0 needs."""
+    if batch.ref_logp is None:
+        raise ValueError("batch.ref_logp: train.kl_coef > 0 needs the reference's log-probs")
+    return batch.ref_logp
 
 
 def _per_token(
@@ -142,7 +150,7 @@ def aggregate(
 
 def policy_loss(
     train_logp: torch.Tensor,
-    batch: dict[str, Any],
+    batch: Batch,
     adv: torch.Tensor,
     cfg: Config,
     rows: slice | None = None,
@@ -155,13 +163,13 @@ def policy_loss(
     the entropy (each term only when its coefficient is > 0), each aggregated by
     train.loss_agg (:func:`aggregate`); ``remedy.bypass`` uses the rollout log-probs as pi_old.
 
-    ``batch`` (with ``train_logp``, pi_old: the trainer log-probs before the step's first
+    ``batch`` (``train_logp``: pi_old, the trainer log-probs before the step's first
     update, detached; ``ref_logp``, the reference's, when train.kl_coef > 0; ``kept``, the
     :func:`kept_rows` of train.filter_groups, when it is on: the other rows are left out of
     every term and of the sequence and token counts) and ``adv`` are the whole batch;
     ``select`` is the update's mini-batch (rows of the batch; default all of it),
     ``current`` the current policy's detached log-probs of its rows (default
-    ``batch["train_logp"]``: no update yet). ``train_logp`` and ``entropy`` (the per-position
+    ``batch.train_logp``: no update yet). ``train_logp`` and ``entropy`` (the per-position
     entropy, needed when train.entropy_coef > 0) are the mini-batch's rows ``rows`` (default
     all) with grad: a data-parallel rank's share. The loss returned is that share's part of
     the mini-batch's loss (the shares' losses add up to the mini-batch's); remedy weights are
@@ -170,13 +178,13 @@ def policy_loss(
     kept response tokens) are the mini-batch's, the remedy's the whole batch's."""
     t = cfg.train
     rows = rows or slice(None)
-    mask = batch["response_mask"].float()
-    rollout_logp, batch_logp = batch["rollout_logp"], batch["train_logp"]
+    mask = batch.response_mask.float()
+    rollout_logp, batch_logp = batch.rollout_logp, batch.train_logp
     old = rollout_logp if cfg.remedy.bypass else batch_logp
     w, _, stats = remedies.weights(cfg.remedy, batch_logp, rollout_logp, mask)
-    kept = batch.get("kept", torch.ones(mask.shape[0]))
+    kept = torch.ones(mask.shape[0]) if batch.kept is None else batch.kept
     mask = mask * kept[:, None]
-    ref = batch["ref_logp"] if t.kl_coef else batch_logp  # batch_logp: a stand-in, unused
+    ref = _ref_logp(batch) if t.kl_coef else batch_logp  # batch_logp: a stand-in, unused
     a = adv[:, None].expand_as(batch_logp)
     if select is not None:
         mask, old, w, a, batch_logp, ref, kept = (

@@ -38,9 +38,12 @@ import torch
 import bik
 import bik.vllm
 
+from .batch import Rollout
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from .config import Config
 
 MODEL_DIR = "vllm_model"
@@ -131,7 +134,7 @@ class VllmRollout:
     ``dtype``, loaded from ``model_dir`` (written here; a temporary directory when None)."""
 
     def __init__(
-        self, master: torch.nn.Module, cfg: Config, dtype: str, model_dir: str | Path | None
+        self, master: PreTrainedModel, cfg: Config, dtype: str, model_dir: str | Path | None
     ) -> None:
         check_available(cfg, head_dim(master.config))
         self.cfg = cfg
@@ -179,14 +182,12 @@ class VllmRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
-    def sample(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+    def sample(self, prompts: list[list[int]], seed: int) -> Rollout:
         """Sample ``rollout.samples_per_prompt`` responses for each group of that many equal,
         consecutive ``prompts`` (tasks.prompt_batch's layout); ``seed``: the step's.
 
-        Returns the batch :func:`rl_harness.rollout.sample` returns: ``sequences`` (left-padded
-        prompt, response, PAD after EOS), ``attention_mask``, ``response_mask`` (response tokens
-        up to and including EOS), ``rollout_logp`` ``[B, L]`` fp32 (0 off-response) and
-        ``prompt_width`` and ``pad_id``; row ``i * n + j`` is sample ``j`` of prompt ``i``."""
+        Returns the record :func:`rl_harness.rollout.sample` returns (no ``routing``); row
+        ``i * n + j`` is sample ``j`` of prompt ``i``."""
         r = self.cfg.rollout
         n = r.samples_per_prompt
         unique = prompts[::n]
@@ -229,7 +230,7 @@ class VllmRollout:
         shutil.rmtree(self.model_dir, ignore_errors=True)
 
 
-def _save(master: torch.nn.Module, path: Path) -> None:
+def _save(master: PreTrainedModel, path: Path) -> None:
     """``master.save_pretrained`` into ``path``, replacing what is there (written beside,
     then renamed)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -241,7 +242,7 @@ def _save(master: torch.nn.Module, path: Path) -> None:
 
 def _batch(
     prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]], pad: int
-) -> dict[str, Any]:
+) -> Rollout:
     """The HF sampler's batch layout from prompts, response tokens and their log-probs,
     padded with ``pad``."""
     rows, width = len(prompts), max(len(p) for p in prompts)
@@ -256,11 +257,4 @@ def _batch(
         sequences[i, width : width + len(r)] = torch.tensor(r)
         response_mask[i, width : width + len(r)] = 1
         rollout_logp[i, width : width + len(r)] = torch.tensor(lp, dtype=torch.float32)
-    return {
-        "sequences": sequences,
-        "attention_mask": attention,
-        "response_mask": response_mask,
-        "rollout_logp": rollout_logp,
-        "prompt_width": width,
-        "pad_id": pad,
-    }
+    return Rollout(sequences, attention, response_mask, rollout_logp, width, pad)

@@ -90,7 +90,8 @@ class TokenizerVocab:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` up to the first EOS (special tokens dropped; an id beyond the
         tokenizer decodes to :data:`UNKNOWN`)."""
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for i in ids:
             if i == self.eos:
                 break

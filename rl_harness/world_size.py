@@ -38,6 +38,12 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in tensors])
 
 
+def _grad(parameter: torch.Tensor) -> torch.Tensor:
+    if parameter.grad is None:
+        raise RuntimeError("a master parameter has no gradient after step 0")
+    return parameter.grad
+
+
 def trace(cfg: Config, cache_dir: str | Path, world: World | None = None) -> dict[str, Any]:
     """Run ``cfg`` for ``cfg.steps`` steps without a run directory and return per step the
     metrics and the sampled sequences; step 0's whole batch and the gradient AdamW received
@@ -47,10 +53,11 @@ def trace(cfg: Config, cache_dir: str | Path, world: World | None = None) -> dic
     with contextlib.closing(job):
         for step in range(cfg.steps):
             out["metrics"].append(job.step(step))
-            out["sequences"].append(job.batch["sequences"].clone())
+            assert job.batch is not None  # set by every step
+            out["sequences"].append(job.batch.sequences.clone())
             if step == 0:
-                out["batch0"] = {k: v.detach().clone() for k, v in job.batch.items()}
-                out["grad0"] = _flat([p.grad for p in job.master.parameters()])
+                out["batch0"] = {k: v.detach().clone() for k, v in job.batch.tensors().items()}
+                out["grad0"] = _flat([_grad(p) for p in job.master.parameters()])
             if step + 1 in WEIGHT_STEPS or step + 1 == cfg.steps:
                 out["weights"][step + 1] = _flat(list(job.master.parameters()))
     return out
@@ -76,7 +83,8 @@ def spawn_trace(cfg: Config, cache_dir: str | Path, world: int) -> dict[str, Any
         return torch.load(path)
 
 
-def _first(flags: Sequence[bool]) -> int | None:
+def _first(flags: Sequence[object]) -> int | None:
+    """The index of the first true item of ``flags``; None if none is."""
     return next((i for i, flag in enumerate(flags) if flag), None)
 
 

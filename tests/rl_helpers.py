@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rl_harness import config, runner
+from rl_harness.batch import Batch
 
 TINY = [
     "model.hidden_size=32",
@@ -71,3 +72,20 @@ def tiny_model_dir(path, seed=0):
     )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
+
+
+def loss_batch(response_mask, train_logp, rollout_logp=None, **optional):
+    """A :class:`~rl_harness.batch.Batch` for trainer.policy_loss, which reads only the
+    response mask and the log-probs (and the ``optional`` fields given): zero tokens, full
+    attention and zero entropy stand in for the rest. ``rollout_logp`` defaults to
+    ``train_logp`` (zero mismatch)."""
+    zeros = torch.zeros(response_mask.shape, dtype=torch.long)
+    return Batch(
+        sequences=zeros,
+        attention_mask=torch.ones_like(zeros),
+        response_mask=response_mask,
+        rollout_logp=train_logp if rollout_logp is None else rollout_logp,
+        train_logp=train_logp,
+        entropy=torch.zeros_like(train_logp),
+        **optional,
+    )

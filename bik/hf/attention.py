@@ -6,6 +6,7 @@ asks for something bik does not compute, and runs ``bik.attention``.
 """
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -24,10 +25,10 @@ _UNPATCH_ADVICE = (
 class AttentionSettings:
     """Backend and split size chosen at patch time, kept on each patched attention module."""
 
-    def __init__(self, backend, split_size):
+    def __init__(self, backend: str, split_size: int | None) -> None:
         self.backend, self.split_size = backend, split_size
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # Unpickling a patched model in a fresh process: its config names the "bik" attention,
         # which must be registered before the model runs.
         vars(self).update(state)
@@ -37,7 +38,7 @@ class AttentionSettings:
 _DEFAULT_SETTINGS = AttentionSettings("auto", None)  # "bik" set on a config by hand
 
 
-def register_attention():
+def register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -45,7 +46,8 @@ def register_attention():
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # boolean [B, 1, Tq, Tk] or None
 
 
-_last_bounds = [None]  # (weakref to the mask, key, bounds): every layer gets the same mask
+# (weakref to the mask, key, bounds): every layer gets the same mask
+_last_bounds: list[tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Any] | None] = [None]
 
 
 @torch.compiler.disable  # reads the mask's values: one graph break per layer under compile
@@ -200,8 +202,15 @@ def _check_keywords(module, dropout, kwargs):
 
 
 def attention_forward(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (cache included)
     -> ([B, Tq, Hq, D], None)."""
     _check_keywords(module, dropout, kwargs)

@@ -4,7 +4,7 @@ Each is a plain object holding its module and the patch-time backend, not a clos
 bound method, so deepcopy and pickle keep a patched model.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,7 +22,7 @@ class PatchedForward:
         self.module, self.kind, self.backend = module, kind, backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, weight = self.module, self.module.weight
+        m, weight = self.module, cast(torch.Tensor, self.module.weight)
         if self.kind == "linear":
             autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, m.bias)
             return run(self.backend, autocast_on, linear, x, weight, bias)
@@ -51,7 +51,9 @@ class EagerRotary:
             kind in rope_type for kind in ("dynamic", "longrope")
         )
 
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any):
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bik_formula and not (args or kwargs):
             return _bik_cos_sin(self.module, x, position_ids)
         return _eager_forward(self.module, x, position_ids, *args, **kwargs)

@@ -1,6 +1,8 @@
 """The forwards patch_model installs on a mixture-of-experts family's router, experts and
 sparse MoE block (bik.families.MOE_FAMILIES)."""
 
+from typing import Any
+
 import torch
 
 from ..families import Family
@@ -21,8 +23,10 @@ class Router:
         # them in fp32; patched and unpatched models weigh experts alike.
         self.fp32_weights = family.fp32_router_weights
 
-    def __call__(self, hidden_states: torch.Tensor):
-        m = self.module
+    def __call__(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m: Any = self.module  # a family's router: its weight and top_k
         x = hidden_states.reshape(-1, m.weight.shape[1])
         autocast_on, (x, weight) = autocast_inputs(x.device.type, x, m.weight)
         logits = run(self.backend, autocast_on, linear, x, weight)
@@ -37,8 +41,10 @@ class Experts:
     def __init__(self, module: torch.nn.Module, backend: str):
         self.module, self.backend = module, backend
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        m = self.module
+    def __call__(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        m: Any = self.module  # a family's experts: gate_up_proj and down_proj
         autocast_on, (x, gate_up, down) = autocast_inputs(
             hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
         )
@@ -56,7 +62,7 @@ class MoeBlock:
         self.module = module
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        m = self.module
+        m: Any = self.module  # a family's sparse MoE block: gate, experts, shared expert
         if m.training and getattr(m, "jitter_noise", 0):
             raise NotImplementedError(
                 f"bik: {type(m).__name__} multiplies its input by random router jitter "

@@ -1,7 +1,10 @@
 """patch_model / unpatch_model: route every reduction of a Hugging Face causal LM through bik."""
 
+from __future__ import annotations
+
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +15,9 @@ from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
 from .moe import Experts, MoeBlock, Router
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclasses.dataclass
@@ -38,6 +44,11 @@ class PatchReport:
         return "\n".join(lines)
 
 
+def _router(module: torch.nn.Module, backend: str, family: Family | None) -> Router:
+    assert family is not None  # module_kind finds routers in a supported MoE family only
+    return Router(module, backend, family)
+
+
 # A module kind (see classify.module_kind) -> (its new forward, from the module, the backend
 # and the family record or None; what the report says it now runs). Attention is not here:
 # it goes through transformers' registry, with its settings on the module.
@@ -56,7 +67,7 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
     "silu": (lambda m, backend, _: Activation("silu"), "bik.silu"),
     "gelu_tanh": (lambda m, backend, _: Activation("gelu_tanh"), "bik.gelu_tanh"),
     "router": (
-        lambda m, backend, family: Router(m, backend, family),
+        _router,
         "bik.linear + bik MoE routing (top-k, ties to the lower expert)",
     ),
     "experts": (
@@ -89,7 +100,7 @@ def _check_model(model: torch.nn.Module) -> None:
 
 
 def patch_model(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     *,
     backend: str = "auto",
     strict: bool = True,
@@ -132,7 +143,8 @@ def patch_model(
     for name, kind in kinds.items():
         module = model.get_submodule(name)
         if kind == "attention":
-            module._bik_attention = settings
+            # torch hints Module.__setattr__ for tensors and modules; any value is allowed
+            module._bik_attention = settings  # type: ignore[assignment]
             patched[name] = "bik.attention"
         elif kind in _FORWARDS:
             make_forward, patched[name] = _FORWARDS[kind]
@@ -141,11 +153,11 @@ def patch_model(
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     report = PatchReport(model_type, backend, patched, unpatched, attention_was, split_size)
-    model._bik_patch = report
+    model._bik_patch = report  # type: ignore[assignment]  # as above: any value is allowed
     return report
 
 
-def unpatch_model(model: torch.nn.Module) -> None:
+def unpatch_model(model: PreTrainedModel) -> None:
     """Undo :func:`patch_model` exactly: original forwards and attention implementation."""
     report = getattr(model, "_bik_patch", None)
     if report is None:

@@ -15,7 +15,7 @@ same bits.
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,7 +25,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-def shaped(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def shaped(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``out`` reshaped to ``shape`` (skipping the reshape call, which costs more than the
     kernel of a one-row op, when it already has that shape)."""
     return out if out.shape == shape else out.reshape(shape)
@@ -102,7 +102,10 @@ def _needs_custom_op(args: tuple) -> bool:
     return False
 
 
-def run(op: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor], *args):
+R = TypeVar("R")
+
+
+def run(op: Callable[..., R], kernel: Callable[..., R], *args: Any) -> R:
     """``op(*args)`` (the custom op) when a graph is recorded, traced or faked; else
     ``kernel(*args)``, the function the custom op itself runs: same bits either way."""
     return op(*args) if _needs_custom_op(args) else kernel(*args)

@@ -13,11 +13,14 @@ sample the same prompts, and each one's log-probs are compared with the bik-patc
 (see :mod:`bik.tools.verify_vllm`).
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,12 +31,15 @@ from ..ops.log_softmax import token_logprobs
 from .cli import UsageError, check_device, positive_int
 from .cli import seed as seed_type
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 PRESETS = {f"tiny-{family}": family for family in FAMILIES}
 
 
 def load_model(
     name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A preset (random-init tiny config, no download), a real model of :mod:`bik.models`
     (prepared on first use) or a local model directory."""
     from transformers import AutoModelForCausalLM
@@ -77,7 +83,7 @@ def _compare(a, b):
 
 
 def check_batch(
-    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+    model: PreTrainedModel, rng: random.Random, vocab: int, pad_id: int
 ) -> tuple[bool, float]:
     seq = _random_tokens(rng, vocab, 24)
     others = [_random_tokens(rng, vocab, rng.randrange(4, 40)) for _ in range(6)]
@@ -87,7 +93,7 @@ def check_batch(
 
 
 def check_needle(
-    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int, trials: int = 3
+    model: PreTrainedModel, rng: random.Random, vocab: int, pad_id: int, trials: int = 3
 ) -> tuple[bool, float]:
     needle = _random_tokens(rng, vocab, 16)
     alone = _logprobs(model, [needle], pad_id)[0]
@@ -101,12 +107,13 @@ def check_needle(
 
 
 def check_decode(
-    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int, new_tokens: int = 8
+    model: PreTrainedModel, rng: random.Random, vocab: int, pad_id: int, new_tokens: int = 8
 ) -> tuple[bool, float]:
     prompts = [_random_tokens(rng, vocab, rng.randrange(3, 20)) for _ in range(3)]
     ids, mask = hf.left_pad(prompts, pad_id)
     device = model.device
-    out = model.generate(
+    # GenerationMixin.generate: its output's type follows the flags (Any here)
+    out = cast(Any, model).generate(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         do_sample=False,
@@ -124,7 +131,7 @@ def check_decode(
 
 
 def check_chunked(
-    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+    model: PreTrainedModel, rng: random.Random, vocab: int, pad_id: int
 ) -> tuple[bool, float]:
     from transformers import DynamicCache
 
@@ -144,7 +151,7 @@ def check_chunked(
 
 
 def check_left_padding(
-    model: torch.nn.Module, rng: random.Random, vocab: int, pad_id: int
+    model: PreTrainedModel, rng: random.Random, vocab: int, pad_id: int
 ) -> tuple[bool, float]:
     seq = _random_tokens(rng, vocab, 20)
     return _compare(
@@ -162,7 +169,7 @@ CHECKS = {
 }
 
 
-def run_checks(model: torch.nn.Module, seed: int = 0) -> dict[str, tuple[bool, float]]:
+def run_checks(model: PreTrainedModel, seed: int = 0) -> dict[str, tuple[bool, float]]:
     """{check name: (bit-identical, max abs diff)} for ``model`` as it is (patched or not)."""
     vocab, pad_id = model.config.vocab_size, model.config.pad_token_id or 0
     results = {}
@@ -172,7 +179,7 @@ def run_checks(model: torch.nn.Module, seed: int = 0) -> dict[str, tuple[bool, f
     return results
 
 
-def first_divergent_module(model: torch.nn.Module, seed: int = 0) -> str | None:
+def first_divergent_module(model: PreTrainedModel, seed: int = 0) -> str | None:
     """The first module (in execution order) whose output for a sequence differs between
     batch 1 and a left-padded batch of 8 (wide enough that plain matmuls pick other kernels on
     CPUs with and without AVX-512), or None. If that module's input already differs, the
@@ -187,7 +194,7 @@ def first_divergent_module(model: torch.nn.Module, seed: int = 0) -> str | None:
     ]
     runs = []
     for sequences, row in (([seq], 0), (batch, 1)):
-        outputs = []
+        outputs: list[tuple[str, str, torch.Tensor | None, torch.Tensor | None]] = []
         hooks = [
             m.register_forward_hook(_recorder(name, m, outputs, row, len(seq)))
             for name, m in model.named_modules()
@@ -239,7 +246,7 @@ def _recorder(name, module, outputs, row, length):
 
 
 def verify(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     seed: int = 0,
     unpatched: bool = True,
     echo: Callable[[str], object] = print,
@@ -321,7 +328,7 @@ def model_name(text: str) -> str:
     )
 
 
-def unpatchable(model: torch.nn.Module) -> str | None:
+def unpatchable(model: PreTrainedModel) -> str | None:
     """Why bik cannot patch ``model`` (its family, or the modules it would leave unpatched),
     or None; the model is left as it was."""
     try:

@@ -9,14 +9,20 @@ directory, one full forward over each finished sequence) scores every sampled to
 ``bik.token_logprobs``; each engine's log-probs are compared with the trainer's bit for bit.
 """
 
+from __future__ import annotations
+
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import hf
 from . import vllm_engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SHARED_PREFIX = 40  # tokens: more than one 32-token KV block, so the prefix cache is hit
 MAX_PROMPT = 48
@@ -54,17 +60,18 @@ def engine_settings(requests: int, longest: int) -> dict:
     }
 
 
-def load_trainer(model_dir: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def load_trainer(model_dir: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
     """The Hugging Face model in ``model_dir`` as a trainer loads it: ``from_pretrained`` in
     ``dtype`` (buffers such as the rotary frequencies stay fp32, as in vLLM), eval mode."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
+    # transformers types PreTrainedModel.to through a decorator that drops its signature
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def trainer_logprobs(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], samples: Sequence[Sequence[dict]]
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], samples: Sequence[Sequence[dict]]
 ) -> list[list[torch.Tensor]]:
     """``bik.token_logprobs`` of every sampled token under one full forward of its sequence
     (prompt + sample), through ``model`` as it is (patch it first); ``[prompt][sample]``."""
@@ -82,7 +89,8 @@ def trainer_logprobs(
             ids, mask = ids.to(model.device), mask.to(model.device)
             out = hf.sequence_logprobs(model, ids, mask, mask).cpu()
             scores += [out[row, ids.shape[1] - new :] for row, (_, _, new) in enumerate(chunk)]
-    result, it = [[] for _ in samples], iter(scores)
+    result: list[list[torch.Tensor]] = [[] for _ in samples]
+    it = iter(scores)
     for i, _, _ in flat:
         result[i].append(next(it))
     return result
@@ -145,7 +153,7 @@ def first_difference(c: Comparison | None) -> str:
 
 
 def verify_vllm(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     model_dir: str,
     *,
     dtype: str = "float32",

@@ -27,11 +27,14 @@ for every batch vLLM forms: continuous batching, chunked prefill, prefix caching
 import os
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import backends
+
+if TYPE_CHECKING:
+    import vllm
 
 ENV_VAR = "BIK_VLLM"  # the bik backend to run vLLM with; unset, empty, 0 or off: bik stays off
 OFF = ("", "0", "off")  # BIK_VLLM values (any case) that leave bik off
@@ -109,7 +112,7 @@ def enabled() -> str | None:
     return _enabled
 
 
-def LLM(model: str, *, backend: str = "auto", **kwargs):
+def LLM(model: str, *, backend: str = "auto", **kwargs: Any) -> "vllm.LLM":
     """``vllm.LLM(model, **kwargs)`` with bik enabled (``enforce_eager`` defaults to True)."""
     import vllm
     from transformers import AutoConfig
@@ -123,7 +126,7 @@ def LLM(model: str, *, backend: str = "auto", **kwargs):
     return vllm.LLM(model=model, **kwargs)
 
 
-def _install():
+def _install() -> None:
     from vllm.model_executor.model_loader import base_loader
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -146,7 +149,7 @@ def _install():
     base_loader.process_weights_after_loading = process_then_check
 
 
-def update_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Write new policy weights (``(name, tensor)`` pairs with Hugging Face parameter names,
     e.g. ``model.named_parameters()``) into a running engine, then drop its prefix cache,
     whose KV blocks were computed with the old weights. Every pair is checked against the

@@ -8,12 +8,14 @@ forward.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -24,18 +26,25 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from ..ops.paged_attention import paged_attention, write_kv_cache
 from .config import check_engine
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.cache import CacheDType
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
 
 class BikAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True  # the cache is written in forward()
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list["CacheDType"]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"  # the registry slot name vLLM looks bik up by
 
     @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(
+        kv_cache_spec: "KVCacheSpec | None" = None,
+    ) -> list[int | MultipleOf]:
         return [MultipleOf(16)]
 
     @classmethod
@@ -56,7 +65,7 @@ class BikAttentionBackend(AttentionBackend):
 
 
 @dataclass
-class BikAttentionMetadata:
+class BikAttentionMetadata(AttentionMetadata):
     num_actual_tokens: int
     query_start: list[int]  # host copies: the per-sequence loop reads them directly
     seq_lens: list[int]
@@ -65,7 +74,13 @@ class BikAttentionMetadata:
 
 
 class BikMetadataBuilder(AttentionMetadataBuilder[BikAttentionMetadata]):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: "KVCacheSpec",
+        layer_names: list[str],
+        vllm_config: "VllmConfig",
+        device: torch.device,
+    ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_engine(vllm_config)
 
@@ -123,7 +138,7 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
 
     def forward(
         self,
-        layer,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

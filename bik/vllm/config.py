@@ -4,12 +4,18 @@ Checked when the engine builds its attention metadata (after the model is loaded
 the loaded model; each refusal raises with the setting to change, never runs silently.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..families import EXPERT_COUNT_KEYS
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from vllm.config import VllmConfig
 
-def check_engine(vllm_config) -> None:
+
+def check_engine(vllm_config: "VllmConfig") -> None:
     """Raise ``ValueError`` listing every engine setting bik cannot run invariantly."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     problems = []
@@ -36,7 +42,7 @@ def check_engine(vllm_config) -> None:
         )
 
 
-def check_hf_config(hf_config) -> None:
+def check_hf_config(hf_config: "PreTrainedConfig") -> None:
     """Raise for a model bik.vllm cannot run, read off its transformers config before vLLM
     builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's)."""
     experts = max((getattr(hf_config, key, None) or 0) for key in EXPERT_COUNT_KEYS)
@@ -58,7 +64,8 @@ def check_model(model: torch.nn.Module) -> None:
 
     from .layers import BIK_LAYERS
 
-    problems, bik_layers = [], []
+    problems: list[str] = []
+    bik_layers: list[str] = []
     for name, module in model.named_modules():
         kind = type(module).__name__
         if any(name.startswith(f"{owner}.") for owner in bik_layers):

@@ -9,6 +9,7 @@ Each replacement computes what the bik-patched Hugging Face model computes for t
 layer, in the same dtype, so the two give the same bits.
 """
 
+import torch
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -25,7 +26,9 @@ class BikRMSNorm(RMSNorm):
     """``rms_norm(x + residual)``; the residual sum is rounded in the activations' dtype, as
     the Hugging Face decoder layer's ``residual + hidden_states``."""
 
-    def forward(self, x, residual=None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.variance_size_override is not None:
             raise NotImplementedError("bik.vllm: RMSNorm over part of the hidden size")
         if residual is not None:
@@ -37,23 +40,25 @@ class BikRMSNorm(RMSNorm):
 
 
 class BikSiluAndMul(SiluAndMul):
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
 
 class BikRotaryEmbedding(RotaryEmbedding):
     """Half-rotation ("neox") RoPE over the whole head, cos/sin from bik's formula."""
 
+    bik_inv_freq: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(
         self,
-        head_size,
-        rotary_dim,
-        max_position_embeddings,
-        base,
-        is_neox_style,
-        dtype,
-        init_cache=True,
-    ):
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        init_cache: bool = True,
+    ) -> None:
         if rotary_dim != head_size or not is_neox_style:
             raise NotImplementedError(
                 "bik.vllm: rotary embedding over part of the head or interleaved (GPT-J style) "
@@ -70,13 +75,17 @@ class BikRotaryEmbedding(RotaryEmbedding):
         )
         self.register_buffer("bik_inv_freq", default_inv_freq(base, rotary_dim), persistent=False)
 
-    def forward(self, positions, query, key=None):
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         cos, sin = rotary_cos_sin(self.bik_inv_freq, positions, 1.0, query.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, D] against [T, heads, D]
         return _rotate(query, cos, sin, self.head_size), _rotate(key, cos, sin, self.head_size)
 
 
-def _rotate(x, cos, sin, head_size):
+def _rotate(
+    x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_size: int
+) -> torch.Tensor | None:
     if x is None:
         return None
     return apply_rotary(x.view(x.shape[0], -1, head_size), cos, sin).view(x.shape)

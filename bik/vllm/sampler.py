@@ -8,19 +8,22 @@ kernel, so both give the same bits. The sampler is patched in place (it has no e
 point); the sampling itself is vLLM's.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from vllm.v1.sample.sampler import Sampler
 
 from ..ops.log_softmax import log_softmax
 
-_ORIGINAL = {"__init__": Sampler.__init__, "sample": Sampler.sample}
+_ORIGINAL: dict[str, Callable[..., Any]] = {"__init__": Sampler.__init__, "sample": Sampler.sample}
 
 
 def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return log_softmax(logits, dtype=torch.float32)
 
 
-def _init(self, logprobs_mode="raw_logprobs", *args, **kwargs):
+def _init(self: Sampler, logprobs_mode: str = "raw_logprobs", *args: Any, **kwargs: Any) -> None:
     _ORIGINAL["__init__"](self, logprobs_mode, *args, **kwargs)
     if logprobs_mode == "processed_logprobs":
         # Let the top-k/top-p sampler hand back the processed logits; bik takes their
@@ -28,7 +31,12 @@ def _init(self, logprobs_mode="raw_logprobs", *args, **kwargs):
         self.topk_topp_sampler.logprobs_mode = "processed_logits"
 
 
-def _sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+def _sample(
+    self: Sampler,
+    logits: torch.Tensor,
+    sampling_metadata: Any,
+    logprobs_mode_override: str | None = None,
+) -> tuple[Any, torch.Tensor | None]:
     mode = logprobs_mode_override or self.logprobs_mode
     sampled, processed = _ORIGINAL["sample"](
         self, logits, sampling_metadata, logprobs_mode_override
@@ -40,6 +48,10 @@ def _sample(self, logits, sampling_metadata, logprobs_mode_override=None):
 
 def install() -> None:
     """Route the sampler's log-softmax through bik (once per process)."""
-    Sampler.compute_logprobs = staticmethod(_compute_logprobs)
-    Sampler.__init__ = _init
-    Sampler.sample = _sample
+    patches = {
+        "compute_logprobs": staticmethod(_compute_logprobs),
+        "__init__": _init,
+        "sample": _sample,
+    }
+    for name, method in patches.items():
+        setattr(Sampler, name, method)

@@ -62,7 +62,7 @@ def _run(name, out, cache):
     def capture(self, i):
         metrics = step(self, i)
         if i == 0:
-            captured["batch0"] = dict(self.batch)
+            captured["batch0"] = self.batch.tensors()
         captured["weights"].append({k: v.clone() for k, v in self.master.state_dict().items()})
         return metrics
 
@@ -99,7 +99,7 @@ def _sabotage():
 
     def off(model, batch, *args):
         logp, entropy = forward(model, batch, *args)
-        return logp + 1e-6 * batch["response_mask"], entropy
+        return logp + 1e-6 * batch.response_mask, entropy
 
     runner.trainer.token_logprobs_and_entropy = off
 

@@ -206,18 +206,18 @@ def test_greedy_decoding_is_deterministic_argmax_and_draws_nothing(sets):
     first = rollout.sample(model, heldout.prompts, cfg.rollout, drift, generator, greedy=True)
     again = rollout.sample(model, heldout.prompts, cfg.rollout, drift, generator, greedy=True)
     assert torch.equal(generator.get_state(), state)  # no random number drawn, noise included
-    assert torch.equal(first["sequences"], again["sequences"])
+    assert torch.equal(first.sequences, again.sequences)
     # each response token is the argmax of the full forward's logits at the position before
     with torch.no_grad():
         logits = model(
-            input_ids=first["sequences"],
-            attention_mask=first["attention_mask"],
-            position_ids=generation_position_ids(first["attention_mask"]),
+            input_ids=first.sequences,
+            attention_mask=first.attention_mask,
+            position_ids=generation_position_ids(first.attention_mask),
         ).logits[:, :-1]
-    response = first["response_mask"][:, 1:].bool()
+    response = first.response_mask[:, 1:].bool()
     assert response.any()
     argmax = logits.argmax(-1)
-    assert torch.equal(argmax[response], first["sequences"][:, 1:][response])
+    assert torch.equal(argmax[response], first.sequences[:, 1:][response])
 
 
 def test_resume_with_evaluation_equals_an_uninterruptedrun_metrics(tmp_path, cache, monkeypatch):

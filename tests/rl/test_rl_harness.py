@@ -183,8 +183,8 @@ def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
     def spy_ppo(self, *args):
         seen.clear()
         out = original(self, *args)
-        size = self.batch["sequences"].shape[0] // 2
-        assert torch.equal(seen[0], self.batch["train_logp"][:size])  # mini-batch 0, epoch 0
+        size = self.batch.sequences.shape[0] // 2
+        assert torch.equal(seen[0], self.batch.train_logp[:size])  # mini-batch 0, epoch 0
         updates.append(list(self.updates))
         return out
 

@@ -226,9 +226,9 @@ def test_a_local_tokenizer_is_the_runs_vocabulary(tmp_path):
     for step in range(2):
         metrics = job.step(step)
         assert metrics["mismatch/tokens_unequal_count"] == 0
-    width = int(job.batch["response_mask"].any(0).nonzero()[0])  # the first response column
+    width = int(job.batch.response_mask.any(0).nonzero()[0])  # the first response column
     for ids, length in zip(
-        job.batch["sequences"][:, width:].tolist(), job.batch["response_mask"].sum(-1).tolist()
+        job.batch.sequences[:, width:].tolist(), job.batch.response_mask.sum(-1).tolist()
     ):
         # the policy's 48 ids: the characters, <unk> (dropped), EOS, PAD, 5 beyond the tokenizer
         text = "".join(CHARS[i] if i < 40 else vocab.UNKNOWN * (i >= 43) for i in ids[:length])

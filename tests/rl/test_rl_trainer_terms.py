@@ -1,15 +1,17 @@
 """The trainer's optional terms: group filtering, KL to a reference, entropy bonus, and the
 bf16-autocast trainer (rl_harness.trainer, rl_harness.runner.Run._ppo)."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
-from rl_helpers import resumed_equals_uninterrupted, run_metrics
+from rl_helpers import loss_batch, resumed_equals_uninterrupted, run_metrics
 
 from rl_harness import config, policy, runner, trainer
+from rl_harness.batch import Batch, Tokens
 from rl_harness.logits import LogitsProcessor
 
 TINY = [*RL_TINY, "steps=2"]
@@ -52,13 +54,13 @@ def test_defaults_build_no_reference_and_log_no_new_metric(tmp_path, cache, monk
     assert _job(cache).reference is None
 
 
-def _batch(rows: int, width: int = 3) -> dict[str, torch.Tensor]:
+def _batch(rows: int, width: int = 3) -> Batch:
     gen = torch.Generator().manual_seed(rows)
     logp = -torch.rand(rows, width, generator=gen)
     mask = torch.ones(rows, width)
     mask[:, 0] = 0
     mask[1, 2] = 0  # a shorter row
-    return {"response_mask": mask, "rollout_logp": logp, "train_logp": logp}
+    return loss_batch(mask, logp)
 
 
 def test_kept_rows_are_exactly_the_groups_with_unequal_rewards():
@@ -75,17 +77,24 @@ def test_filtered_loss_is_the_loss_of_the_kept_rows_alone(how):
     batch = _batch(6)
     adv = torch.tensor([0.5, -1.0, 0.0, 0.0, 2.0, -0.5])
     kept = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
-    current = batch["train_logp"] + 0.1  # after an update: ratios away from 1
-    filtered = {**batch, "kept": kept}
+    current = batch.train_logp + 0.1  # after an update: ratios away from 1
+    filtered = dataclasses.replace(batch, kept=kept)
     loss, stats = trainer.policy_loss(current, filtered, adv, cfg, None, None, current)
     rows = kept.bool()
-    alone = {k: v[rows] for k, v in batch.items()}
+    alone = Batch(**{k: v[rows] for k, v in batch.tensors().items()})
     expected, alone_stats = trainer.policy_loss(
         current[rows], alone, adv[rows], cfg, None, None, current[rows]
     )
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     for key in ("loss", "ppo/clip_frac", "ppo/ratio_max", "ppo/ratio_min"):
         assert stats[key] == pytest.approx(alone_stats[key], rel=1e-6), key
+
+
+def test_a_kl_term_without_the_references_logprobs_is_refused():
+    cfg = config.build({}, ["train.kl_coef=0.1"])
+    batch = _batch(2)
+    with pytest.raises(ValueError, match=r"batch\.ref_logp"):
+        trainer.policy_loss(batch.train_logp, batch, torch.zeros(2), cfg)
 
 
 def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
@@ -101,7 +110,7 @@ def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
     assert metrics["loss"] == 0.0 and metrics["ppo/ratio_max"] == 1.0
     assert all(torch.equal(b, p) for b, p in zip(before, job.master.parameters()))
     assert job.optimizer.state_dict() == state  # no AdamW step either
-    assert job.batch["kept"].sum() == 0
+    assert job.batch.kept.sum() == 0
 
 
 def test_an_emptied_mini_batch_is_skipped_the_other_updates(cache, monkeypatch):
@@ -164,19 +173,15 @@ def test_entropy_bonus_gradient_raises_the_entropy():
     torch.manual_seed(0)
     model = _Table(8)
     ids = torch.randint(0, 8, (4, 6))
-    batch = {
-        "sequences": ids,
-        "attention_mask": torch.ones_like(ids),
-        "response_mask": torch.tensor([[0, 0, 1, 1, 1, 1]] * 4),
-    }
+    batch = Tokens(ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1, 1, 1]] * 4))
     processor = LogitsProcessor(1.0)
     cfg = config.build({}, ["train.entropy_coef=0.5"])
 
     def entropy_and_loss():
         logp, entropy = trainer.token_logprobs_and_entropy(model, batch, processor, 0, "none", True)
-        full = {**batch, "rollout_logp": logp.detach(), "train_logp": logp.detach()}
+        full = loss_batch(batch.response_mask, logp.detach())
         loss, _ = trainer.policy_loss(logp, full, torch.zeros(4), cfg, entropy=entropy)
-        mask = batch["response_mask"]
+        mask = batch.response_mask
         return float((entropy.detach() * mask).sum() / mask.sum()), loss
 
     before, loss = entropy_and_loss()
@@ -224,8 +229,8 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
     sets = ["train.mini_batches=2", "train.kl_coef=0.1"]
     plain, cast = _job(cache, sets), _job(cache, [*sets, "train.autocast=bfloat16"])
     metrics = [plain.step(0), cast.step(0)]
-    assert torch.equal(plain.batch["rollout_logp"], cast.batch["rollout_logp"])
-    assert not torch.equal(plain.batch["train_logp"], cast.batch["train_logp"])
+    assert torch.equal(plain.batch.rollout_logp, cast.batch.rollout_logp)
+    assert not torch.equal(plain.batch.train_logp, cast.batch.train_logp)
     assert metrics[0]["mismatch/logprob_abs_diff_max"] == 0.0
     assert metrics[1]["mismatch/logprob_abs_diff_max"] > 0
     assert metrics[1]["mismatch/tokens_unequal_frac"] > 0 and metrics[1]["mismatch/k3_kl"] > 0

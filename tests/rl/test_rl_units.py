@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from rl_helpers import loss_batch
 
 import bik
 from rl_harness import config, remedies, report, rundir, trainer
@@ -231,7 +232,7 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
     cfg = config.build({}, ["rollout.max_new_tokens=4"])
     old = torch.zeros(4, 3)
     mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]])
-    batch = {"response_mask": mask, "rollout_logp": old, "train_logp": old}
+    batch = loss_batch(mask, old)
     adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
     _, stats = trainer.policy_loss(old, batch, adv, cfg)  # no update yet: ratio 1
     assert stats["ppo/ratio_max"] == stats["ppo/ratio_min"] == 1.0

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from bik import families
@@ -13,6 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_readme_family_table_is_the_registry():
     assert families.readme_table() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("keys", [{"experts_key": "n"}, {"expert_width_key": "w"}])
+def test_a_family_record_names_both_moe_keys_or_neither(keys):
+    with pytest.raises(ValueError, match="experts_key and expert_width_key"):
+        families.Family("tiny", "Tiny", "a note", **keys)
 
 
 def test_the_harness_manual_names_every_mismatch_metric_and_no_other():

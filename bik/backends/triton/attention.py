@@ -53,6 +53,8 @@ every stride allows it, a property of the layout and head dim, not of the length
 stay vectorised while the binary is the same for every sequence length.
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -589,7 +591,7 @@ def attention_launches(
         ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
     else:  # no workspace: the unused pointers point at the output
         ws_acc = ws_max = ws_sum = out
-    pinned = dict(num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES)
+    pinned: dict[str, Any] = dict(num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES)
     launches = [
         Launch(
             _attention_kernel,

@@ -265,7 +265,8 @@ def _run_linear(x, weight, bias, bucket: TokenBucket) -> torch.Tensor:
 def buckets_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether every token bucket gives each row the bits the single-row bucket gives it, for
     this weight's (N, K, dtype): random rows through each bucket against the smallest."""
-    rows = TOKEN_BUCKETS[-2].max_rows + 1  # reaches the last bucket
+    # one more than the largest bounded bucket: reaches the last one
+    rows = max(b.max_rows for b in TOKEN_BUCKETS if b.max_rows is not None) + 1
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], generator=generator, device=weight.device)
     x = x.to(weight.dtype)

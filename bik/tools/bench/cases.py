@@ -35,7 +35,9 @@ class Case:
     tokens: int = 0  # end-to-end cases: tokens processed per call (for tokens/s)
     rotate: bool = True  # False: the arguments hold a model, never copied
 
-    def make(self, device, dtype, copies: int = 1, args: tuple | None = None):
+    def make(
+        self, device: torch.device, dtype: torch.dtype, copies: int = 1, args: tuple | None = None
+    ) -> tuple[Callable[[], object], Callable[[], object]]:
         """(bik_fn, baseline_fn): no-argument calls over ``copies`` copies of the inputs
         (``args``: one set already built), visited in turn by one cursor both functions share."""
         args = self.inputs(device, dtype) if args is None else args
