@@ -173,8 +173,8 @@ def _check_step(
         )
     block_size, blocks = key_cache.shape[2], key_cache.shape[0]
     pages = [-(-n // block_size) for n in seq_lens]
-    widest = max(range(count), key=pages.__getitem__, default=None)
-    if widest is not None and pages[widest] > block_table.shape[1]:
+    widest = max(range(count), key=pages.__getitem__, default=-1)  # -1: no sequence
+    if widest >= 0 and pages[widest] > block_table.shape[1]:
         raise ValueError(
             f"block_table: seq_lens[{widest}] = {seq_lens[widest]} tokens fill "
             f"{pages[widest]} pages of {block_size}, but the table has "

@@ -14,13 +14,15 @@ On SmolLM2-135M-Instruct (``bik.models``, prepared on first use), plain torch ag
 The RL part of ``make demo`` (two short rl_harness runs on the same model) follows it.
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,7 +30,9 @@ from .. import hf, models
 from ..ops.log_softmax import token_logprobs
 from .cli import positive_int
 from .cli import seed as seed_type
-from .verify import left_pad
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PROMPTS = (
     "What is the capital of France?",
@@ -52,7 +56,8 @@ class Steps:
     """Numbered progress lines with each step's wall time, flushed as they happen."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.done, self.times = total, 0, {}
+        self.total, self.done = total, 0
+        self.times: dict[str, float] = {}
 
     @contextmanager
     def step(self, title: str) -> Iterator[None]:
@@ -69,7 +74,7 @@ def note(text: str) -> None:
     print(f"  .. {text}", flush=True)
 
 
-def load(directory: str, dtype: torch.dtype) -> torch.nn.Module:
+def load(directory: str, dtype: torch.dtype) -> PreTrainedModel:
     """The model as a trainer loads it (rotary frequencies stay fp32), eval mode."""
     from transformers import AutoModelForCausalLM
 
@@ -117,15 +122,16 @@ def _token_counter(tokens: int) -> Any:
 
 
 def sample(
-    model: torch.nn.Module, prompts: list[torch.Tensor], tokens: int, seed: int, pad: int
+    model: PreTrainedModel, prompts: list[torch.Tensor], tokens: int, seed: int, pad: int
 ) -> Rollout:
     """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all)."""
     from transformers import StoppingCriteriaList
 
-    ids, mask = left_pad(prompts, pad)
+    ids, mask = hf.left_pad(prompts, pad)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(
+        # GenerationMixin.generate: its output's type follows the flags (Any here)
+        out = cast(Any, model).generate(
             input_ids=ids,
             attention_mask=mask,
             do_sample=True,
@@ -145,7 +151,7 @@ def sample(
     return Rollout(out.sequences, full, response, logprobs, ids.shape[1])
 
 
-def score(model: torch.nn.Module, rollout: Rollout, rows: list[int] | None = None) -> torch.Tensor:
+def score(model: PreTrainedModel, rollout: Rollout, rows: list[int] | None = None) -> torch.Tensor:
     """The trainer's log-probs of the sampled tokens ``[B, N]``: one forward of the batch, or
     (``rows``) of those rows alone, each cut to its own length (no padding)."""
     with torch.no_grad():
@@ -173,7 +179,7 @@ def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float, float]:
 
 
 @contextmanager
-def patched(model: torch.nn.Module, on: bool) -> Iterator[torch.nn.Module]:
+def patched(model: PreTrainedModel, on: bool) -> Iterator[PreTrainedModel]:
     if on:
         hf.patch_model(model)
     try:
@@ -189,7 +195,7 @@ def _cell(counts: tuple[int, int, float, float]) -> str:
 
 
 def rollout_vs_trainer(
-    models_by_dtype: dict[str, torch.nn.Module],
+    models_by_dtype: dict[str, PreTrainedModel],
     prompts: list[torch.Tensor],
     args: argparse.Namespace,
     pad: int,
@@ -224,7 +230,7 @@ def rollout_vs_trainer(
 
 
 def batch_effect(
-    models_by_dtype: dict[str, torch.nn.Module], rollout: Rollout, sequences: int
+    models_by_dtype: dict[str, PreTrainedModel], rollout: Rollout, sequences: int
 ) -> int:
     """Table 3: the same sequences scored at batch ``sequences`` and at batch 1. Returns the
     number of tokens where bik differed (0)."""
@@ -313,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
             rollout = sample(models_by_dtype["fp32"], prompts * 2, args.tokens, args.seed, pad)
         for row, text in enumerate(PROMPTS):
             answer = tokenizer.decode(rollout.sequences[row, rollout.prompt_width :])
-            print(f"  user: {text}\n  model: {' '.join(answer.split())}")
+            print(f"  user: {text}\n  model: {' '.join(str(answer).split())}")
     with steps.step("rollout vs trainer, and a row alone vs in the batch (fp32, bf16)"):
         bik_unequal = rollout_vs_trainer(
             {k: models_by_dtype[k] for k in ("fp32", "bf16")}, prompts * 2, args, pad

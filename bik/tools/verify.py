@@ -56,7 +56,8 @@ def load_model(
             f"model: expected a preset ({', '.join(PRESETS)}), a real model "
             f"({', '.join(models.MODELS)}) or a local model directory, got {name!r}"
         )
-    return model.to(device=device, dtype=dtype).eval()
+    # transformers types .to through a decorator that drops its signature
+    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
 
 
 # -- batches -------------------------------------------------------------------------------

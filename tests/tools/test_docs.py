@@ -21,9 +21,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SKIP = re.compile(r"<!-- docs-test: skip \((.+)\) -->\s*$")
 NAME = re.compile(r"(?<![\w.])bik(?:\.[A-Za-z_]\w*)+")
-# README.md is being rewritten so that its blocks run; until then its blocks are expected to
-# fail (strict: the test turns red once they run, to remove this entry).
-NOT_YET_RUNNABLE = {"README.md"}
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -77,9 +74,6 @@ def test_python_blocks_run(page, tmp_path):
         text=True,
         timeout=900,
     )
-    if page.name in NOT_YET_RUNNABLE:
-        assert done.returncode != 0, f"{page.name} runs now: remove it from NOT_YET_RUNNABLE"
-        pytest.xfail(f"{page.name}: its blocks are being rewritten to run")
     assert done.returncode == 0, f"{page.name}:\n{done.stderr[-3000:]}"
 
 

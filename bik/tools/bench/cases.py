@@ -11,9 +11,12 @@ inputs in L2 from an earlier call. Model cases (``rotate=False``) are not copied
 alone exceed the L2 cache.
 """
 
+from __future__ import annotations
+
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,9 @@ import torch.nn.functional as F
 import bik
 from bik.families import FAMILIES
 from bik.ops.paged_attention import paged_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -280,12 +286,13 @@ def moe_block(tokens: int, hidden: int) -> Case:
 
 
 def _generate_or_forward(
-    model: torch.nn.Module, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
+    model: PreTrainedModel, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
 ) -> torch.Tensor:
     with torch.no_grad():
         if kind == "forward":
             return model(input_ids=ids).logits
-        return model.generate(
+        # GenerationMixin.generate: its output's type follows the flags (Any here)
+        return cast(Any, model).generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
