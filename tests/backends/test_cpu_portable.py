@@ -65,7 +65,9 @@ def backends(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("_cpu", out)
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
-    return native, native_backend("cpu-portable", "cpu", lib, attention_sinks=True)
+    return native, native_backend(
+        "cpu-portable", "cpu", lib, order=load("cpu").order, attention_sinks=True
+    )
 
 
 def _has_avx512_bf16():

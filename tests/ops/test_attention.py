@@ -263,16 +263,6 @@ def test_sinks_backward_matches_float64(backend, dtype):
         assert_close_to_reference(got.grad, want.grad, dtype, f"grad {name}")
 
 
-def test_a_backend_without_sinks_says_so():
-    from bik.backends.native import native_backend
-
-    backend = native_backend("no-sinks", "cpu", lib=None)
-    q, k, v = qkv(1, 1, 1, 4, 8, torch.float32, seed=38)
-    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
-    with pytest.raises(NotImplementedError, match="sinks: the no-sinks backend has no"):
-        backend.attention(q, k, v, True, 1.0, kv_start, 32, None, None, torch.zeros(1))
-
-
 def test_softcap_bounds_the_scores(backend):
     # A tiny softcap flattens every score to about +-softcap: the output nears the mean of v.
     q, k, v = qkv(1, 1, 1, 40, 16, torch.float32, seed=21)
