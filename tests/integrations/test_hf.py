@@ -174,7 +174,7 @@ def test_generate_stopping_at_eos_equals_the_trainer_with_zeros_after_eos():
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
-    ids, mask = verify.left_pad(prompts, pad_id=0)
+    ids, mask = bik.hf.left_pad(prompts, pad_id=0)
 
     def sample(eos):
         torch.manual_seed(1)
