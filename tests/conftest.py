@@ -2,6 +2,12 @@
 
 import os
 
+# The Triton interpreter computes tl.dot with numpy's matmul (OpenBLAS). OpenBLAS's AVX2/FMA
+# kernels (Haswell, Zen) give an element of a tile other bits depending on its row within the
+# tile, which would make the interpreter, not bik's kernel, depend on the batch; its AVX
+# (Sandybridge) kernels and the AVX-512 ones do not. Read when numpy loads OpenBLAS: set first.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
 import torch
 
 if not torch.cuda.is_available():
