@@ -9,8 +9,13 @@ VLLM := $(VENV)/.vllm
 CSRC := $(shell find csrc -type f)
 # The cpu backend must build and load: a compiler error fails the install, not a test skip.
 export BIK_REQUIRE_CPU := 1
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker (a file's
+# module fixtures, such as an RL warm-up cache, are built once); tests/conftest.py shares the
+# cores out between the workers' torch threads.
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 # Fewer hypothesis examples and no `slow` cases: every axis is still checked, in ~2 minutes.
-FAST := BIK_EXAMPLES=5 $(BIN)/python -m pytest -q -m "not slow" tests
+FAST := BIK_EXAMPLES=5 $(BIN)/python $(PYTEST) -m "not slow" tests
 
 # The GPU image's Triton (3.6) and transformers (5.17) on the CPU, in a venv of their own beside
 # .venv: the Triton kernels run interpreted, the sm_90a compile checks use that Triton's
@@ -72,7 +77,7 @@ demo: $(BUILT)
 	$(BIN)/python -m rl_harness.demo --out runs/demo
 
 test: $(BUILT)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python $(PYTEST) tests
 
 test-fast: $(BUILT)
 	$(FAST)
@@ -80,7 +85,7 @@ test-fast: $(BUILT)
 $(GPU_STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(GPU_BIN)/pip install --quiet $(GPU_PINS) pytest hypothesis "pybind11>=2.10" "setuptools>=64"
+	$(GPU_BIN)/pip install --quiet $(GPU_PINS) pytest pytest-xdist hypothesis "pybind11>=2.10" "setuptools>=64"
 	touch $(GPU_STAMP)
 
 $(GPU_BUILT): $(GPU_STAMP) $(CSRC)
@@ -88,7 +93,7 @@ $(GPU_BUILT): $(GPU_STAMP) $(CSRC)
 	touch $(GPU_BUILT)
 
 test-gpu-image: $(GPU_BUILT)
-	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python -m pytest -q -m "not slow" $(GPU_TESTS)
+	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python $(PYTEST) -m "not slow" $(GPU_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -157,6 +157,7 @@ setup(
     extras_require={
         "dev": [
             "pytest",
+            "pytest-xdist",
             "hypothesis",
             "matplotlib",
             "ruff",

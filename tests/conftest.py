@@ -8,6 +8,13 @@ import os
 # (Sandybridge) kernels and the AVX-512 ones do not. Read when numpy loads OpenBLAS: set first.
 os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
+# Under pytest-xdist (make test runs 2 workers) the cores are shared out between the workers:
+# torch's OpenMP threads would otherwise outnumber the cores and spin against each other.
+# Set before torch loads; the subprocesses a test starts inherit it.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
 import torch
 
 if not torch.cuda.is_available():
