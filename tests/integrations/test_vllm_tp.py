@@ -1,0 +1,168 @@
+"""bik inside vLLM under tensor parallelism: with ``tp_invariant=True`` the log-probs vLLM
+returns at TP 1 and TP 2 equal ``bik.token_logprobs`` of the Hugging Face model patched with
+``bik.patch_model(model, tp_invariant=True)``, bit for bit, under vLLM's own scheduling
+(continuous batching, chunked prefill, prefix caching, n = 2). Without ``tp_invariant`` a TP
+degree above 1 is refused before any engine starts, and the engine settings whose reductions
+bik cannot order under TP are refused when it starts.
+
+TP 1 runs in this process; TP 2 needs vLLM's multiprocessing executor (one worker process per
+rank, each bound to its own core) and runs in a child process (``bik.tools.vllm_engine``).
+The fp32 TP 2 case and the native negative control (native vLLM at TP 2 differs from the
+trainer) are ``python -m bik verify --engine vllm --tp 2``, in tests/tools/test_verify_vllm.py.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
+
+import bik  # noqa: E402
+import bik.vllm  # noqa: E402
+from bik.contract import DTYPE_NAMES  # noqa: E402
+from bik.tools import verify_vllm, vllm_engine  # noqa: E402
+from bik.vllm.config import check_engine  # noqa: E402
+
+PROMPTS, TOKENS, SAMPLES = 8, 8, 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_bik_vllm():
+    """bik.vllm.LLM selects bik's backend and order for the whole process; later test
+    modules get what they had."""
+    before = bik.get_backend()
+    yield
+    bik.set_backend(before)
+    if bik.vllm.enabled() is not None:
+        bik.vllm.enable(bik.vllm.enabled() or "auto")  # tp_invariant off again
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random-init Qwen3 (hidden 96, 4/2 heads of 32, MLP 128: both row-parallel K
+    divisible by 8 chunks)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("qwen3-tp")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def _request(model_dir: str, dtype: str, tensor_parallel: int) -> dict:
+    prompts = verify_vllm.sample_prompts(0, PROMPTS, 512)
+    settings = verify_vllm.engine_settings(PROMPTS * SAMPLES, max(map(len, prompts)) + TOKENS)
+    settings.update(tensor_parallel_size=tensor_parallel, disable_custom_all_reduce=True)
+    return {
+        "engine": "bik",
+        "model": model_dir,
+        "dtype": dtype,
+        "backend": "cpu",
+        "tp_invariant": True,
+        "engine_args": {**vllm_engine.COMMON_ARGS, **settings},
+        "sampling": dict(n=SAMPLES, max_tokens=TOKENS, ignore_eos=True, logprobs=0),
+        "prompts": prompts,
+        "timed_runs": 0,
+    }
+
+
+def _assert_equals_trainer(model_dir: str, dtype: str, request: dict, result: dict) -> None:
+    model = verify_vllm.load_trainer(model_dir, "cpu", DTYPE_NAMES[dtype])
+    bik.patch_model(model, backend="cpu", tp_invariant=True)
+    outputs = result["outputs"]
+    comparison = verify_vllm.compare(
+        outputs, verify_vllm.trainer_logprobs(model, request["prompts"], outputs)
+    )
+    assert comparison.total == PROMPTS * SAMPLES * TOKENS
+    assert comparison.identical, f"{comparison.unequal} of {comparison.total} log-probs differ"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp1_equals_the_tp_invariant_trainer(model_dir, dtype):
+    request = _request(model_dir, dtype, 1)
+    result = vllm_engine.serve(request)  # in this process
+    _assert_equals_trainer(model_dir, dtype, request, result)
+
+
+@pytest.mark.slow  # the fp32 TP 2 case runs in tests/tools/test_verify_vllm.py
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):
+    request = _request(model_dir, dtype, 2)
+    result = vllm_engine.run_engine(
+        "bik",
+        model_dir,
+        request["prompts"],
+        dtype=dtype,
+        backend="cpu",
+        tp_invariant=True,
+        engine_args=request["engine_args"],
+        sampling=request["sampling"],
+        env=vllm_engine.cpu_binding(2),
+        timeout=600,
+    )
+    _assert_equals_trainer(model_dir, dtype, request, result)
+
+
+def test_tp_above_1_needs_tp_invariant(model_dir):
+    with pytest.raises(ValueError, match=r"^bik\.vllm: tensor_parallel_size=2 without tp_inv"):
+        bik.vllm.LLM(model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3: the TP-invariant order runs"):
+        bik.vllm.LLM(model_dir, tensor_parallel_size=3, tp_invariant=True)
+
+
+def _config(**parallel):
+    settings = dict(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=1,
+        disable_custom_all_reduce=True,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    return SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=True, quantization=None),
+        parallel_config=SimpleNamespace(**{**settings, **parallel}),
+        speculative_config=None,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        lora_config=None,
+    )
+
+
+def test_engine_settings_tp_cannot_order_are_refused_at_start(monkeypatch):
+    monkeypatch.setattr(bik.vllm, "_tp_invariant", True)
+    check_engine(_config())  # TP 2, TP-invariant: accepted
+    refused = {
+        "custom all-reduce": dict(disable_custom_all_reduce=False),
+        "context parallelism": dict(decode_context_parallel_size=2),
+        "pipeline parallelism": dict(pipeline_parallel_size=2),
+        "tensor_parallel_size=16: the TP-invariant order runs": dict(tensor_parallel_size=16),
+    }
+    for message, setting in refused.items():
+        with pytest.raises(ValueError, match=message):
+            check_engine(_config(**setting))
+    monkeypatch.setattr(bik.vllm, "_tp_invariant", False)  # a plugin engine without the order
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 without tp_invariant"):
+        check_engine(_config())
+
+
+def test_the_plugins_tp_variable_must_be_0_or_1(monkeypatch):
+    monkeypatch.setenv(bik.vllm.TP_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=r"^BIK_VLLM_TP_INVARIANT='yes': expected 1 \(on\)"):
+        bik.vllm.requested_tp_invariant()
+    monkeypatch.setenv(bik.vllm.TP_ENV_VAR, "1")
+    assert bik.vllm.requested_tp_invariant()
