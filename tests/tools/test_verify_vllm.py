@@ -5,6 +5,7 @@ directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do no
 negative control). The argument cases stop before any model or engine runs.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -65,6 +66,36 @@ def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
     first = re.search(r"native vLLM vs trainer, first difference: (.*)", out)
     assert first and re.fullmatch(r"request \d+ \(sample \d\), generated token \d+", first[1])
     assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(qwen3_dir):
+    """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
+    order, equals the trainer patched with tp_invariant=True; native vLLM's does not (fp32,
+    the negative control)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir), "--tp", "2"]
+        + ["--prompts", "8", "--tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    out = done.stdout
+    assert "TP 2 (TP-invariant order)" in out and "chunked_linear (8 chunks" in out
+    bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
+    native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
+    assert total == native_total == 8 * 2 * 8
+    assert bik_unequal == 0
+    assert native_unequal > 0
+
+
+def test_tp_must_divide_the_chunks_and_needs_engine_vllm(capsys, no_work, qwen3_dir):
+    line = usage_error(capsys, ["verify", "--engine", "vllm", str(qwen3_dir), "--tp", "3"])
+    assert "argument --tp: expected a power of two dividing 8, got 3" in line
+    line = usage_error(capsys, ["verify", "--tp", "2"])
+    assert "argument --tp: applies to --engine vllm only" in line
 
 
 def test_compare_names_the_first_difference_in_request_order():
