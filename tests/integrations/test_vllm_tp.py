@@ -166,3 +166,42 @@ def test_the_plugins_tp_variable_must_be_0_or_1(monkeypatch):
         bik.vllm.requested_tp_invariant()
     monkeypatch.setenv(bik.vllm.TP_ENV_VAR, "1")
     assert bik.vllm.requested_tp_invariant()
+
+
+def test_vocab_parallel_embedding_is_exact_down_to_the_sign_of_zero(monkeypatch):
+    """Two vocab shards: each rank's rows (ids it does not own filled with -0.0), added in rank
+    order, are the full table's rows, -0.0 entries included; vLLM's +0.0 fill loses the sign
+    (negative control)."""
+    import torch.nn.functional as F
+
+    from bik.vllm import layers
+
+    weight = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    weight[5, 1] = weight[12, 2] = -0.0
+    ids = torch.tensor([5, 12, 0, 15, 5])
+
+    def rank(r):
+        shard = SimpleNamespace(
+            org_vocab_start_index=8 * r,
+            org_vocab_end_index=8 * r + 8,
+            num_org_vocab_padding=0,
+            added_vocab_start_index=16,
+            added_vocab_end_index=16,
+        )
+        return SimpleNamespace(
+            tp_size=2,
+            reduce_results=True,
+            parallel_group=None,
+            shard_indices=shard,
+            weight=weight[8 * r : 8 * r + 8],
+            quant_method=SimpleNamespace(embedding=lambda layer, i: F.embedding(i, layer.weight)),
+        )
+
+    monkeypatch.setattr(layers, "_gather_ranks", lambda layer, rows: [rows])  # each rank alone
+    local = [layers._vocab_parallel_embedding_forward(rank(r), ids) for r in (0, 1)]
+    monkeypatch.setattr(layers, "_gather_ranks", lambda layer, rows: local)  # both ranks' rows
+    got, expected = layers._vocab_parallel_embedding_forward(rank(0), ids), weight[ids]
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+    owner = (ids // 8).unsqueeze(-1)
+    plus_zero = [rows.masked_fill(owner != r, 0.0) for r, rows in enumerate(local)]  # vLLM's
+    assert not torch.equal((plus_zero[0] + plus_zero[1]).signbit(), expected.signbit())
