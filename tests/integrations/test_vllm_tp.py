@@ -99,7 +99,7 @@ def test_tp1_equals_the_tp_invariant_trainer(model_dir, dtype):
     _assert_equals_trainer(model_dir, dtype, request, result)
 
 
-@pytest.mark.slow  # the fp32 TP 2 case runs in tests/tools/test_verify_vllm.py
+@pytest.mark.slow  # minutes (2 worker processes); TP 1 and the emulated degrees are the fast cases
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):

@@ -68,6 +68,8 @@ def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
     assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
 
 
+@pytest.mark.slow  # minutes: 2 engines of 2 worker processes; TP 1 and emulated TP 2, 4, 8
+# run in test_vllm_tp.py and test_distributed_tp.py
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
 def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(qwen3_dir):
     """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
