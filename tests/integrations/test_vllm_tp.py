@@ -43,24 +43,14 @@ def restore_bik_vllm():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny random-init Qwen3 (hidden 96, 4/2 heads of 32, MLP 128: both row-parallel K
+    """test_vllm.py's tiny Qwen3 (hidden 96, 4/2 heads of 32, MLP 128: both row-parallel K
     divisible by 8 chunks)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from test_vllm import tiny_config
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("qwen3-tp")
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3")).save_pretrained(path)
     return str(path)
 
 

@@ -46,17 +46,21 @@ def _row(stdout: str, kernels: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
+def _verify(qwen3_dir, *options: str, timeout: int) -> str:
+    """The stdout of a passing ``python -m bik verify --engine vllm`` run on ``qwen3_dir``."""
     done = subprocess.run(
-        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir)]
-        + ["--prompts", "16", "--tokens", "16"],
+        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir), *options],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    out = done.stdout
+    return done.stdout
+
+
+def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
+    out = _verify(qwen3_dir, "--prompts", "16", "--tokens", "16", timeout=300)
     assert "| kernels | unequal log-probs vs trainer |" in out
     bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
     native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
@@ -75,16 +79,7 @@ def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_n
     """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
     order, equals the trainer patched with tp_invariant=True; native vLLM's does not (fp32,
     the negative control)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir), "--tp", "2"]
-        + ["--prompts", "8", "--tokens", "8"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    out = done.stdout
+    out = _verify(qwen3_dir, "--tp", "2", "--prompts", "8", "--tokens", "8", timeout=600)
     assert "TP 2 (TP-invariant order)" in out and "chunked_linear (8 chunks" in out
     bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
     native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
