@@ -38,6 +38,19 @@ attention
     :data:`DEFAULT_SPLIT_SIZE`), never a fixed number of splits; inside a split blocks run in
     ascending order, and split partials are merged in ascending split order. Prefill, chunked
     prefill and decode run this same algorithm.
+row-parallel linear, tensor-parallel-invariant order (opt-in: ``tp_invariant=True``)
+    A linear that tensor parallelism splits along K (attention's output projection, the MLP's
+    down projection) reduces K in :data:`TP_CHUNKS` equal contiguous chunks, whatever the TP
+    degree: each chunk is one bik matmul on the fp32 casts of its inputs (one accumulator,
+    ascending k), the chunk partials are summed in fp32 by one balanced pairwise tree (chunks
+    ``0 .. C/2-1`` on the left), then the bias, then one rounding. TP rank r of T (a power of
+    two dividing C) owns chunks ``r*C/T .. (r+1)*C/T - 1``, one subtree: it reduces that subtree
+    locally, the ranks' fp32 partials are gathered and summed in rank order by the top of the
+    same tree (never by an all-reduce, whose order the library picks). TP 1, 2, 4 ... C then
+    give the same bits, and the one-process trainer runs the same order in the same layers.
+    Column-parallel linears and attention (whole heads per rank) keep their order; a
+    vocab-parallel embedding and LM head are exact (logits are gathered before the
+    log-softmax).
 
 The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; their
 bindings export them and a test asserts that the two agree. docs/design.md explains the whole
@@ -74,6 +87,10 @@ CPU_LANES: int = 16
 CUDA_ROW_THREADS: int = 256
 """cuda backend: a row reduction runs on this many threads (strided partials), then one fixed
 shared-memory tree."""
+
+TP_CHUNKS: int = 8
+"""Chunks of a row-parallel linear's K under the tensor-parallel-invariant order: the largest
+TP degree it supports (any power of two dividing it gives the same bits)."""
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The integer each floating dtype is passed as to the compiled kernels (enum bik::DType)."""

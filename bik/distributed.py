@@ -1,4 +1,4 @@
-"""Prototype of a tensor-parallel-invariant linear: the K reduction defined in chunks.
+"""The tensor-parallel-invariant linear: a row-parallel layer's K reduction defined in chunks.
 
 A row-parallel linear (the attention output and MLP down projections under tensor
 parallelism) splits K across the TP ranks: each rank reduces its slice of K and an all-reduce
@@ -16,16 +16,19 @@ exactly one subtree: the rank computes its subtree locally (``chunked_linear`` o
 with C/T chunks) and the ranks' partials are summed by the top T leaves of the same tree, in
 rank order. T = 1, 2, 4 ... C then give the same bits. ``row_parallel_linear`` does this across
 processes by gathering the fp32 partials and summing them in that order on every rank (an
-all-reduce does not promise an order for more than two ranks). See docs/design.md, "Across
-processes", for what this costs and what else tensor parallelism would need.
+all-reduce does not promise an order for more than two ranks). C is ``bik.contract.TP_CHUNKS``
+unless a caller fixes another. ``bik.patch_model(model, tp_invariant=True)`` runs
+``chunked_linear`` in a model's row-parallel layers and ``bik.vllm`` runs ``rank_partial`` and
+``combine_partials`` in vLLM's. See docs/design.md, "Across processes", for what this costs.
 
-Forward only: the gather is not differentiated.
+``row_parallel_linear`` is forward only: the gather is not differentiated.
 """
 
 import torch
 import torch.distributed as dist
 
 from . import _checks
+from .contract import TP_CHUNKS
 from .ops.matmul import linear
 
 
@@ -99,8 +102,9 @@ def _check_ranks_agree(
             )
 
 
-def _partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
-    """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``."""
+def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``: one
+    rank's subtree (``chunks`` = C / T, a power of two dividing K; not checked here)."""
     step = x.shape[-1] // chunks
     x32, w32 = x.float(), weight.float()  # exact casts: the order is the fp32 kernel's
     parts = [
@@ -110,25 +114,35 @@ def _partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor
     return _tree_sum(parts)
 
 
-def _finish(total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def combine_partials(
+    partials: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ranks' fp32 partials (in rank order, a power-of-two count) summed by the top of the
+    tree, the bias added in fp32, one rounding to ``dtype``."""
+    total = _tree_sum(partials)
     if bias is not None:
         total = total + bias.float()
     return total.to(dtype)
 
 
 def chunked_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, chunks: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunks: int = TP_CHUNKS,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with K reduced in ``chunks`` equal chunks, tree-summed.
 
     The single-process form of the order ``row_parallel_linear`` computes at any TP degree
     that divides ``chunks``. ``chunks`` must be a power of two dividing K. Rows stay
     independent (each chunk is a batch-invariant bik matmul). fp32 gives IEEE fp32 results;
-    bf16/fp16 inputs return their dtype after one rounding of the fp32 sum.
+    bf16/fp16 inputs return their dtype after one rounding of the fp32 sum. Differentiable
+    (bik.linear's backward on each chunk).
     """
     _check_operands("x", x, "weight", weight, bias, "K, the last dim of x")
     _check_chunks("chunks", chunks, x.shape[-1])
-    return _finish(_partial(x, weight, chunks), bias, x.dtype)
+    return combine_partials([rank_partial(x, weight, chunks)], bias, x.dtype)
 
 
 def row_parallel_linear(
@@ -162,7 +176,7 @@ def row_parallel_linear(
     if world & (world - 1):
         raise ValueError(f"group: expected a power-of-two world size, got {world}")
     _check_ranks_agree(x_shard, weight_shard, bias, chunks_per_rank, group)
-    partial = _partial(x_shard, weight_shard, chunks_per_rank).contiguous()
+    partial = rank_partial(x_shard, weight_shard, chunks_per_rank).contiguous()
     gathered = [torch.empty_like(partial) for _ in range(world)]
     dist.all_gather(gathered, partial, group=group)
-    return _finish(_tree_sum(gathered), bias, x_shard.dtype)
+    return combine_partials(gathered, bias, x_shard.dtype)

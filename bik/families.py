@@ -14,6 +14,10 @@ from typing import Any
 # keys, and DeepSeek's (not supported; bik.vllm refuses it by this key).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
+# The linears tensor parallelism splits along K (row-parallel, Megatron's split, as vLLM builds
+# every supported family): attention's output and the MLP's down projection, by module name.
+ROW_PARALLEL_NAMES = ("o_proj", "down_proj")
+
 # What every tiny preset shares: 2 layers, hidden 128, GQA 4/2, head_dim 32, vocab 256.
 _TINY = dict(
     vocab_size=256,

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import torch
 
+from ..distributed import chunked_linear
 from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
@@ -16,16 +17,19 @@ from .autocast import autocast_inputs, run
 
 
 class PatchedForward:
-    """A Linear's or RMSNorm's forward (``kind``: 'linear', 'rms_norm', 'gemma_rms_norm')."""
+    """A Linear's or RMSNorm's forward (``kind``: 'linear', 'row_parallel_linear' (the
+    tensor-parallel-invariant order, bik.distributed.chunked_linear), 'rms_norm',
+    'gemma_rms_norm')."""
 
     def __init__(self, module: torch.nn.Module, kind: str, backend: str):
         self.module, self.kind, self.backend = module, kind, backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, weight = self.module, cast(torch.Tensor, self.module.weight)
-        if self.kind == "linear":
+        if self.kind in ("linear", "row_parallel_linear"):
             autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, m.bias)
-            return run(self.backend, autocast_on, linear, x, weight, bias)
+            op = linear if self.kind == "linear" else chunked_linear
+            return run(self.backend, autocast_on, op, x, weight, bias)
         autocast_on, _ = autocast_inputs(x.device.type)
         if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding
             wide, scale = x.float(), 1.0 + weight.float()

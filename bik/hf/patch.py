@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from .. import backends
-from ..contract import check_split_size
-from ..families import FAMILIES, SUPPORTED_FAMILIES, Family
+from ..contract import TP_CHUNKS, check_split_size
+from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
@@ -31,6 +31,7 @@ class PatchReport:
     unpatched: list[str]
     attention_was: str
     split_size: int | None = None
+    tp_invariant: bool = False
 
     def __str__(self) -> str:
         kinds: dict[str, int] = {}
@@ -99,12 +100,45 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
+_ROW_PARALLEL = f"bik.distributed.chunked_linear ({TP_CHUNKS} chunks: TP-invariant)"
+
+
+def _row_parallel(
+    model: torch.nn.Module, kinds: dict[str, str | None], family: Family | None
+) -> set[str]:
+    """The names of ``model``'s row-parallel linears (``ROW_PARALLEL_NAMES``) for
+    ``tp_invariant=True``; a ValueError when the order cannot apply to the model."""
+    if family is not None and family.moe:
+        raise ValueError(
+            f"tp_invariant: {family.model_type!r} is a mixture-of-experts model; the "
+            "TP-invariant order covers dense models only"
+        )
+    names = {
+        name
+        for name, kind in kinds.items()
+        if kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES
+    }
+    if not names:
+        raise ValueError(
+            f"tp_invariant: the model has no row-parallel linear ({', '.join(ROW_PARALLEL_NAMES)})"
+        )
+    for name in sorted(names):
+        k = cast(torch.Tensor, model.get_submodule(name).weight).shape[1]
+        if k % TP_CHUNKS:
+            raise ValueError(
+                f"tp_invariant: {name} has K = {k} input features, not divisible by "
+                f"bik.contract.TP_CHUNKS = {TP_CHUNKS}"
+            )
+    return names
+
+
 def patch_model(
     model: PreTrainedModel,
     *,
     backend: str = "auto",
     strict: bool = True,
     split_size: int | None = None,
+    tp_invariant: bool = False,
 ) -> PatchReport:
     """Route every reduction of ``model``'s forward through bik; returns a :class:`PatchReport`.
 
@@ -113,11 +147,18 @@ def patch_model(
     Attention features bik does not implement (sinks, an active sliding window,
     dropout...) raise ``NotImplementedError`` when the model runs, strict or not.
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
+    tp_invariant: the row-parallel linears (``o_proj``, ``down_proj``) reduce K in
+    ``bik.contract.TP_CHUNKS`` chunks summed by a fixed tree (``bik.distributed.chunked_linear``),
+    the order bik's vLLM engine computes at every tensor-parallel degree, so the model's bits
+    equal a TP 1, 2, 4 or 8 rollout's (``bik.vllm.LLM(..., tp_invariant=True)``). Off, they run
+    ``bik.linear``. Dense families only; K must be divisible by ``TP_CHUNKS`` (else ValueError).
     The backend and split size live on the patched modules: deepcopy and pickle keep them.
     """
     _check_model(model)
     backends.check_name(backend)
     check_split_size(split_size)
+    if not isinstance(tp_invariant, bool):
+        raise TypeError(f"tp_invariant: expected a bool, got {tp_invariant!r}")
     model_type = model.config.model_type
     family = FAMILIES.get(model_type)
     if strict and family is None:
@@ -138,6 +179,7 @@ def patch_model(
             "strict=False to bik.patch_model to patch the rest and list them in report.unpatched"
         )
 
+    row_parallel = _row_parallel(model, kinds, family) if tp_invariant else set()
     patched = {}
     settings = AttentionSettings(backend, split_size)
     for name, kind in kinds.items():
@@ -146,13 +188,18 @@ def patch_model(
             # torch hints Module.__setattr__ for tensors and modules; any value is allowed
             module._bik_attention = settings  # type: ignore[assignment]
             patched[name] = "bik.attention"
+        elif name in row_parallel:
+            module.forward = PatchedForward(module, "row_parallel_linear", backend)
+            patched[name] = _ROW_PARALLEL
         elif kind in _FORWARDS:
             make_forward, patched[name] = _FORWARDS[kind]
             module.forward = make_forward(module, backend, family)
     attention_was = model.config._attn_implementation
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    report = PatchReport(model_type, backend, patched, unpatched, attention_was, split_size)
+    report = PatchReport(
+        model_type, backend, patched, unpatched, attention_was, split_size, tp_invariant
+    )
     model._bik_patch = report  # type: ignore[assignment]  # as above: any value is allowed
     return report
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import hf, models
-from ..contract import DTYPE_NAMES
+from ..contract import DTYPE_NAMES, TP_CHUNKS
 from ..families import FAMILIES
 from ..ops.log_softmax import token_logprobs
 from .cli import UsageError, check_device, positive_int
@@ -366,6 +366,7 @@ def _load(name, device, dtype, seed):
 
 ENGINES = ("hf", "vllm")
 VLLM_DEFAULTS = {"prompts": 16, "tokens": 16}  # --engine vllm only
+VLLM_ONLY = (*VLLM_DEFAULTS, "tp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -407,6 +408,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"--engine vllm: tokens generated per sample (default {VLLM_DEFAULTS['tokens']})",
     )
     parser.add_argument(
+        "--tp",
+        type=positive_int,
+        help="--engine vllm: both engines at this tensor-parallel degree (a power of two "
+        f"dividing {TP_CHUNKS}), bik's and the trainer in the TP-invariant order",
+    )
+    parser.add_argument(
         "--skip-unpatched",
         action="store_true",
         help="do not run the checks on the unpatched model (with --engine vllm: native vLLM) first",
@@ -421,7 +428,7 @@ def check(args: argparse.Namespace) -> None:
     args.model = args.model or args.model_dir or "all"
     check_device(args.device)
     if args.engine == "hf":
-        for option in VLLM_DEFAULTS:
+        for option in VLLM_ONLY:
             if getattr(args, option) is not None:
                 raise UsageError(f"--{option}", "applies to --engine vllm only")
         return
@@ -444,6 +451,13 @@ def check(args: argparse.Namespace) -> None:
     problem = vllm_engine.model_problem(args.model)
     if problem:
         raise UsageError("--model", problem)
+    if args.tp is not None and (args.tp & (args.tp - 1) or TP_CHUNKS % args.tp):
+        raise UsageError("--tp", f"expected a power of two dividing {TP_CHUNKS}, got {args.tp}")
+    if args.tp is not None and args.device == "cpu":
+        try:
+            vllm_engine.cpu_binding(args.tp)
+        except ValueError as error:
+            raise UsageError("--tp", str(error)) from None
     for option, default in VLLM_DEFAULTS.items():
         if getattr(args, option) is None:
             setattr(args, option, default)
@@ -485,6 +499,7 @@ def _main_vllm(args: argparse.Namespace) -> int:
             tokens=args.tokens,
             seed=args.seed,
             native=not args.skip_unpatched,
+            tensor_parallel=args.tp,
         )
     except RuntimeError as error:  # an engine failed; its log's end is in the message
         print(f"\nverify: FAILED: {error}")

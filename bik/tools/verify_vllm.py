@@ -163,18 +163,28 @@ def verify_vllm(
     samples: int = 2,
     seed: int = 0,
     native: bool = True,
+    tensor_parallel: int | None = None,
     echo: Callable[[str], object] = print,
 ) -> bool:
     """Run both engines on ``model_dir`` and compare them with the trainer, ``model`` (the
     Hugging Face model loaded from ``model_dir`` in ``dtype`` on ``device``, patched here);
-    print the table. Returns True if bik's log-probs equal the trainer's bit for bit."""
+    print the table. Returns True if bik's log-probs equal the trainer's bit for bit.
+    ``tensor_parallel``: both engines at that TP degree, bik's and the trainer in bik's
+    TP-invariant order (None: TP 1, bik's default order)."""
     from ..backends import resolve
 
     backend = resolve(torch.device(device)).name
-    report = hf.patch_model(model, backend=backend)
+    tp_invariant = tensor_parallel is not None
+    tensor_parallel = tensor_parallel or 1
+    report = hf.patch_model(model, backend=backend, tp_invariant=tp_invariant)
     batch = sample_prompts(seed, prompts, model.config.vocab_size)
     settings = engine_settings(prompts * samples, max(map(len, batch)) + tokens)
     settings["seed"] = seed  # the engines' sampling seed
+    env = {}
+    if tp_invariant:
+        settings["tensor_parallel_size"] = tensor_parallel
+        settings["disable_custom_all_reduce"] = True
+        env = vllm_engine.cpu_binding(tensor_parallel) if device == "cpu" else {}
     sampling = {
         "n": samples,
         "max_tokens": tokens,
@@ -192,15 +202,19 @@ def verify_vllm(
             batch,
             dtype=dtype,
             backend=backend,
+            tp_invariant=tp_invariant,
             engine_args=settings,
             sampling=sampling,
+            env=env,
         )
         outputs = results[engine]["outputs"]
         comparisons[engine] = compare(outputs, trainer_logprobs(model, batch, outputs))
     bik_run = results["bik"]
     echo(str(report))
     echo(
-        f"vLLM {bik_run['vllm']}, {dtype}, bik backend {backend}: {prompts} prompts x {samples} "
+        f"vLLM {bik_run['vllm']}, {dtype}, bik backend {backend}, "
+        + (f"TP {tensor_parallel} (TP-invariant order)" if tp_invariant else "TP 1")
+        + f": {prompts} prompts x {samples} "
         f"samples x {tokens} tokens; {settings['max_num_seqs']} sequence slots, "
         f"{STEP_TOKENS}-token steps (chunked prefill), prefix caching "
         f"({sum(bik_run['cached_tokens'])} prompt tokens read from the cache with bik)"

@@ -55,6 +55,24 @@ def model_problem(model_dir: str) -> str | None:
     )
 
 
+def cpu_binding(tensor_parallel: int) -> dict[str, str]:
+    """The environment a CPU engine at ``tensor_parallel`` > 1 needs: vLLM's CPU workers each
+    bind to their own cores (``VLLM_CPU_OMP_THREADS_BIND``, e.g. "0|1"), split evenly from
+    this process's CPUs; empty at 1 or when the variable is set already. ValueError with fewer
+    CPUs than ranks."""
+    if tensor_parallel == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel:
+        raise ValueError(
+            f"tensor parallelism {tensor_parallel} on the CPU needs a core per rank; this "
+            f"process may use {len(cpus)}"
+        )
+    per_rank = len(cpus) // tensor_parallel
+    groups = [cpus[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 def vllm_version() -> str:
     try:
         return importlib.metadata.version("vllm")
@@ -69,6 +87,7 @@ def run_engine(
     *,
     dtype: str = "float32",
     backend: str = "auto",
+    tp_invariant: bool = False,
     engine_args: dict | None = None,
     sampling: dict | None = None,
     timed_runs: int = 0,
@@ -77,7 +96,8 @@ def run_engine(
 ) -> dict:
     """Generate from ``prompts`` (token ids) with one engine in a child process.
 
-    engine: 'native' (``vllm.LLM``) or 'bik' (``bik.vllm.LLM`` with kernel ``backend``).
+    engine: 'native' (``vllm.LLM``) or 'bik' (``bik.vllm.LLM`` with kernel ``backend`` and
+    ``tp_invariant``).
     engine_args, sampling: keywords of ``vllm.LLM`` (over :data:`COMMON_ARGS`) and of
     ``vllm.SamplingParams``. The first ``generate`` call returns the outputs; with
     ``timed_runs`` > 0 it is the warm-up, and that many more calls are timed. ``env``: more
@@ -101,6 +121,7 @@ def run_engine(
         "model": str(model),
         "dtype": dtype,
         "backend": backend,
+        "tp_invariant": tp_invariant,
         "engine_args": {**COMMON_ARGS, **(engine_args or {})},
         "sampling": dict(sampling or {}),
         "prompts": [[int(t) for t in p] for p in prompts],
@@ -159,7 +180,12 @@ def serve(request: dict) -> dict:
     if request["engine"] == "bik":
         from bik.vllm import LLM
 
-        llm = LLM(request["model"], backend=request["backend"], **kwargs)
+        llm = LLM(
+            request["model"],
+            backend=request["backend"],
+            tp_invariant=request["tp_invariant"],
+            **kwargs,
+        )
     else:
         llm = vllm.LLM(model=request["model"], **kwargs)
     params = vllm.SamplingParams(detokenize=False, **request["sampling"])

@@ -18,10 +18,15 @@ Enabled, bik replaces vLLM's RMSNorm, SiLU-and-multiply and rotary layers throug
 custom-op registry, runs unquantized linear layers and the LM head through ``bik.linear``,
 the sampler's log-softmax through ``bik.log_softmax`` and attention through bik's backend in
 vLLM's attention-backend registry. What bik cannot make invariant (torch.compile or CUDA
-graphs, speculative decoding, quantization, TP/PP, LoRA, sliding windows, scaled RoPE
-variants...) is refused when the engine starts. Then vLLM's log-probs equal
+graphs, speculative decoding, quantization, TP without ``tp_invariant``, PP, LoRA, sliding
+windows, scaled RoPE variants...) is refused when the engine starts. Then vLLM's log-probs equal
 ``bik.token_logprobs`` of the bik-patched Hugging Face model loaded from the same directory,
 for every batch vLLM forms: continuous batching, chunked prefill, prefix caching, ``n > 1``.
+
+Tensor parallelism runs with ``tp_invariant=True`` only (``BIK_VLLM_TP_INVARIANT=1`` for the
+plugin): row-parallel linears and the vocab-parallel embedding then follow bik's
+TP-invariant order (bik.contract), and the log-probs at every TP degree equal those of the
+model patched with ``bik.patch_model(model, tp_invariant=True)``.
 """
 
 import os
@@ -39,7 +44,9 @@ if TYPE_CHECKING:
 ENV_VAR = "BIK_VLLM"  # the bik backend to run vLLM with; unset, empty, 0 or off: bik stays off
 OFF = ("", "0", "off")  # BIK_VLLM values (any case) that leave bik off
 PLUGIN = "bik"  # bik's name in vLLM's general plugins (setup.py), as VLLM_PLUGINS lists it
+TP_ENV_VAR = "BIK_VLLM_TP_INVARIANT"  # "1": the TP-invariant order (engine processes read it)
 _enabled: str | None = None
+_tp_invariant = False
 
 
 def requested() -> str | None:
@@ -94,17 +101,33 @@ def check(backend: str = "auto") -> str:
     return backend
 
 
-def enable(backend: str = "auto") -> None:
+def requested_tp_invariant() -> bool:
+    """Whether ``BIK_VLLM_TP_INVARIANT`` asks for the TP-invariant order ("1"; unset or "0":
+    not); a ValueError naming it for any other value."""
+    value = os.environ.get(TP_ENV_VAR, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{TP_ENV_VAR}={value!r}: expected 1 (on) or 0 (off)")
+    return value == "1"
+
+
+def enable(backend: str = "auto", *, tp_invariant: bool = False) -> None:
     """Route vLLM's numerics through bik in this process (see the module doc). Idempotent;
-    a second call may only change the kernel backend. ValueError for a backend that is not
-    batch-invariant, or a VLLM_PLUGINS that leaves bik's plugin out."""
-    global _enabled
+    a second call may change the kernel backend and ``tp_invariant`` (for engines built
+    afterwards). ValueError for a backend that is not batch-invariant, or a VLLM_PLUGINS that
+    leaves bik's plugin out."""
+    global _enabled, _tp_invariant
+    if not isinstance(tp_invariant, bool):
+        raise TypeError(f"tp_invariant: expected a bool, got {tp_invariant!r}")
     backend = check(backend)
     backends.set_backend(backend)
     os.environ[ENV_VAR] = backend  # engine processes vLLM spawns enable bik too
+    os.environ[TP_ENV_VAR] = str(int(tp_invariant))
     if _enabled is None:
         _install()
-    _enabled = backend
+    from . import layers
+
+    layers.use_tp_invariant(tp_invariant)
+    _enabled, _tp_invariant = backend, tp_invariant
 
 
 def enabled() -> str | None:
@@ -112,17 +135,30 @@ def enabled() -> str | None:
     return _enabled
 
 
-def LLM(model: str, *, backend: str = "auto", **kwargs: Any) -> "vllm.LLM":
-    """``vllm.LLM(model, **kwargs)`` with bik enabled (``enforce_eager`` defaults to True)."""
+def tp_invariant() -> bool:
+    """Whether vLLM runs bik's TP-invariant order in this process."""
+    return _tp_invariant
+
+
+def LLM(
+    model: str, *, backend: str = "auto", tp_invariant: bool = False, **kwargs: Any
+) -> "vllm.LLM":
+    """``vllm.LLM(model, **kwargs)`` with bik enabled (``enforce_eager`` defaults to True).
+
+    tp_invariant: the TP-invariant order (see the module doc), required for
+    ``tensor_parallel_size`` > 1; ``disable_custom_all_reduce`` then defaults to True."""
     import vllm
     from transformers import AutoConfig
 
-    from .config import check_hf_config
+    from .config import check_hf_config, check_tensor_parallel
 
+    check_tensor_parallel(kwargs.get("tensor_parallel_size", 1), tp_invariant)
     trust = kwargs.get("trust_remote_code", False)
     check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust))
-    enable(backend)
+    enable(backend, tp_invariant=tp_invariant)
     kwargs.setdefault("enforce_eager", True)
+    if tp_invariant:
+        kwargs.setdefault("disable_custom_all_reduce", True)
     return vllm.LLM(model=model, **kwargs)
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..contract import TP_CHUNKS
 from ..families import EXPERT_COUNT_KEYS
 
 if TYPE_CHECKING:
@@ -15,21 +16,57 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+def _tensor_parallel_problem(size: int, tp_invariant: bool) -> str | None:
+    if size == 1:
+        return None
+    if not tp_invariant:
+        return (
+            f"tensor_parallel_size={size} without tp_invariant: vLLM's all-reduce would make "
+            "the bits depend on the TP degree; pass tp_invariant=True to bik.vllm.LLM "
+            "(BIK_VLLM_TP_INVARIANT=1 for the plugin) and patch the trainer with "
+            "bik.patch_model(model, tp_invariant=True)"
+        )
+    if size & (size - 1) or TP_CHUNKS % size:
+        return (
+            f"tensor_parallel_size={size}: the TP-invariant order runs at powers of two "
+            f"dividing bik.contract.TP_CHUNKS = {TP_CHUNKS}"
+        )
+    return None
+
+
+def check_tensor_parallel(size: int, tp_invariant: bool) -> None:
+    """Raise ``ValueError`` for a tensor-parallel degree bik cannot run invariantly."""
+    problem = _tensor_parallel_problem(size, tp_invariant)
+    if problem is not None:
+        raise ValueError(f"bik.vllm: {problem}")
+
+
 def check_engine(vllm_config: "VllmConfig") -> None:
     """Raise ``ValueError`` listing every engine setting bik cannot run invariantly."""
+    from . import tp_invariant
+
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     problems = []
     if not model.enforce_eager:
         problems.append(
             "enforce_eager=False (torch.compile and CUDA graphs fuse the elementwise steps "
-            "into code with other bits): pass enforce_eager=True"
+            "into code with other bits; vLLM's sequence parallelism and all-reduce fusions are "
+            "compilation passes): pass enforce_eager=True"
         )
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding: remove speculative_config")
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    tp_problem = _tensor_parallel_problem(parallel.tensor_parallel_size, tp_invariant())
+    if tp_problem is not None:
+        problems.append(tp_problem)
+    if parallel.tensor_parallel_size > 1 and not parallel.disable_custom_all_reduce:
         problems.append(
-            "tensor/pipeline parallelism: use tensor_parallel_size=1, pipeline_parallel_size=1"
+            "custom all-reduce (its order is the kernel's): pass disable_custom_all_reduce=True"
         )
+    if parallel.pipeline_parallel_size != 1:
+        problems.append("pipeline parallelism: use pipeline_parallel_size=1")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name) != 1:
+            problems.append(f"context parallelism (it splits attention's keys): {name}=1")
     if model.quantization is not None:
         problems.append(f"quantization={model.quantization!r}: load unquantized weights")
     if vllm_config.cache_config.cache_dtype != "auto":
@@ -57,11 +94,17 @@ def check_hf_config(hf_config: "PreTrainedConfig") -> None:
 def check_model(model: torch.nn.Module) -> None:
     """Raise if a loaded model has a layer vLLM would compute with its own numerics: a
     custom op bik did not replace (a scaled RoPE variant, another norm or activation, MoE),
-    a quantized linear layer, or a logits soft-cap/scale."""
+    a quantized linear layer, or a logits soft-cap/scale; with tp_invariant, a row-parallel
+    linear whose K slice does not split into its rank's chunks."""
     from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        RowParallelLinear,
+        UnquantizedLinearMethod,
+    )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
+    from . import tp_invariant
     from .layers import BIK_LAYERS
 
     problems: list[str] = []
@@ -87,6 +130,13 @@ def check_model(model: torch.nn.Module) -> None:
             module.soft_cap is not None or module.scale != 1.0
         ):
             problems.append(f"{name}: logits soft-cap or scale")
+        if tp_invariant() and isinstance(module, RowParallelLinear):
+            chunks = TP_CHUNKS // module.tp_size
+            if module.input_size_per_partition % chunks:
+                problems.append(
+                    f"{name}: K = {module.input_size} is not divisible by "
+                    f"bik.contract.TP_CHUNKS = {TP_CHUNKS} (the TP-invariant order's chunks)"
+                )
     if problems:
         raise NotImplementedError(
             "bik.vllm: these layers would run vLLM's own numerics, so rollout log-probs "

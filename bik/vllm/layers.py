@@ -7,15 +7,33 @@ LM head run ``bik.linear``; bik keeps their weights as loaded (vLLM's CPU path w
 them for oneDNN), so a weight update written into the parameters is what the next step uses.
 Each replacement computes what the bik-patched Hugging Face model computes for the same
 layer, in the same dtype, so the two give the same bits.
+
+With ``tp_invariant`` on, the layers tensor parallelism splits follow bik's TP-invariant
+order (bik.contract): a row-parallel linear reduces its K slice in ``TP_CHUNKS / T`` chunks
+into one fp32 partial, the ranks' partials are all-gathered and summed in rank order by the
+top of the same tree (vLLM's all-reduce is not called), so every TP degree gives the bits of
+``bik.patch_model(model, tp_invariant=True)``. The vocab-parallel embedding gathers the ranks'
+rows instead of all-reducing them, each rank filling the rows it does not own with -0.0, the
+identity of addition (+0.0 is not: -0.0 + 0.0 = +0.0), so the sum is the owner's row exactly.
+The LM head needs nothing: vLLM gathers its vocab shards' logits before the sampler.
 """
 
+from typing import Any
+
 import torch
+from vllm.distributed import get_tp_group, split_tensor_along_last_dim
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+    get_masked_input_and_mask,
+)
 
+from ..contract import TP_CHUNKS
+from ..distributed import combine_partials, rank_partial
 from ..ops.activations import silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm_like_transformers
@@ -99,6 +117,64 @@ def _keep_weights(self, layer):
     """bik reads ``layer.weight`` as loaded: nothing to repack."""
 
 
+def _gather_ranks(layer: Any, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's ``t``, in rank order (exact copies)."""
+    if layer.tp_size == 1:
+        return [t]
+    return list(get_tp_group().all_gather(t.contiguous(), dim=0).chunk(layer.tp_size, dim=0))
+
+
+def _row_parallel_forward(
+    self: RowParallelLinear, input_: torch.Tensor
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """RowParallelLinear.forward in the TP-invariant order: this rank's subtree of
+    ``TP_CHUNKS / T`` chunks in fp32, the ranks' partials gathered and tree-summed in rank
+    order, the full bias added once, one rounding (check_model checks the divisibility)."""
+    if not self.reduce_results:
+        raise NotImplementedError(
+            "bik.vllm tp_invariant: a row-parallel linear whose sum a later layer takes "
+            "(reduce_results=False) would be reduced in vLLM's order"
+        )
+    x = input_
+    if not self.input_is_parallel:
+        x = split_tensor_along_last_dim(input_, num_partitions=self.tp_size)[self.tp_rank]
+    partials = _gather_ranks(self, rank_partial(x, self.weight, TP_CHUNKS // self.tp_size))
+    bias = None if self.skip_bias_add else self.bias
+    output = combine_partials(partials, bias, x.dtype)
+    if not self.return_bias:
+        return output
+    return output, self.bias if self.skip_bias_add else None
+
+
+def _vocab_parallel_embedding_forward(
+    self: VocabParallelEmbedding, input_: torch.Tensor
+) -> torch.Tensor:
+    """The rows of ``input_``'s token ids: looked up on the rank that owns each id, the
+    others' rows -0.0, gathered and added in rank order (exact; see the module doc)."""
+    if self.tp_size == 1:
+        return self.quant_method.embedding(self, input_.long())
+    if not self.reduce_results or self.parallel_group is not None:
+        raise NotImplementedError(
+            "bik.vllm tp_invariant: a vocab-parallel embedding that is not reduced over the "
+            "TP group"
+        )
+    shard = self.shard_indices
+    masked, foreign = get_masked_input_and_mask(
+        input_,
+        shard.org_vocab_start_index,
+        shard.org_vocab_end_index,
+        shard.num_org_vocab_padding,
+        shard.added_vocab_start_index,
+        shard.added_vocab_end_index,
+    )
+    rows = self.quant_method.embedding(self, masked.long()).masked_fill(foreign.unsqueeze(-1), -0.0)
+    ranks = _gather_ranks(self, rows)
+    out = ranks[0]
+    for other in ranks[1:]:
+        out = out + other
+    return out
+
+
 _REPLACED_OPS = {
     "RMSNorm": BikRMSNorm,
     "SiluAndMul": BikSiluAndMul,
@@ -110,6 +186,11 @@ _PATCHED_METHODS = (
     (UnquantizedEmbeddingMethod, "apply", _linear_apply),  # the LM head
 )
 BIK_LAYERS = tuple(_REPLACED_OPS.values())
+_TP_INVARIANT_FORWARDS = (
+    (RowParallelLinear, _row_parallel_forward),
+    (VocabParallelEmbedding, _vocab_parallel_embedding_forward),
+)
+_VLLM_FORWARDS = {owner: owner.forward for owner, _ in _TP_INVARIANT_FORWARDS}
 
 
 def install() -> None:
@@ -121,3 +202,10 @@ def install() -> None:
             CustomOp.register_oot(cls, name=name)
     for owner, name, method in _PATCHED_METHODS:
         setattr(owner, name, method)
+
+
+def use_tp_invariant(on: bool) -> None:
+    """Run the row-parallel linears and the vocab-parallel embedding in the TP-invariant order
+    (``on``), or in vLLM's own (whose bits at TP 1 are bik.linear's)."""
+    for owner, forward in _TP_INVARIANT_FORWARDS:
+        owner.forward = forward if on else _VLLM_FORWARDS[owner]

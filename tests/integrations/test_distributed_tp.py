@@ -1,18 +1,25 @@
-"""Tensor parallelism: the K order of a row-parallel linear, and bik.distributed's prototype.
+"""Tensor parallelism: the K order of a row-parallel linear, and the trainer that uses it.
 
 Plain tensor parallelism sums per-rank K partials, so the bits change with the TP degree
 (negative control). ``bik.distributed.chunked_linear`` defines the order in C chunks summed by
-a pairwise tree; a TP degree dividing C computes the same tree, so TP 1, 2 and 4 agree, and
+a pairwise tree; a TP degree dividing C computes the same tree, so TP 1, 2, 4 and 8 agree, and
 ``row_parallel_linear`` on 2 gloo ranks gives the single-process chunked result bit for bit.
+``bik.patch_model(model, tp_invariant=True)`` runs that order in a model's row-parallel
+linears: its logits equal those of the model with every row-parallel linear computed as TP 2,
+4 or 8 ranks would (emulated in one process). vLLM at TP 2: tests/integrations/test_vllm_tp.py.
 """
 
 import distributed_worker as worker
 import pytest
 import torch
-from helpers import assert_bitwise
+from helpers import assert_bitwise, randn
+from hypothesis import given
+from hypothesis import strategies as st
 
 import bik
+from bik.contract import TP_CHUNKS
 from bik.distributed import chunked_linear, row_parallel_linear
+from bik.families import FAMILIES, ROW_PARALLEL_NAMES
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -31,7 +38,27 @@ def _tp_emulation(x, weight, bias, *, chunks, degree):
     ]
     while len(partials) > 1:  # the top of the tree: neighbours pairwise, in rank order
         partials = [partials[i] + partials[i + 1] for i in range(0, len(partials), 2)]
-    return (partials[0] + bias.float()).to(x.dtype)
+    return (partials[0] if bias is None else partials[0] + bias.float()).to(x.dtype)
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    m=st.integers(1, 9),
+    n=st.integers(1, 70),
+    k_per_chunk=st.integers(1, 20),
+    bias=st.booleans(),
+)
+def test_every_tp_degree_gives_the_contract_order(dtype, m, n, k_per_chunk, bias):
+    """Random shapes (K = TP_CHUNKS x 1..20 crosses the CPU kernel's 16-lane tails): TP 1, 2,
+    4 and 8 emulated give chunked_linear's bits, and a row alone gives its row in the batch."""
+    k = TP_CHUNKS * k_per_chunk
+    x, weight = randn((m, k), dtype, seed=1), randn((n, k), dtype, seed=2)
+    b = randn((n,), dtype, seed=3) if bias else None
+    expected = chunked_linear(x, weight, b)
+    for degree in (1, 2, 4, 8):
+        got = _tp_emulation(x, weight, b, chunks=TP_CHUNKS, degree=degree)
+        assert_bitwise(got, expected, f"TP degree {degree}")
+    assert_bitwise(chunked_linear(x[-1:], weight, b), expected[-1:], "row alone")
 
 
 def test_plain_tensor_parallel_order_depends_on_the_degree():
@@ -130,3 +157,66 @@ def test_row_parallel_linear_refuses_inputs_that_need_gradients():
     x, w = torch.randn(2, 8, requires_grad=True), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="row_parallel_linear: forward only"):
         row_parallel_linear(x, w)
+
+
+def _tiny_model(dtype=torch.float32, family="qwen3", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = FAMILIES[family].tiny_config(**overrides)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+def _emulate_tp(model, degree):
+    """Every row-parallel linear of a patched ``model`` computed as ``degree`` TP ranks would
+    (each rank's K slice in TP_CHUNKS / degree chunks, partials summed in rank order)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES:
+            module.forward = lambda x, m=module: _tp_emulation(
+                x, m.weight, m.bias, chunks=TP_CHUNKS, degree=degree
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tp_invariant_model_equals_every_tp_degree(dtype):
+    ids = torch.randint(3, 256, (3, 21), generator=torch.Generator().manual_seed(0))
+    model = _tiny_model(dtype)
+    report = bik.patch_model(model, backend="cpu", tp_invariant=True)
+    chunked = [name for name, kind in report.patched.items() if "chunked_linear" in kind]
+    assert report.tp_invariant and len(chunked) == 4  # o_proj and down_proj of 2 layers
+    assert all(name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES for name in chunked)
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert_bitwise(model(ids[1:2]).logits, expected[1:2], "a row alone")
+        for degree in (2, 4, 8):
+            twin = _tiny_model(dtype)
+            bik.patch_model(twin, backend="cpu", tp_invariant=True)
+            _emulate_tp(twin, degree)
+            assert_bitwise(twin(ids).logits, expected, f"TP degree {degree}")
+        if dtype == torch.float32:  # in bf16 the tiny model's roundings may hide it
+            # Negative control: bik's default order (one chain over K) gives other logits.
+            bik.unpatch_model(model)
+            bik.patch_model(model, backend="cpu")
+            assert not torch.equal(model(ids).logits, expected)
+
+
+def test_tp_invariant_backward_is_deterministic():
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for _ in range(2):
+        model = _tiny_model()
+        bik.patch_model(model, backend="cpu", tp_invariant=True)
+        model(ids).logits.float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(g is not None for g in grads[0])
+    for first, second in zip(*grads):
+        assert_bitwise(first, second, "gradient rerun")
+
+
+def test_tp_invariant_bad_arguments():
+    with pytest.raises(TypeError, match=r"^tp_invariant: expected a bool, got 'yes'$"):
+        bik.patch_model(_tiny_model(), tp_invariant="yes")
+    with pytest.raises(ValueError, match=r"down_proj has K = 100 input features, not divisible by"):
+        bik.patch_model(_tiny_model(intermediate_size=100), tp_invariant=True)
+    with pytest.raises(ValueError, match=r"'qwen3_moe' is a mixture-of-experts model"):
+        bik.patch_model(_tiny_model(family="qwen3_moe"), tp_invariant=True)

@@ -5,6 +5,7 @@ directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do no
 negative control). The argument cases stop before any model or engine runs.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -45,17 +46,21 @@ def _row(stdout: str, kernels: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
+def _verify(qwen3_dir, *options: str, timeout: int) -> str:
+    """The stdout of a passing ``python -m bik verify --engine vllm`` run on ``qwen3_dir``."""
     done = subprocess.run(
-        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir)]
-        + ["--prompts", "16", "--tokens", "16"],
+        [sys.executable, "-m", "bik", "verify", "--engine", "vllm", str(qwen3_dir), *options],
         capture_output=True,
         text=True,
-        timeout=900,  # a guard against a hung engine, not a time limit
+        timeout=timeout,  # a guard against a hung engine, not a time limit
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    out = done.stdout
+    return done.stdout
+
+
+def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
+    out = _verify(qwen3_dir, "--prompts", "16", "--tokens", "16", timeout=900)
     assert "| kernels | unequal log-probs vs trainer |" in out
     bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
     native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
@@ -65,6 +70,29 @@ def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
     first = re.search(r"native vLLM vs trainer, first difference: (.*)", out)
     assert first and re.fullmatch(r"request \d+ \(sample \d\), generated token \d+", first[1])
     assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
+
+
+@pytest.mark.slow  # minutes: 2 engines of 2 worker processes; TP 1 and emulated TP 2, 4, 8
+# run in test_vllm_tp.py and test_distributed_tp.py
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(qwen3_dir):
+    """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
+    order, equals the trainer patched with tp_invariant=True; native vLLM's does not (fp32,
+    the negative control)."""
+    out = _verify(qwen3_dir, "--tp", "2", "--prompts", "8", "--tokens", "8", timeout=900)
+    assert "TP 2 (TP-invariant order)" in out and "chunked_linear (8 chunks" in out
+    bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
+    native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
+    assert total == native_total == 8 * 2 * 8
+    assert bik_unequal == 0
+    assert native_unequal > 0
+
+
+def test_tp_must_divide_the_chunks_and_needs_engine_vllm(capsys, no_work, qwen3_dir):
+    line = usage_error(capsys, ["verify", "--engine", "vllm", str(qwen3_dir), "--tp", "3"])
+    assert "argument --tp: expected a power of two dividing 8, got 3" in line
+    line = usage_error(capsys, ["verify", "--tp", "2"])
+    assert "argument --tp: applies to --engine vllm only" in line
 
 
 def test_compare_names_the_first_difference_in_request_order():

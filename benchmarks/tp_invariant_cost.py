@@ -1,0 +1,206 @@
+"""What bik's tensor-parallel-invariant order costs on the CPU, each pair timed side by side.
+
+1. Kernels: a row-parallel linear (SmolLM2-135M's o_proj, 576 -> 576, and down_proj,
+   1536 -> 576) in bik's default order (``bik.linear``, one chain over K) against the
+   TP-invariant order (``bik.distributed.chunked_linear``, TP_CHUNKS chunks and a tree).
+2. The trainer: one forward of a random-init Qwen3 (hidden 512, 4 layers) patched with
+   ``bik.patch_model`` against the same model patched with ``tp_invariant=True``.
+3. vLLM (``--vllm``): generated tokens/s of vLLM with bik (``tp_invariant=True``) against
+   native vLLM, both at tensor parallelism 2, each engine in its own process.
+
+The two sides of a pair are timed alternately in one run (median of ``--reps``), so machine
+load hits both alike. Writes a JSON record and a markdown table:
+
+    python benchmarks/tp_invariant_cost.py [--vllm] --json F.json --markdown F.md
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+import bik
+from bik.contract import TP_CHUNKS
+from bik.distributed import chunked_linear
+from bik.tools import vllm_engine
+from bik.tools.bench.cases import qwen3_config
+from bik.tools.bench.machine import device_name
+from bik.tools.bench.vllm_throughput import save_model
+from bik.tools.verify_vllm import sample_prompts
+
+LINEARS = {"o_proj 576->576": (576, 576), "down_proj 1536->576": (1536, 576)}
+ROWS = (1, 128)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def alternate(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median milliseconds of ``a`` and of ``b``, called alternately after one warm-up each."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def kernel_rows(reps: int) -> list[dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, (k, n) in LINEARS.items():
+        for dtype in DTYPES:
+            weight = torch.randn(n, k, generator=gen).to(dtype)
+            for m in ROWS:
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                default, chunked = alternate(
+                    partial(bik.linear, x, weight), partial(chunked_linear, x, weight), reps
+                )
+                rows.append(_row("linear", f"{name}, {m} rows", dtype, default, chunked))
+    return rows
+
+
+def trainer_rows(reps: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    ids = torch.randint(3, 8192, (4, 128), generator=torch.Generator().manual_seed(1))
+    for dtype in DTYPES:
+        models = []
+        for tp_invariant in (False, True):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(qwen3_config(512, 4, 8192, 1024))
+            model = model.to(dtype).eval()
+            bik.patch_model(model, backend="cpu", tp_invariant=tp_invariant)
+            models.append(model)
+        with torch.no_grad():
+            default, chunked = alternate(partial(models[0], ids), partial(models[1], ids), reps)
+        shape = "Qwen3 hidden 512, 4 layers, forward of 4 x 128 tokens"
+        rows.append(_row("trainer forward", shape, dtype, default, chunked))
+    return rows
+
+
+def _row(what: str, shape: str, dtype: torch.dtype, default_ms: float, chunked_ms: float) -> dict:
+    return {
+        "what": what,
+        "shape": shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "default_ms": default_ms,
+        "tp_invariant_ms": chunked_ms,
+        "cost": chunked_ms / default_ms,
+    }
+
+
+def vllm_rows(dtypes: list[str], runs: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        save_model(directory, 512, 4, 8192)
+        prompts = sample_prompts(0, 16, 8192)
+        settings = {
+            "enable_prefix_caching": False,
+            "max_model_len": max(map(len, prompts)) + 32,
+            "tensor_parallel_size": 2,
+            "disable_custom_all_reduce": True,
+        }
+        sampling = {"max_tokens": 32, "min_tokens": 32, "ignore_eos": True, "logprobs": 0}
+        for dtype in dtypes:
+            results = {
+                engine: vllm_engine.run_engine(
+                    engine,
+                    directory,
+                    prompts,
+                    dtype=dtype,
+                    backend="cpu",
+                    tp_invariant=engine == "bik",
+                    engine_args=settings,
+                    sampling=sampling,
+                    timed_runs=runs,
+                    env=vllm_engine.cpu_binding(2),
+                )
+                for engine in ("native", "bik")
+            }
+            per_s = {
+                engine: r["generated_tokens"] / statistics.median(r["seconds"])
+                for engine, r in results.items()
+            }
+            rows.append(
+                {
+                    "what": "vLLM generate, TP 2",
+                    "shape": "Qwen3 hidden 512, 4 layers; 16 prompts x 32 tokens",
+                    "dtype": dtype,
+                    "native_tokens_per_s": per_s["native"],
+                    "bik_tokens_per_s": per_s["bik"],
+                    "bik_over_native": per_s["bik"] / per_s["native"],
+                    "native_runs_s": results["native"]["seconds"],
+                    "bik_runs_s": results["bik"]["seconds"],
+                }
+            )
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Device: {result['device']}, {result['threads']} threads, torch {result['torch']}; "
+        f"TP_CHUNKS = {TP_CHUNKS}; load average before/after: {result['load'][0]} / "
+        f"{result['load'][1]}",
+        "",
+        "| what | shape | dtype | default order ms | TP-invariant ms | cost |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['what']} | {r['shape']} | {r['dtype']} | {r['default_ms']:.3f} "
+            f"| {r['tp_invariant_ms']:.3f} | {r['cost']:.2f}x |"
+        )
+    if result["vllm"]:
+        lines += [
+            "",
+            "| what | shape | dtype | native vLLM tokens/s | vLLM + bik tokens/s | bik / native |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for r in result["vllm"]:
+            lines.append(
+                f"| {r['what']} | {r['shape']} | {r['dtype']} | {r['native_tokens_per_s']:.1f} "
+                f"| {r['bik_tokens_per_s']:.1f} | {r['bik_over_native']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--vllm", action="store_true", help="also vLLM at TP 2 (minutes)")
+    parser.add_argument("--vllm-runs", type=int, default=3)
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+    bik.set_backend("cpu")
+    load_before = os.getloadavg()[0]
+    rows = kernel_rows(args.reps) + trainer_rows(max(3, args.reps // 4))
+    vllm = vllm_rows(["float32", "bfloat16"], args.vllm_runs) if args.vllm else []
+    result = {
+        "device": device_name(torch.device("cpu")),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "rows": rows,
+        "vllm": vllm,
+    }
+    text = markdown(result)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
