@@ -17,6 +17,14 @@ Kernel layouts (``OPS``):
             -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
 
+Optional accelerator of attention (None: bik.ops.paged_attention gathers each sequence's
+keys into contiguous order and runs attention):
+  paged_attention(query [T, Hq, D], key_cache, value_cache [num_blocks, Hkv, block_size, D]
+                  (any strides), block_table int32 [>= S, W], query_start int32 [S + 1],
+                  seq_lens int32 [S], scale, split_size, softcap, window[, sinks fp32 [Hq]])
+      -> [T, Hq, D]: each query row in attention's order over its sequence's keys, read
+      through the block table (docs/vllm.md, "Paged attention")
+
 Optional accelerator of matmul (None: grouped_linear runs matmul once per group instead):
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
@@ -46,6 +54,8 @@ class Backend:
     log_softmax: Kernel | None = None
     token_logprobs: Kernel | None = None
     attention: Kernel | None = None
+    paged_attention: Kernel | None = None
+    """Attention that reads a paged KV cache through its block table (bik.ops.paged_attention)."""
     grouped_matmul: Kernel | None = None
     """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
     attention_sinks: bool = False

@@ -25,4 +25,5 @@ BACKEND = native_backend(
         f"{KEY_BLOCK}-key blocks and fixed-size splits merged in ascending order"
     ),
     attention_sinks=True,
+    paged_attention=True,
 )

@@ -1,6 +1,7 @@
 """Marshalling shared by the compiled backends (cpu, cuda): tensors -> pointers, sizes, strides.
 
-A compiled extension exposes matmul, rms_norm, log_softmax, token_logprobs and attention taking
+A compiled extension exposes matmul, rms_norm, log_softmax, token_logprobs and attention (and
+optionally paged_attention) taking
 integers (data pointers), sizes and strides in elements; the innermost dim of each operand is
 contiguous (B of matmul takes any strides). :func:`native_backend` adapts one to a
 :class:`Backend`; ``launch_args(device)`` adds what a device needs at the end of every call
@@ -139,6 +140,56 @@ class _NativeKernels:
         del workspace
         return out
 
+    def paged_attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start,
+        seq_lens,
+        scale,
+        split_size,
+        softcap=None,
+        window=None,
+        sinks=None,
+    ):
+        """Packed queries over a paged cache, one launch (cpu only); ``softcap`` 0,
+        ``window`` 0 and ``sinks`` 0 for "off"."""
+        query, key_cache, value_cache, block_table = (
+            _inner_contiguous(t) for t in (query, key_cache, value_cache, block_table)
+        )
+        tokens, hq, d = query.shape
+        out = torch.empty(tokens, hq, d, dtype=query.dtype, device=query.device)
+        self.lib.paged_attention(
+            DTYPE_CODES[query.dtype],
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_table.data_ptr(),
+            query_start.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            (
+                tokens,
+                seq_lens.shape[0],
+                hq,
+                key_cache.shape[1],
+                d,
+                key_cache.shape[2],
+                split_size,
+                block_table.stride(0),
+            ),
+            query.stride()[:2],
+            key_cache.stride()[:3],
+            value_cache.stride()[:3],
+            scale,
+            0.0 if softcap is None else softcap,
+            0 if window is None else window,
+            0 if sinks is None else sinks.data_ptr(),
+        )
+        return out
+
 
 def native_backend(
     name: str,
@@ -149,10 +200,11 @@ def native_backend(
     launch_args: Callable[[torch.device], tuple] = lambda device: (),
     attention_scratch: Callable | None = None,
     attention_sinks: bool = False,
+    paged_attention: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
     ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
-    sinks pointer after ``window``)."""
+    sinks pointer after ``window``); ``paged_attention``: ``lib`` has the paged kernel."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name=name,
@@ -164,4 +216,5 @@ def native_backend(
         token_logprobs=kernels.token_logprobs,
         attention=kernels.attention,
         attention_sinks=attention_sinks,
+        paged_attention=kernels.paged_attention if paged_attention else None,
     )

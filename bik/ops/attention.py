@@ -61,26 +61,11 @@ def attention(
     nor masked). A query that sees no key still returns zeros. Differentiable in ``sinks``.
     """
     _validate_qkv(q, k, v)
-    batch, _, _, dim = q.shape
-    tk = k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(dim) if dim else 1.0  # D = 0: an empty result, scale unused
-    else:
-        scale = _checks.positive_number("scale", scale)
     causal = _checks.flag("causal", causal)
-    kv_start = _validate_kv_start(kv_start, batch, tk, q.device)
-    split_size = contract.check_split_size(split_size)
-    if softcap is not None:
-        softcap = _checks.positive_number("softcap", softcap)
-    if window is not None:
-        window = _checks.positive_int("window", window)
-        if not causal:
-            raise ValueError("window: a sliding window needs causal=True, got causal=False")
-        # Wider windows hide no key of any sequence a kernel indexes (int32 positions); the
-        # clamp is a constant, so kernels never see an argument that depends on Tk.
-        window = min(window, _WIDEST_WINDOW)
-    if sinks is not None:
-        _validate_sinks(sinks, q)
+    kv_start = _validate_kv_start(kv_start, q.shape[0], k.shape[2], q.device)
+    scale, split_size, softcap, window = validate_options(
+        q, causal, scale, split_size, softcap, window, sinks
+    )
     return run(
         _attention_op,
         _attention,
@@ -98,6 +83,38 @@ def attention(
 
 
 _WIDEST_WINDOW = 2**31 - 1
+
+
+def validate_options(
+    q: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    split_size: int | None,
+    softcap: float | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> tuple[float, int, float | None, int | None]:
+    """The checked ``scale`` (default 1/sqrt(D)), ``split_size``, ``softcap`` and ``window``
+    of attention over queries ``q [..., Hq, ..., D]`` (heads at dim 1, as in the packed
+    ``[T, Hq, D]`` of paged attention); ``sinks`` is checked, not returned."""
+    dim = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim) if dim else 1.0  # D = 0: an empty result, scale unused
+    else:
+        scale = _checks.positive_number("scale", scale)
+    split_size = contract.check_split_size(split_size)
+    if softcap is not None:
+        softcap = _checks.positive_number("softcap", softcap)
+    if window is not None:
+        window = _checks.positive_int("window", window)
+        if not causal:
+            raise ValueError("window: a sliding window needs causal=True, got causal=False")
+        # Wider windows hide no key of any sequence a kernel indexes (int32 positions); the
+        # clamp is a constant, so kernels never see an argument that depends on Tk.
+        window = min(window, _WIDEST_WINDOW)
+    if sinks is not None:
+        _validate_sinks(sinks, q)
+    return scale, split_size, softcap, window
 
 
 def _validate_qkv(q, k, v):

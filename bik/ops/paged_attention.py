@@ -2,18 +2,24 @@
 
 Engines such as vLLM keep each sequence's keys and values in fixed-size pages ("blocks") of
 one shared cache and pack the new tokens of all running sequences into one ``[T, H, D]``
-tensor without padding. Here the keys of each sequence are read through its block table into
-contiguous order and handed to :func:`bik.attention`, so every query runs the exact
-per-query reduction order of bik.attention (key blocks and splits counted from the
+tensor without padding. Every query runs the exact per-query reduction order of
+:func:`bik.attention` over its sequence's keys (key blocks and splits counted from the
 sequence's first key): paged == contiguous == prefill == chunked prefill == decode, bit for
-bit, on every backend. Decode queries (one new token per sequence) run as one left-padded
-batch, which bik.attention's ``kv_start`` makes exact; every other sequence runs on its own.
+bit, on every backend.
+
+A backend with a paged kernel (cpu) runs the whole step in one call that reads the keys
+through the block table itself. Otherwise, and whenever a graph is recorded or traced (the
+path of bik.attention's autograd and fake kernels), each sequence's keys are gathered into
+contiguous order and handed to bik.attention: decode queries (one new token per sequence) as
+one left-padded batch, which bik.attention's ``kv_start`` makes exact, every other sequence
+on its own. Both paths give the same bits (tests/ops/test_paged_attention.py).
 """
 
 import torch
 
-from .. import _checks
-from .attention import attention
+from .. import _checks, backends
+from . import _needs_custom_op
+from .attention import attention, validate_options
 
 
 def write_kv_cache(
@@ -64,7 +70,37 @@ def paged_attention(
     _checks.rank("query", query, 3)
     _check_cache("key_cache", key_cache, query)
     _check_cache("value_cache", value_cache, query)
+    _check_heads(query, key_cache, value_cache)
     _check_step(query, key_cache, block_table, query_start, seq_lens)
+    scale, split_size, softcap, window = validate_options(
+        query, True, scale, split_size, softcap, window, sinks
+    )
+    options = dict(scale=scale, split_size=split_size, softcap=softcap, window=window)
+    if query.numel() == 0:
+        return query.new_zeros(query.shape)
+    kernel = backends.resolve(query.device, "attention").paged_attention
+    if kernel is not None and not _needs_custom_op((query, key_cache, value_cache, sinks)):
+        return kernel(
+            query,
+            key_cache,
+            value_cache,
+            block_table.to(torch.int32),
+            torch.tensor(query_start, dtype=torch.int32, device=query.device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=query.device),
+            scale,
+            split_size,
+            softcap,
+            window,
+            None if sinks is None else sinks.float().contiguous(),
+        )
+    return _gathered(
+        query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks
+    )
+
+
+def _gathered(query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks):
+    """The step through bik.attention on keys gathered into contiguous order."""
+    options = dict(options, sinks=sinks)
     out = query.new_zeros(query.shape)
     decodes = []
     for i, seq_len in enumerate(seq_lens):
@@ -74,17 +110,7 @@ def paged_attention(
             continue
         keys, values = _gather(key_cache, value_cache, block_table[i], seq_len, seq_len)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        o = attention(
-            q,
-            keys,
-            values,
-            causal=True,
-            scale=scale,
-            split_size=split_size,
-            softcap=softcap,
-            window=window,
-            sinks=sinks,
-        )
+        o = attention(q, keys, values, causal=True, **options)
         out[start:end] = o[0].transpose(0, 1)
     if decodes:
         _decode_batch(
@@ -96,7 +122,7 @@ def paged_attention(
             query_start,
             seq_lens,
             decodes,
-            dict(scale=scale, split_size=split_size, softcap=softcap, window=window, sinks=sinks),
+            options,
         )
     return out
 
@@ -135,6 +161,21 @@ def _gather(key_cache, value_cache, blocks, seq_len, padded_len):
         return rows.unsqueeze(0)
 
     return contiguous(key_cache), contiguous(value_cache)
+
+
+def _check_heads(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache: expected the shape of key_cache {tuple(key_cache.shape)}, "
+            f"got {tuple(value_cache.shape)}"
+        )
+    _checks.dim_size("key_cache", key_cache, 3, query.shape[2], "D, the head size of query")
+    heads = key_cache.shape[1]
+    if heads == 0 or query.shape[1] % heads:
+        raise ValueError(
+            f"key_cache: expected a head count Hkv > 0 dividing the query's "
+            f"Hq={query.shape[1]} (GQA), got {heads}"
+        )
 
 
 def _check_step(

@@ -30,6 +30,20 @@ void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_st
   bik::attention(dtype, args);
 }
 
+void paged_attention(int dtype, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
+                     uintptr_t block_table, uintptr_t query_start, uintptr_t seq_lens,
+                     uintptr_t out, std::array<int64_t, 8> sizes, std::array<int64_t, 2> q_strides,
+                     std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides,
+                     float scale, float softcap, int64_t window, uintptr_t sinks) {
+  bik::PagedAttentionArgs args{q, k_cache, v_cache, block_table, query_start, seq_lens, out,
+                               sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],
+                               sizes[6], sizes[7], {q_strides[0], q_strides[1]},
+                               {k_strides[0], k_strides[1], k_strides[2]},
+                               {v_strides[0], v_strides[1], v_strides[2]}, scale, softcap,
+                               window, sinks};
+  bik::paged_attention(dtype, args);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -43,4 +57,8 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("attention", &attention, release,
         "sizes = (B, Hq, Hkv, Tq, Tk, D, split_size); strides = (batch, head, position); "
         "softcap 0, window 0 and sinks 0 (fp32 [Hq] logits) mean off");
+  m.def("paged_attention", &paged_attention, release,
+        "sizes = (T, S, Hq, Hkv, D, block_size, split_size, block_table row stride); strides: "
+        "q (token, head), caches (block, head, slot); int32 block_table, query_start, "
+        "seq_lens; softcap 0, window 0 and sinks 0 mean off");
 }

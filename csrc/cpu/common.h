@@ -21,7 +21,7 @@
 #include "bik/contract.h"
 #include "bik/dispatch.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -67,8 +67,9 @@ inline float lane_sum(const float* lanes) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Vec: LANES fp32 lanes. With AVX-512 one zmm register, elsewhere a plain array; both do the
-// same IEEE operation per lane (vfma is one fused rounding in both), so the bits agree.
+// Vec: LANES fp32 lanes. With AVX-512 one zmm register, with AVX2 + FMA + F16C two ymm
+// registers, elsewhere a plain array; all do the same IEEE operation per lane (vfma is one
+// fused rounding in each), so the bits agree.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 struct Vec { __m512 v; };
 inline Vec vzero() { return {_mm512_setzero_ps()}; }
@@ -92,6 +93,46 @@ inline Vec vload_n(const f16* p, int64_t n) {
 // lane_sum's tree with shuffles: lanes l + (l+8), then l + (l+4), then (0+2) + (1+3).
 inline float vsum(Vec a) {
   const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec { __m256 lo, hi; };  // lanes 0-7, 8-15
+inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, Vec a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+
+// The first n (<= LANES) elements at p, widened to fp32 (exact), zeros in the other lanes:
+// 8 at a time from full rows, a tail through a zero-filled copy.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <typename T>
+inline Vec vload_n(const T* p, int64_t n) {
+  if (n >= LANES) return {load8(p), load8(p + 8)};
+  T tail[LANES];
+  std::memset(tail, 0, sizeof tail);  // all-zero bits: +0 in every dtype
+  std::memcpy(tail, p, static_cast<size_t>(n) * sizeof(T));
+  return {load8(tail), load8(tail + 8)};
+}
+
+// lane_sum's tree with shuffles: lanes l + (l+8), then l + (l+4), then (0+2) + (1+3).
+inline float vsum(Vec a) {
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));

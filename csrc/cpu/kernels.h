@@ -15,5 +15,6 @@ void log_softmax(int dtype, int out_dtype, uintptr_t x, uintptr_t y, int64_t row
 void token_logprobs(int dtype, uintptr_t x, uintptr_t tokens, uintptr_t out, int64_t rows,
                     int64_t V, int64_t x_row_stride, float temperature);
 void attention(int dtype, const AttentionArgs& args);
+void paged_attention(int dtype, const PagedAttentionArgs& args);
 
 }  // namespace bik

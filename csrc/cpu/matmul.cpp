@@ -16,6 +16,10 @@
 #include "common.h"
 #include "kernels.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace bik {
 namespace {
 
@@ -23,6 +27,13 @@ constexpr int64_t ROW_CHUNK = 96;  // rows of A per task (a multiple of RB)
 constexpr int64_t PANEL = 64;      // output columns per task = VECS vectors of LANES
 constexpr int VECS = PANEL / LANES;
 constexpr int RB = 6;              // rows per register block: RB x VECS accumulators
+// Calls of at most STREAM_ROWS rows (decode) pack B in K_SLICE-deep slices that stay in L1,
+// carrying the fp32 accumulators from slice to slice through memory (exact), instead of
+// packing a whole [K][PANEL] panel first: the same fma per k in the same order, so the same
+// bits, without a panel's round trip through L2 that only one row block would read.
+constexpr int64_t STREAM_ROWS = 16;
+constexpr int64_t K_SLICE = 64;
+constexpr int64_t PARALLEL_FMAS = int64_t{1} << 20;  // below this many fmas: one thread
 
 // Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
 // per-element arithmetic, R only sets how many rows share one pass over the packed B.
@@ -76,6 +87,32 @@ void transpose_tile<float>(const float* src, int64_t stride, float* dst) {
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * PANEL, r[i]);
 }
+#elif defined(__AVX2__)
+// The fp32 tile as four 8 x 8 blocks, each transposed in registers (32-bit, then 64-bit
+// interleaves, then 128-bit lanes): only moves, so the bits of the generic loop.
+template <>
+void transpose_tile<float>(const float* src, int64_t stride, float* dst) {
+  for (int64_t bc = 0; bc < 16; bc += 8)
+    for (int64_t bk = 0; bk < 16; bk += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (bc + i) * stride + bk);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (bk + i) * PANEL + bc, t[i]);
+    }
+}
 #endif
 
 // The fma kernel: A and B widened to fp32 (packing only moves and widens values, exactly).
@@ -112,14 +149,17 @@ struct FmaKernel {
     }
   }
 
-  // R rows x PANEL columns starting at packed row block `r0`: ascending k, one fma per k.
+  // R rows x PANEL columns starting at packed row block `r0`, over the `depth` k of the
+  // packed B slice `b` that starts at k0: ascending k, one fma per k, into accumulators that
+  // start at 0 (k0 == 0) or at the previous slice's sums in `out`.
   template <int R>
-  static void rows(const float* a_packed, int64_t r0, const float* b, int64_t K, float out[][PANEL]) {
-    const float* a = a_packed + r0 * K;
+  static void rows(const float* a_packed, int64_t r0, int64_t K, int64_t k0, const float* b,
+                   int64_t depth, float out[][PANEL]) {
+    const float* a = a_packed + r0 * K + k0 * RB;
     Vec acc[R][VECS];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < VECS; ++v) acc[r][v] = vzero();
-    for (int64_t k = 0; k < K; ++k) {
+      for (int v = 0; v < VECS; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(out[r] + v * LANES);
+    for (int64_t k = 0; k < depth; ++k) {
       Vec bv[VECS];
       for (int v = 0; v < VECS; ++v) bv[v] = vload(b + k * PANEL + v * LANES);
       for (int r = 0; r < R; ++r) {
@@ -210,12 +250,19 @@ void matmul_impl(const MatmulArgs& p) {
   const int64_t row_chunks = (p.M + ROW_CHUNK - 1) / ROW_CHUNK;
   const int64_t panels = (p.N + PANEL - 1) / PANEL;
   const int64_t tasks = p.batch * panels * row_chunks;
-#pragma omp parallel if (tasks > 1)
+  // Decode-shaped calls stream B in slices (FmaKernel only: its accumulators can be resumed).
+  // (K = 0: one empty slice.)
+  const int64_t slice =
+      !Kernel::reads_a_in_place && p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
+  // Small calls run on one thread: waking a team costs more than their work (microseconds
+  // on a quiet machine, a scheduler time slice on a busy one). Threads never change bits.
+  const bool team = tasks > 1 && p.batch * p.M * p.N * p.K >= PARALLEL_FMAS;
+#pragma omp parallel if (team)
   {
     std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);
-    std::vector<Packed> b_buf(PANEL * Kernel::depth(p.K));
+    std::vector<Packed> b_buf(PANEL * Kernel::depth(std::min(slice, p.K)));
     int64_t packed_panel = -1;  // consecutive tasks of a thread share a B panel: pack it once
-    float out[RB][PANEL];
+    float out[ROW_CHUNK][PANEL];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t batch = t / (panels * row_chunks);
@@ -223,24 +270,27 @@ void matmul_impl(const MatmulArgs& p) {
       const int64_t row0 = chunk * ROW_CHUNK, rows = std::min(ROW_CHUNK, p.M - row0);
       const int64_t col0 = panel * PANEL, cols = std::min(PANEL, p.N - col0);
       const T* a = A + batch * p.a_batch_stride + row0 * p.a_row_stride;
-      if (packed_panel != t / row_chunks) {
-        Kernel::pack_b(B + batch * p.b_batch_stride + col0 * p.b_n_stride, p.b_k_stride,
-                       p.b_n_stride, cols, p.K, b_buf.data());
-        packed_panel = t / row_chunks;
-      }
+      const T* b = B + batch * p.b_batch_stride + col0 * p.b_n_stride;
       if constexpr (!Kernel::reads_a_in_place) Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
-      for (int64_t r = 0; r < rows; r += RB) {
-        const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
-        if constexpr (Kernel::reads_a_in_place)
-          for_rows<Kernel>(n, a + r * p.a_row_stride, p.a_row_stride, b_buf.data(), p.K, out);
-        else
-          for_rows<Kernel>(n, a_buf.data(), r, b_buf.data(), p.K, out);
-        for (int i = 0; i < n; ++i) {
-          T* c_row = C + (batch * p.M + row0 + r + i) * p.N + col0;
-          for (int64_t c = 0; c < cols; ++c) {
-            const float v = bias ? out[i][c] + to_float(bias[col0 + c]) : out[i][c];  // fp32 epilogue
-            c_row[c] = from_float<T>(v);
-          }
+      for (int64_t k0 = 0; k0 < std::max<int64_t>(p.K, 1); k0 += slice) {
+        const int64_t depth = std::min(slice, p.K - k0);
+        if (slice < p.K || packed_panel != t / row_chunks) {
+          Kernel::pack_b(b + k0 * p.b_k_stride, p.b_k_stride, p.b_n_stride, cols, depth, b_buf.data());
+          packed_panel = t / row_chunks;
+        }
+        for (int64_t r = 0; r < rows; r += RB) {
+          const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
+          if constexpr (Kernel::reads_a_in_place)
+            for_rows<Kernel>(n, a + r * p.a_row_stride, p.a_row_stride, b_buf.data(), p.K, out + r);
+          else
+            for_rows<Kernel>(n, a_buf.data(), r, p.K, k0, b_buf.data(), depth, out + r);
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        T* c_row = C + (batch * p.M + row0 + i) * p.N + col0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = bias ? out[i][c] + to_float(bias[col0 + c]) : out[i][c];  // fp32 epilogue
+          c_row[c] = from_float<T>(v);
         }
       }
     }

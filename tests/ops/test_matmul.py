@@ -24,6 +24,18 @@ def test_row_is_batch_invariant(backend, dtype, m, n, k, bias, data):
     assert_bitwise(batched[position : position + 1], alone, f"row {position} of {m}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_equal_batched_rows(backend, dtype):
+    # The cpu backend streams the weight in 64-deep K slices for calls of at most 16 rows and
+    # packs whole panels above: every row must get the same bits either way, at K tails too.
+    for k in (1, 63, 64, 65, 200):
+        weight, bias = randn((70, k), dtype, seed=k), randn((70,), dtype, seed=k + 1)
+        x = randn((40, k), dtype, seed=k + 2)
+        batched = bik.linear(x, weight, bias)
+        for m in (1, 15, 16):
+            assert_bitwise(bik.linear(x[:m], weight, bias), batched[:m], f"{m} rows, K={k}")
+
+
 @given(dtype=st.sampled_from(DTYPES), lead=st.lists(st.integers(1, 5), min_size=1, max_size=3))
 def test_leading_dims_match_flat_rows(backend, dtype, lead):
     x, b = randn((*lead, 40), dtype, seed=5), randn((40, 70), dtype, seed=6)

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bik
+from bik import backends
+from bik.ops import paged_attention as paged_module
 from bik.ops.paged_attention import paged_attention, write_kv_cache
 
 
@@ -113,6 +115,88 @@ def test_decode_equals_the_prefill_row(backend):
     assert_bitwise(decode, prefill[-1:], "decode vs prefill")
 
 
+@pytest.fixture(params=["cpu"])
+def paged_backend(request):
+    """The backends whose paged kernel reads the block table itself (skipped when unbuilt)."""
+    try:
+        backends.load(request.param).check_device(torch.device("cpu"))
+    except (ImportError, RuntimeError) as error:
+        pytest.skip(f"{request.param} backend unavailable: {error}")
+    with bik.use_backend(request.param):
+        yield request.param
+
+
+def vllm_cache(cache):
+    """``cache [blocks, Hkv, block_size, D]`` copied into vLLM's CPU layout (each block its
+    keys, then its values) and returned as the strided key view engines pass."""
+    blocks, heads, block_size, dim = cache.shape
+    pages = torch.zeros(blocks, heads, 2 * block_size, dim, dtype=cache.dtype)
+    pages[:, :, :block_size] = cache
+    return pages[:, :, :block_size]
+
+
+@settings(max_examples=min(12, settings.default.max_examples), deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    lens=st.lists(st.tuples(st.integers(1, 150), st.integers(0, 200)), min_size=1, max_size=6),
+    hkv=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    dim=st.sampled_from([8, 20, 64]),
+    block_size=st.sampled_from([5, 16, 48]),
+    split_size=st.sampled_from([32, 64, None]),
+    softcap=st.sampled_from([None, 2.0]),
+    window=st.sampled_from([None, 7, 70]),
+    strided=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_paged_kernel_equals_the_gathered_path(
+    paged_backend,
+    dtype,
+    lens,
+    hkv,
+    groups,
+    dim,
+    block_size,
+    split_size,
+    softcap,
+    window,
+    strided,
+    seed,
+):
+    # The one-call kernel against the path it replaced (keys gathered per sequence, decode
+    # rows as a left-padded batch): decode, chunk and prefill rows mixed in one step, shuffled
+    # pages, pages that do not divide a key block (5, 48), head sizes with lane tails, several
+    # splits per row, the options, and engine-shaped strided views of queries and caches.
+    seq_lens = [n for n, _ in lens]
+    query_lens = [1 + q % n for n, q in lens]
+    *_, queries, kc, vc, table, starts = make_step(
+        seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed
+    )
+    query = torch.cat(queries)
+    if strided:  # a [T, H, D] slice of a fused qkv output; caches in vLLM's layout
+        fused = torch.cat((query, torch.zeros_like(query)), dim=1)
+        query, kc, vc = fused[:, : query.shape[1]], vllm_cache(kc), vllm_cache(vc)
+    sinks = torch.linspace(-1, 1, hkv * groups) if seed % 2 else None
+    options = dict(scale=0.3, split_size=split_size, softcap=softcap, window=window)
+    out = paged_attention(query, kc, vc, table, starts, seq_lens, **options, sinks=sinks)
+    checked = dict(options, split_size=split_size or bik.contract.DEFAULT_SPLIT_SIZE)
+    gathered = paged_module._gathered(query, kc, vc, table, starts, seq_lens, checked, sinks)
+    assert_bitwise(out, gathered, f"{seq_lens=} {query_lens=}")
+
+
+def test_paged_kernel_is_one_call(paged_backend, monkeypatch):
+    # Inference on a backend with a paged kernel never gathers; a graph to record does (the
+    # path with bik.attention's autograd), with the same bits.
+    q, kc, vc, table, starts, lens = _two_sequences()
+    gathered = paged_module._gathered
+    monkeypatch.setattr(paged_module, "_gathered", None)
+    out = paged_attention(q, kc, vc, table, starts, lens, scale=0.5)
+    monkeypatch.setattr(paged_module, "_gathered", gathered)
+    graph = paged_attention(q.requires_grad_(), kc, vc, table, starts, lens, scale=0.5)
+    assert graph.requires_grad
+    assert_bitwise(graph.detach(), out)
+
+
 def test_padding_slots_are_skipped():
     k, v = torch.ones(3, 1, 4), torch.ones(3, 1, 4)
     kc, vc = torch.zeros(2, 1, 16, 4), torch.zeros(2, 1, 16, 4)
@@ -131,6 +215,16 @@ def test_errors():
         paged_attention(q, kc.half(), kc, table, [0, 3], [3], scale=1.0)
     with pytest.raises(ValueError, match="value_cache"):
         paged_attention(q, kc, kc[0], table, [0, 3], [3], scale=1.0)
+    with pytest.raises(ValueError, match="value_cache: expected the shape of key_cache"):
+        paged_attention(q, kc, kc[:1], table, [0, 3], [3], scale=1.0)
+    with pytest.raises(ValueError, match="key_cache: expected size 2 in dim 3"):
+        paged_attention(q[..., :2], kc, kc, table, [0, 3], [3], scale=1.0)
+    with pytest.raises(ValueError, match="key_cache: expected a head count"):
+        paged_attention(
+            q, kc.expand(2, 3, 16, 4), kc.expand(2, 3, 16, 4), table, [0, 3], [3], scale=1.0
+        )
+    with pytest.raises(ValueError, match="split_size"):
+        paged_attention(q, kc, kc, table, [0, 3], [3], scale=1.0, split_size=33)
 
 
 def _two_sequences():

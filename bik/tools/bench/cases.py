@@ -161,8 +161,9 @@ PAGE = 16  # tokens per KV-cache page (vLLM's default block size)
 
 def paged_decode(batch: int, heads: int, kv_heads: int, tk: int, dim: int, model: str = "") -> Case:
     """One new token per sequence over a paged KV cache whose pages lie in shuffled order, as
-    an engine leaves them: bik's paged attention (each sequence's pages gathered, then
-    bik.attention) vs the same pages gathered by one index, then SDPA."""
+    an engine leaves them: bik's paged attention (cpu: one kernel reading the block table;
+    other backends: each sequence's pages gathered, then bik.attention) vs the same pages
+    gathered by one index, then SDPA."""
     pages = -(-tk // PAGE)
     query_start, seq_lens = list(range(batch + 1)), [tk] * batch
 

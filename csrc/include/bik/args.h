@@ -25,6 +25,20 @@ struct AttentionArgs {  // see bik/ops/attention.py for the semantics
   uintptr_t sinks = 0;  // fp32 [Hq]: attention sinks, one logit per query head (cpu); 0: off
 };
 
+struct PagedAttentionArgs {  // see bik/ops/paged_attention.py for the semantics
+  uintptr_t q;                 // [T, Hq, D] packed queries of S sequences
+  uintptr_t k_cache, v_cache;  // [num_blocks, Hkv, block_size, D] each
+  uintptr_t block_table;       // int32 [>= S, table_stride]: each sequence's pages in order
+  uintptr_t query_start;       // int32 [S + 1]: sequence s owns query rows [qs[s], qs[s + 1])
+  uintptr_t seq_lens;          // int32 [S]: its keys, the new ones (its last queries) included
+  uintptr_t out;               // contiguous [T, Hq, D]
+  int64_t T, S, Hq, Hkv, D, block_size, split_size, table_stride;
+  int64_t q_strides[2], k_strides[3], v_strides[3];  // q: token, head; caches: block, head, slot
+  float scale, softcap;  // softcap 0: off
+  int64_t window;        // > 0: the query at position p sees keys (p - window, p]; 0: off
+  uintptr_t sinks;       // fp32 [Hq] or 0: off
+};
+
 // AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
 // strides = (batch, head, position) of q, k and v; sinks 0: none.
 inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start,
