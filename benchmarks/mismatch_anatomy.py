@@ -229,15 +229,21 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "prompts", "samples", "tokens", "hf_tokens", "bik_tokens", "seed")
+def settings_of(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """What path ``name``'s record depends on (its cache is read back only with these)."""
+    path = PATHS[name]
+    keys = ["model", "prompts", "samples", "seed"]
+    if path.kind == "trainer":
+        keys.append("trainer_sequences")
+    else:
+        keys.append("bik_tokens" if path.bik else "hf_tokens" if path.kind == "hf" else "tokens")
     return {"temperature": TEMPERATURE, **{k: getattr(args, k) for k in keys}}
 
 
 def cached(name: str, setup: Setup, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The path's record from the cache, or computed, timed and cached."""
     file = Path(setup.args.out, "cache", f"{name}.pt")
-    settings = settings_of(setup.args)
+    settings = settings_of(setup.args, name)
     if file.exists():
         record = torch.load(file, weights_only=False)
         if record["settings"] != settings:
@@ -287,6 +293,8 @@ def summary(name: str, record: dict[str, Any]) -> dict[str, Any]:
         "cpu_s": record["cpu_s"],
         "wall_s": record["wall_s"],
     }
+    row["abs_cumsum_end_mean"] = cumulative[:, -1].abs().mean().item()
+    row["abs_cumsum_end_max"] = cumulative[:, -1].abs().max().item()
     for mark in MARKS:
         if mark <= delta.shape[1]:
             at = cumulative[:, mark - 1].abs()
@@ -342,9 +350,9 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
         "| path | rows x tokens | unequal | mean abs delta | p99 | max "
         + f"| ratio outside {list(BAND)} | "
         + "".join(f"abs cumsum at {m}: mean (max) | " for m in marks)
-        + "CPU s |"
+        + "abs cumsum at the end: mean (max) | CPU s |"
     )
-    lines = [f"Machine: {machine}.", "", head, "|---|" + "---:|" * (7 + len(marks))]
+    lines = [f"Machine: {machine}.", "", head, "|---|" + "---:|" * (8 + len(marks))]
     for r in rows:
         sums = [
             f"{r[f'abs_cumsum_{m}_mean']:.3g} ({r[f'abs_cumsum_{m}_max']:.3g})"
@@ -358,6 +366,7 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
             f"{r['p99_abs_delta']:.2e} | {r['max_abs_delta']:.2e} | "
             f"{100 * r['outside_band_share']:.2f} % | "
             + "".join(f"{c} | " for c in sums)
+            + f"{r['abs_cumsum_end_mean']:.3g} ({r['abs_cumsum_end_max']:.3g}) | "
             + f"{r['cpu_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -370,7 +379,7 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     from rl_harness.report import STYLES
 
@@ -409,8 +418,9 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
             if key == "mean_abs_delta":
                 ax.set_yscale("log")
             ax.set_xscale("log" if axis != "entropy" else "linear")  # positions: 1 to 1024
-            ax.xaxis.set_major_formatter(plain)
-            ax.yaxis.set_major_formatter(plain)
+            for scale in (ax.xaxis, ax.yaxis):  # plain numbers, no minor-tick labels
+                scale.set_major_formatter(plain)
+                scale.set_minor_formatter(NullFormatter())
             ax.set_xlabel(xlabel, fontsize=9)
             ax.set_ylabel(
                 ylabel if key == "mean_abs_delta" else f"share of ratios outside {list(BAND)}",
@@ -427,8 +437,9 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
     fig.savefig(out / "anatomy_profile.png", dpi=110)
     plt.close(fig)
 
-    columns = math.ceil(len(shown) / 2)
-    fig, axes = plt.subplots(2, columns, figsize=(4.5 * columns, 8), squeeze=False)
+    columns = min(3, len(shown))
+    rows = math.ceil(len(shown) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows + 0.6), squeeze=False)
     for ax, name in zip(axes.flat, shown):
         cumulative = deltas(records[name]).cumsum(-1)
         steps = range(1, cumulative.shape[1] + 1)
@@ -447,8 +458,8 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
     for ax in axes.flat[len(shown) :]:
         ax.set_visible(False)
     fig.suptitle(
-        "Per-sequence cumulative log importance weight, sum of (log p_trainer - log p_rollout),"
-        " one line per sequence",
+        "Per-sequence sum of (log p_trainer - log p_rollout) as the response grows\n"
+        "(the log of the sequence's importance weight; one line per sequence)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -538,7 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, machine())
     (args.out / "anatomy.md").write_text(text)
     (args.out / "anatomy.json").write_text(
-        json.dumps({"settings": settings_of(args), "machine": machine(), "paths": rows}, indent=1)
+        json.dumps(
+            {"settings": vars(args) | {"out": str(args.out)}, "machine": machine(), "paths": rows},
+            indent=1,
+        )
         + "\n"
     )
     with (args.out / "anatomy_bins.csv").open("w", newline="") as handle:
