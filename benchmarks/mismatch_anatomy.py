@@ -343,16 +343,20 @@ def bins(record: dict[str, Any], axis: str) -> list[dict[str, Any]]:
 # -- report --------------------------------------------------------------------------------
 
 
+def display_key(path: Source) -> tuple[bool, int, int]:
+    return path.bik, ["hf", "vllm", "trainer"].index(path.kind), list(demo.DTYPES).index(path.dtype)
+
+
 def markdown(rows: list[dict[str, Any]], machine: str) -> str:
     longest = max(r["length"] for r in rows)
     marks = [m for m in MARKS if m <= longest]
     head = (
         "| path | rows x tokens | unequal | mean abs delta | p99 | max "
-        + f"| ratio outside {list(BAND)} | "
+        + f"| mean delta | ratio outside {list(BAND)} | "
         + "".join(f"abs cumsum at {m}: mean (max) | " for m in marks)
         + "abs cumsum at the end: mean (max) | CPU s |"
     )
-    lines = [f"Machine: {machine}.", "", head, "|---|" + "---:|" * (8 + len(marks))]
+    lines = [f"Machine: {machine}.", "", head, "|---|" + "---:|" * (9 + len(marks))]
     for r in rows:
         sums = [
             f"{r[f'abs_cumsum_{m}_mean']:.3g} ({r[f'abs_cumsum_{m}_max']:.3g})"
@@ -363,7 +367,7 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
         lines.append(
             f"| {r['label']} | {r['sequences']} x {r['length']} | "
             f"{100 * r['unequal_share']:.1f} % | {r['mean_abs_delta']:.2e} | "
-            f"{r['p99_abs_delta']:.2e} | {r['max_abs_delta']:.2e} | "
+            f"{r['p99_abs_delta']:.2e} | {r['max_abs_delta']:.2e} | {r['mean_delta']:.2e} | "
             f"{100 * r['outside_band_share']:.2f} % | "
             + "".join(f"{c} | " for c in sums)
             + f"{r['abs_cumsum_end_mean']:.3g} ({r['abs_cumsum_end_max']:.3g}) | "
@@ -379,13 +383,12 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     from rl_harness.report import STYLES
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     shown = [n for n in records if not PATHS[n].bik]
-    zero = ", ".join(PATHS[n].label.removeprefix("bik: ") for n in records if PATHS[n].bik)
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     titles = {
         "position": "response position (token)",
@@ -406,9 +409,12 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
                     for c in points
                 ]
                 style, marker = STYLES[index % len(STYLES)]
+                values = [c[key] for c in points]
+                if key == "mean_abs_delta":  # a log axis: bins without a difference are left out
+                    values = [v if v > 0 else math.nan for v in values]
                 ax.plot(
                     x,
-                    [c[key] for c in points],
+                    values,
                     linestyle=style,
                     marker=marker,
                     markersize=4,
@@ -418,6 +424,8 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
             if key == "mean_abs_delta":
                 ax.set_yscale("log")
             ax.set_xscale("log" if axis != "entropy" else "linear")  # positions: 1 to 1024
+            if axis == "position":
+                ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
             for scale in (ax.xaxis, ax.yaxis):  # plain numbers, no minor-tick labels
                 scale.set_major_formatter(plain)
                 scale.set_minor_formatter(NullFormatter())
@@ -429,8 +437,8 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(
-        "Per-token |log p_trainer - log p_rollout| on SmolLM2-135M-Instruct against the fp32 "
-        f"bik trainer (exactly 0 on bik's paths: {zero})",
+        "Per-token |log p_trainer - log p_rollout| on SmolLM2-135M-Instruct, against the fp32 bik "
+        "trainer (bik's own paths: exactly 0, see anatomy.md)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -538,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         with steps.step(f"{name}: {PATHS[name].label}"):
             records[name] = cached(name, setup, records)
+    # shown: the plain paths, then bik's; Hugging Face, vLLM, the trainer; fp32, bf16, fp16
+    records = dict(sorted(records.items(), key=lambda item: display_key(PATHS[item[0]])))
     rows = [summary(n, r) for n, r in records.items()]
     curves = [
         c
