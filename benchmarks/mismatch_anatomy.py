@@ -385,7 +385,7 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    from rl_harness.report import STYLES
+    from rl_harness.report import STYLES, plain_ticks
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     shown = [n for n in records if not PATHS[n].bik]
@@ -436,14 +436,11 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
             )
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(
+    title = (
         "Per-token |log p_trainer - log p_rollout| on SmolLM2-135M-Instruct, against the fp32 bik "
-        "trainer (bik's own paths: exactly 0, see anatomy.md)",
-        fontsize=10,
+        "trainer (bik's own paths: exactly 0, see anatomy.md)"
     )
-    fig.tight_layout()
-    fig.savefig(out / "anatomy_profile.png", dpi=110)
-    plt.close(fig)
+    save(fig, title, out / "anatomy_profile.png")
 
     columns = min(3, len(shown))
     rows = math.ceil(len(shown) / columns)
@@ -461,17 +458,23 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
         ax.set_title(PATHS[name].label, fontsize=9)
         ax.set_xlabel("response length (tokens)", fontsize=8)
         ax.set_ylabel("sum of log-ratios so far", fontsize=8)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        plain_ticks(ax)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(shown) :]:
         ax.set_visible(False)
-    fig.suptitle(
+    title = (
         "Per-sequence sum of (log p_trainer - log p_rollout) as the response grows\n"
-        "(the log of the sequence's importance weight; one line per sequence)",
-        fontsize=10,
+        "(the log of the sequence's importance weight; one line per sequence)"
     )
+    save(fig, title, out / "anatomy_cumulative.png")
+
+
+def save(fig: Any, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "anatomy_cumulative.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -33,8 +33,9 @@ def test_anatomy_on_a_tiny_model_writes_its_tables_and_resumes(tmp_path, capsys)
     assert anatomy.main(argv) == 0
     report = json.loads((out / "anatomy.json").read_text())
     rows = {r["path"]: r for r in report["paths"]}
-    # the trainer paths score hf_fp32's sequences: 2 prompts x 2 samples, 6 tokens each
-    assert list(rows) == ["hf_fp32", "trainer_bf16", "bik_trainer_fp32", "hf_bf16"] + PATHS[3:5]
+    # plain paths first, then bik's; the trainer paths score hf_fp32's sequences (2 prompts x
+    # 2 samples, 6 tokens each)
+    assert list(rows) == PATHS
     assert rows["hf_fp32"]["tokens"] == 24 and rows["bik_hf_fp32"]["tokens"] == 12
     assert rows["hf_bf16"]["unequal_share"] > 0  # a bf16 decode against the fp32 trainer
     for name in ("bik_hf_fp32", "bik_hf_bf16", "bik_trainer_fp32"):
