@@ -442,6 +442,8 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
     )
     save(fig, title, out / "anatomy_profile.png")
 
+    if not shown:  # bik's paths alone: every sum is 0
+        return
     columns = min(3, len(shown))
     rows = math.ceil(len(shown) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows + 0.6), squeeze=False)
