@@ -72,3 +72,7 @@ fi
 rm -rf results/anatomy/cache
 $PY benchmarks/mismatch_anatomy.py --out results/anatomy --hf-tokens 64 --bik-tokens 64 \
   --trainer-sequences hf_fp32 || echo "FAILED: anatomy"
+# ... and Hugging Face generate in bf16 to 1,024 tokens, beside it (results/anatomy_bf16_1k/)
+rm -rf results/anatomy_bf16_1k/cache
+$PY benchmarks/mismatch_anatomy.py --out results/anatomy_bf16_1k --paths hf_bf16 \
+  || echo "FAILED: anatomy_bf16_1k"
