@@ -421,8 +421,9 @@ def plot(records: dict[str, dict[str, Any]], curves: list[dict[str, Any]], out: 
                     fillstyle="none",
                     label=PATHS[name].label,
                 )
-            if key == "mean_abs_delta":
-                ax.set_yscale("log")
+            sizes = [c[key] for c in curves if c["axis"] == axis and c[key] > 0]
+            if key == "mean_abs_delta" and max(sizes, default=1) > 10 * min(sizes, default=1):
+                ax.set_yscale("log")  # only where the sizes span decades: else no tick labels
             ax.set_xscale("log" if axis != "entropy" else "linear")  # positions: 1 to 1024
             if axis == "position":
                 ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
