@@ -444,11 +444,14 @@ class EvalConfig(_Section):
     """Greedy accuracy of the trained policy (the trainer copy) on a held-out prompt set,
     every ``every`` steps (0: off) and at the last step. The ``prompts`` prompts are drawn
     once, from a stream of their own (the same set for every run seed), never from the
-    training prompts' stream (rl_harness.evaluate)."""
+    training prompts' stream (rl_harness.evaluate). ``at_start``: step 0's row also holds an
+    evaluation made before its update (the warm-up's policy), unless step 0 evaluates after
+    its update anyway."""
 
     SECTION: ClassVar[str] = "eval"
     every: int = spec(0, ge=0)
     prompts: int = spec(64, ge=1)
+    at_start: bool = spec(False)
 
 
 SECTIONS: dict[str, type[_Section]] = {

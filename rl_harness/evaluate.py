@@ -1,7 +1,9 @@
 """Held-out greedy evaluation of the trained policy (config section ``eval``).
 
 Every ``eval.every`` steps (0: never) and at the run's last step (the config's ``steps``),
-after that step's update, the trainer's working copy (refreshed from the master) decodes a
+after that step's update (and, with ``eval.at_start``, at step 0 before its update: the
+warm-up's policy, in step 0's row unless step 0 evaluates after its update too), the
+trainer's working copy (refreshed from the master) decodes a
 fixed held-out prompt set greedily (rollout.sample with ``greedy=True``: the argmax of the
 policy's own logits, in the copy's dtype; train.autocast and the rollout's synthetic
 perturbations do not apply). That step's metrics row, and no other, gains:

@@ -58,6 +58,17 @@ _COLLAPSE = {
     "train.lr": 2e-3,
     "eval.every": 10,
 }
+# Its registered follow-up (RESULTS.md section 9): longer chains (10-20 steps, long forms up
+# to 123 tokens), an LR between the one where both sides collapsed (2e-3) and the one where
+# neither did (1e-3), and an evaluation before the first update.
+_COLLAPSE_LONG = {
+    **_COLLAPSE,
+    "task.min_digits": 10,
+    "task.max_digits": 20,
+    "rollout.max_new_tokens": 128,
+    "train.lr": 1.5e-3,
+    "eval.at_start": True,
+}
 COLLAPSE_ARMS = (
     "collapse_constant",
     "collapse_surge_decay",
@@ -161,6 +172,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "collapse_token_tis": (
         "collapse experiment + token TIS (C=2)",
         {**_COLLAPSE, "remedy.name": "token_tis"},
+    ),
+    "collapse_long_constant": (
+        "collapse follow-up: iterate 10-20 steps, fp8-like native bf16 rollout, LR 1.5e-3",
+        _COLLAPSE_LONG,
     ),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift

@@ -54,10 +54,25 @@ $PY -m rl_harness sweep --recipe collapse_constant --recipe collapse_surge_decay
 rm -rf "${OUT:?}/collapse_lr1e-3"
 $PY -m rl_harness sweep --recipe collapse_constant --set train.lr=1e-3 --seeds 3 \
   --out "$OUT/collapse_lr1e-3" > /dev/null 2>&1 || echo "FAILED: collapse_lr1e-3"
-find "$OUT/collapse" "$OUT/collapse_lr1e-3" -name checkpoint.pt -delete
+# Its registered follow-up (section 9): longer chains, LR 1.5e-3, evaluation before the first update
+rm -rf "${OUT:?}/collapse_long"
+$PY -m rl_harness sweep --recipe collapse_long_constant --seeds 3 \
+  --out "$OUT/collapse_long" > /dev/null 2>&1 || echo "FAILED: collapse_long"
+find "$OUT/collapse" "$OUT/collapse_lr1e-3" "$OUT/collapse_long" -name checkpoint.pt -delete
 $PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   rm -rf "${OUT:?}/compare_engines"
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
     $OUT/vllm_native --out $OUT/compare_engines
 fi
+# The anatomy of the mismatch on SmolLM2-135M-Instruct (no training; results/anatomy/, section 10
+# of RESULTS.md): every path from scratch, with the recorded run's lengths (Hugging Face generate
+# and bik's paths 64 tokens, vLLM 1024); about an hour of CPU on the 2-core machine (an estimate;
+# several hours of wall time while it is shared)
+rm -rf results/anatomy/cache
+$PY benchmarks/mismatch_anatomy.py --out results/anatomy --hf-tokens 64 --bik-tokens 64 \
+  --trainer-sequences hf_fp32 || echo "FAILED: anatomy"
+# ... and Hugging Face generate in bf16 to 1,024 tokens, beside it (results/anatomy_bf16_1k/)
+rm -rf results/anatomy_bf16_1k/cache
+$PY benchmarks/mismatch_anatomy.py --out results/anatomy_bf16_1k --paths hf_bf16 \
+  || echo "FAILED: anatomy_bf16_1k"

@@ -506,9 +506,13 @@ def _loop(
         metrics_path.open("a") if main else contextlib.nullcontext() as log,
     ):
         for step in range(job.start, cfg.steps):
+            # eval.at_start: the policy before the first update (evaluation changes nothing
+            # training reads, so the step runs as it would without it)
+            before = heldout.evaluate(job) if heldout and step == 0 and cfg.eval.at_start else {}
             metrics = job.step(step)
             if log is None:  # not rank 0
                 continue
+            metrics.update(before)
             if heldout is not None and due(cfg, step):
                 metrics.update(heldout.evaluate(job))  # before the checkpoint: its detector
             log.write(json.dumps(metrics) + "\n")

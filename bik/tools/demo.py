@@ -122,9 +122,16 @@ def _token_counter(tokens: int) -> Any:
 
 
 def sample(
-    model: PreTrainedModel, prompts: list[torch.Tensor], tokens: int, seed: int, pad: int
+    model: PreTrainedModel,
+    prompts: list[torch.Tensor],
+    tokens: int,
+    seed: int,
+    pad: int,
+    temperature: float = TEMPERATURE,
 ) -> Rollout:
-    """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all)."""
+    """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all); the
+    log-probs are the sampler's raw logits for the token it sampled, through
+    ``bik.token_logprobs`` at ``temperature`` (the trainer's formula)."""
     from transformers import StoppingCriteriaList
 
     ids, mask = hf.left_pad(prompts, pad)
@@ -135,7 +142,7 @@ def sample(
             input_ids=ids,
             attention_mask=mask,
             do_sample=True,
-            temperature=TEMPERATURE,
+            temperature=temperature,
             top_k=0,
             max_new_tokens=tokens,
             min_new_tokens=tokens,
@@ -145,19 +152,24 @@ def sample(
             stopping_criteria=StoppingCriteriaList([_token_counter(tokens)]),
         )
     generated = out.sequences[:, ids.shape[1] :]
-    logprobs = token_logprobs(torch.stack(out.logits, 1).float(), generated, TEMPERATURE)
+    logprobs = token_logprobs(torch.stack(out.logits, 1).float(), generated, temperature)
     full = torch.cat([mask, torch.ones_like(generated)], 1)
     response = torch.cat([torch.zeros_like(mask), torch.ones_like(generated)], 1)
     return Rollout(out.sequences, full, response, logprobs, ids.shape[1])
 
 
-def score(model: PreTrainedModel, rollout: Rollout, rows: list[int] | None = None) -> torch.Tensor:
+def score(
+    model: PreTrainedModel,
+    rollout: Rollout,
+    rows: list[int] | None = None,
+    temperature: float = TEMPERATURE,
+) -> torch.Tensor:
     """The trainer's log-probs of the sampled tokens ``[B, N]``: one forward of the batch, or
     (``rows``) of those rows alone, each cut to its own length (no padding)."""
     with torch.no_grad():
         if rows is None:
             out = hf.sequence_logprobs(
-                model, rollout.sequences, rollout.mask, rollout.response, TEMPERATURE
+                model, rollout.sequences, rollout.mask, rollout.response, temperature
             )
             return out[:, rollout.prompt_width :]
         scored = []
@@ -165,7 +177,7 @@ def score(model: PreTrainedModel, rollout: Rollout, rows: list[int] | None = Non
             start = int(rollout.mask[row].argmax())
             seq = rollout.sequences[row : row + 1, start:]
             resp = rollout.response[row : row + 1, start:]
-            out = hf.sequence_logprobs(model, seq, torch.ones_like(seq), resp, TEMPERATURE)
+            out = hf.sequence_logprobs(model, seq, torch.ones_like(seq), resp, temperature)
             scored.append(out[0, rollout.prompt_width - start :])
         return torch.stack(scored)
 

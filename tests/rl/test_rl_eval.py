@@ -178,6 +178,17 @@ def test_evaluation_leaves_training_bit_identical_and_logs_at_its_steps(tmp_path
     assert "held-out" not in (tmp_path / "plain" / "summary.md").read_text()
 
 
+def test_evaluation_at_start_scores_the_warm_up_policy_in_step_0s_row(tmp_path, cache):
+    plain = run_metrics(tmp_path, cache, "plain", [*RUN, "eval.every=0"])
+    evaluated = run_metrics(tmp_path, cache, "evaluated", [*RUN, "eval.at_start=true"])
+    assert json.dumps([_training(m) for m in evaluated]) == json.dumps(plain)
+    assert [m["step"] for m in evaluated if EVAL in m] == [0, 1, 3, 4]
+    # before the update: the warm-up's policy, as an evaluation of a run of 0 updates sees it
+    cfg = config.build({}, [*RUN, "eval.at_start=true"])
+    job = runner.Run(cfg, cache, None)
+    assert evaluated[0][EVAL] == evaluate.Heldout(cfg).evaluate(job)[EVAL]
+
+
 def test_the_held_out_set_is_fixed_and_apart_from_the_seed():
     a = evaluate.Heldout(config.build({}, [*RUN, "seed=0"]))
     shape = ["rollout.samples_per_prompt=3", "rollout.prompts=5"]
