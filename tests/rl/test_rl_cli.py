@@ -192,3 +192,21 @@ def test_compare_survives_a_torn_last_line(tmp_path, cache, capsys):
     with pytest.warns(UserWarning, match="torn last line"):
         assert main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 0
     assert "| run | 1 |" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_the_demo_table_says_exactly_1_for_bik_and_the_range_for_native():
+    from rl_harness import demo
+
+    def row(low, high, unequal, clipped):
+        return {
+            "reward/mean": 0.25,
+            "mismatch/tokens_unequal_frac": unequal,
+            "ppo/ratio_min": low,
+            "ppo/ratio_max": high,
+            "ppo/clip_frac": clipped,
+        }
+
+    text = demo.table({"bik": [row(1.0, 1.0, 0.0, 0.0)], "native": [row(0.8, 1.2, 1.0, 0.1)]})
+    assert text.splitlines()[-1] == (
+        "| 0 | 0.25 / 0.25 | 0 % / 100 % | exactly 1 / 0.800 to 1.200 | 0.0 % / 10.0 % |"
+    )
