@@ -74,6 +74,18 @@ def reference_backend():
         yield "reference"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def restore_process_state():
+    """bik.vllm.enable (bik.vllm.LLM, an rl_harness vLLM rollout) selects bik's backend for the
+    whole process and sets the variables its engine processes read: each test module leaves
+    the backend and the environment as it found them, whatever module ran before it."""
+    backend, environment = bik.get_backend(), dict(os.environ)
+    yield
+    bik.set_backend(backend)
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """rl_harness tests: one warm-up cache per module (warm-ups are keyed by their config,

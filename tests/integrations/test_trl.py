@@ -26,18 +26,6 @@ CHARS = "abcdefgh ."  # a tiny vocabulary: EOS (1 in 12) ends many completions e
 PROMPTS = ["a", "bad cafe", "ace.", "hedge bag fed", "c", "fade . ahead"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def restore_backend():
-    """bik.vllm selects bik's backend for the whole process, and TRL's colocated engine sets
-    torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR...); later modules get theirs back."""
-    before, environment = bik.get_backend(), dict(os.environ)
-    yield
-    bik.trl.disable()
-    bik.set_backend(before)
-    os.environ.clear()
-    os.environ.update(environment)
-
-
 @pytest.fixture(autouse=True)
 def trl_off_after():
     yield

@@ -33,15 +33,6 @@ SCHEDULING = dict(  # 12 requests x n=2 > max_num_seqs; 32-token steps chunk the
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def restore_backend():
-    """bik.vllm.LLM selects bik's backend for the whole process; later test modules get the
-    one they had."""
-    before = bik.get_backend()
-    yield
-    bik.set_backend(before)
-
-
 def tiny_config(family, **overrides):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 

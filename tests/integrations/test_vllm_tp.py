@@ -32,11 +32,9 @@ PROMPTS, TOKENS, SAMPLES = 8, 8, 2
 
 @pytest.fixture(autouse=True, scope="module")
 def restore_bik_vllm():
-    """bik.vllm.LLM selects bik's backend and order for the whole process; later test
-    modules get what they had."""
-    before = bik.get_backend()
+    """bik.vllm.LLM selects bik's order for the whole process; later test modules get the
+    default order back (conftest's restore_process_state gives back the backend)."""
     yield
-    bik.set_backend(before)
     if bik.vllm.enabled() is not None:
         bik.vllm.enable(bik.vllm.enabled() or "auto")  # tp_invariant off again
 
