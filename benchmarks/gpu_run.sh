@@ -8,13 +8,20 @@
 #   bash benchmarks/gpu_run.sh test [PART] [-- PYTEST ARGS]
 #        PART: all (default; the whole suite), kernels (tests/ops, tests/backends), models
 #        (tests/integrations: hf, mode, vllm, distributed), rl (tests/rl, tests/tools);
-#        after `--`, pytest arguments replace PART's files
-#        (e.g. `test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
+#        after `--`, pytest arguments: with a PART, added to its files
+#        (`test kernels -- -m "not slow"`), without one, in place of them
+#        (`test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
 #   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
 #        GROUP: matmul (linear), attention (decode, prefill, paged decode), rows (rms_norm,
 #        log_softmax, token_logprobs), e2e (patched models: Qwen3-style, SmolLM2-135M's
 #        shapes, MoE), quick (every op, small), all (long);
 #        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
+#
+#   bash benchmarks/gpu_run.sh lease [SECONDS]
+#        a short GPU loan in one command of SECONDS (default 540): build, the fast invariance
+#        suite (kernels, then models), the quick bench in bf16 and fp32, then the whole bench
+#        in bf16 for the time left; every step bounded, and all outputs packed after each step
+#        into one archive, <gpu>-lease-<date>.tar.gz (for loans that return few files)
 #
 #   bash benchmarks/gpu_run.sh rehearse STEP [ARGS]
 #        STEP as above, on a machine without a GPU: everything up to the first thing that
@@ -243,18 +250,21 @@ test_files() { # the test files of a part, by folder (tests/README.md maps them)
 }
 
 step_test() {
-  local part=all args=() name rc budget
+  local part=all named=0 args=() name rc budget
   if [ $# -gt 0 ] && [ "$1" != "--" ]; then
     part=$1
+    named=1
     shift
   fi
   case "$part" in all | kernels | models | rl) ;; *) die "test: unknown part '$part'" ;; esac
-  if [ $# -gt 0 ] && [ "$1" = "--" ]; then
-    shift
+  [ $# -eq 0 ] || [ "$1" = "--" ] || die "test: expected -- before pytest arguments, got '$1'"
+  [ $# -eq 0 ] || shift
+  if [ $# -gt 0 ] && [ "$named" = 0 ]; then # pytest arguments alone: they name the tests
     args=("$@")
     part=custom
-  else
+  else # a part's files, with the pytest arguments (e.g. -m "not slow") before them
     mapfile -t args < <(test_files "$part")
+    args=("$@" "${args[@]}")
   fi
   need_gpu
   ensure_built
@@ -329,6 +339,43 @@ step_bench() {
   return "$rc"
 }
 
+step_lease() {
+  local total=${1:-540} deadline dir archive
+  [[ "$total" =~ ^[0-9]+$ ]] || die "lease: expected a number of seconds, got '$total'"
+  need_gpu
+  local rehearse=() # in a rehearsal, each step rehearses in turn
+  [ "$TAG" = rehearsal ] && rehearse=(rehearse)
+  deadline=$((START + total))
+  dir=$ROOT/build/lease
+  archive="$OUT_DIR/$TAG-lease-$DATE.tar.gz"
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  export BIK_TEST_WORKERS=${BIK_TEST_WORKERS:-8} BIK_TEST_TIMEOUT=${BIK_TEST_TIMEOUT:-120}
+  lease_part() { # $1: seconds at most (less if the lease ends sooner); then a step and its args
+    local cap=$1 left
+    shift
+    left=$((deadline - $(date +%s)))
+    [ "$cap" -le "$left" ] || cap=$left
+    if [ "$cap" -lt 60 ]; then
+      echo "== lease: ${left}s left: $* skipped"
+      return
+    fi
+    echo "== lease: $* (at most ${cap}s)"
+    OUT=$dir BIK_STEP_SECONDS=$cap bash "$ROOT/benchmarks/gpu_run.sh" "${rehearse[@]}" "$@"
+    echo "== lease: $* ended with exit status $?"
+    tar -czf "$archive" -C "$dir" .
+  }
+  lease_part 180 build
+  BIK_EXAMPLES=5 lease_part 150 test kernels -- -m "not slow"
+  BIK_EXAMPLES=5 lease_part 60 test models -- -m "not slow"
+  BIK_BENCH_DTYPES="bfloat16 float32" lease_part 80 bench quick --min-time 0.1
+  BIK_BENCH_DTYPES=bfloat16 lease_part "$total" bench all --min-time 0.05
+  echo "== lease: summary (all outputs in $archive)"
+  grep -hE "^(FAILED|ERROR) |[0-9]+ (passed|failed)|^backend .*:" "$dir"/*.log | head -60
+  cat "$dir"/*-quick-*.md 2>/dev/null
+  return 0
+}
+
 main() {
   [ $# -gt 0 ] || usage 2
   step=$1
@@ -354,10 +401,11 @@ main() {
     case "$1" in all | kernels | models | rl) test_files "$1" ;; *) die "files: unknown part '$1'" ;; esac
     ;;
   test) step_test "$@" ;;
+  lease) step_lease "$@" ;;
   bench) step_bench "$@" ;;
   rehearse)
     [ $# -gt 0 ] && [ "$1" != rehearse ] ||
-      die "rehearse: expected a step: env, build, test or bench"
+      die "rehearse: expected a step: env, build, test, bench or lease"
     REHEARSE=1
     main "$@"
     ;;

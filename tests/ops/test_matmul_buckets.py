@@ -1,7 +1,7 @@
 """The Triton linear kernel's token buckets: every bucket gives a row its single-row bits.
 
 ``_linear_kernel`` (bf16 / fp16 weights that TMA can describe) changes its token tile, warps
-and stages with the row count; these tests run it in the interpreter and check that no bucket
+and stages with the row count; these tests run it (in the interpreter, or on a GPU) and check that no bucket
 changes a row's bits, that the shape-level self-check and its fallback work, and that views
 with unaligned storage are computed like aligned ones.
 """
@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import invariant_backends
+from conftest import DEVICE, invariant_backends
 from helpers import assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import bik
 
 pytestmark = pytest.mark.skipif(
-    "triton" not in invariant_backends(torch.device("cpu")), reason="triton backend not usable"
+    "triton" not in invariant_backends(), reason="triton backend not usable"
 )
 
 matmul = importlib.import_module("bik.backends.triton.matmul")
@@ -88,12 +88,12 @@ def test_fp32_and_untma_able_shapes_take_the_tile_kernel(bucket_spy):
     assert bucket_spy == [matmul.TOKEN_BUCKETS[0]]
 
 
-def test_buckets_agree_in_the_interpreter():
+def test_buckets_agree():  # in the interpreter, or HGMMA on a Hopper GPU
     assert matmul.buckets_agree(randn((40, 48), torch.bfloat16, 9))
 
 
 def test_a_failed_bucket_check_falls_back_to_the_single_row_bucket(monkeypatch, bucket_spy):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
     monkeypatch.setattr(matmul, "_bucket_check", {})
     monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: False)
     weight, x = randn((24, 32), torch.bfloat16, 10), randn((100, 32), torch.bfloat16, 11)
@@ -106,7 +106,7 @@ def test_a_failed_bucket_check_falls_back_to_the_single_row_bucket(monkeypatch, 
 
 def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
     calls = []
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
     monkeypatch.setattr(matmul, "_bucket_check", {})
     monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: calls.append(1) or True)
     weight = randn((24, 32), torch.bfloat16, 10)
@@ -119,7 +119,7 @@ def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
 def test_an_unchecked_shape_uses_the_single_row_bucket_while_a_graph_records(
     monkeypatch, bucket_spy
 ):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ("cpu",))
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
     monkeypatch.setattr(matmul, "_bucket_check", {})
     monkeypatch.setattr(matmul, "_capturing", lambda device: True)
     bik.linear(randn((100, 32), torch.bfloat16, 12), randn((24, 32), torch.bfloat16, 10))
