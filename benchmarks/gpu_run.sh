@@ -356,7 +356,7 @@ step_lease() {
     shift
     left=$((deadline - $(date +%s)))
     [ "$cap" -le "$left" ] || cap=$left
-    if [ "$cap" -lt 60 ]; then
+    if [ "$cap" -lt 75 ]; then # a step refuses to start on 60 s or less
       echo "== lease: ${left}s left: $* skipped"
       return
     fi
@@ -367,7 +367,7 @@ step_lease() {
   }
   lease_part 180 build
   BIK_EXAMPLES=5 lease_part 150 test kernels -- -m "not slow"
-  BIK_EXAMPLES=5 lease_part 60 test models -- -m "not slow"
+  BIK_EXAMPLES=5 lease_part 90 test models -- -m "not slow"
   BIK_BENCH_DTYPES="bfloat16 float32" lease_part 80 bench quick --min-time 0.1
   BIK_BENCH_DTYPES=bfloat16 lease_part "$total" bench all --min-time 0.05
   echo "== lease: summary (all outputs in $archive)"

@@ -69,6 +69,14 @@ def backend(request):
 
 
 @pytest.fixture
+def sinks_backend(backend):
+    """``backend``, skipped where it has no attention sinks (``python -m bik backends``)."""
+    if not backends.load(backend).attention_sinks:
+        pytest.skip(f"the {backend} backend has no attention sinks")
+    return backend
+
+
+@pytest.fixture
 def reference_backend():
     with bik.use_backend("reference"):
         yield "reference"

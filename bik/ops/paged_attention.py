@@ -207,6 +207,7 @@ def _check_step(
                 f"query_start[{i}:{i + 2}] = {list(query_start[i : i + 2])})"
             )
     _integers("block_table", block_table, 2, "block ids")
+    _checks.same_device("block_table", block_table, "query", query)
     if block_table.shape[0] < count:
         raise ValueError(
             f"block_table: expected a row for each of the {count} sequences, got shape "
@@ -248,6 +249,7 @@ def _check_slots(
     slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
 ) -> None:
     _integers("slot_mapping", slot_mapping, 1, "cache slots")
+    _checks.same_device("slot_mapping", slot_mapping, "key_cache", key_cache)
     for name, tokens in (("key", key), ("value", value)):
         _checks.rank(name, tokens, 3)
         _checks.dim_size(name, tokens, 0, slot_mapping.shape[0], "T, one per slot_mapping entry")

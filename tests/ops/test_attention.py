@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -197,7 +198,7 @@ def gpt_oss_eager_attention(q, k, v, scale, sinks):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tq", [1, 70])
 @pytest.mark.parametrize("softcap, window", [(None, None), (30.0, 17)])
-def test_sinks_accuracy_against_float64(backend, dtype, tq, softcap, window):
+def test_sinks_accuracy_against_float64(sinks_backend, dtype, tq, softcap, window):
     q, k, v = qkv(2, 2, 2, 70, 24, dtype, seed=30)
     q = q[:, :, 70 - tq :]
     sinks = sink_logits(4, 31)
@@ -217,7 +218,9 @@ def test_sinks_accuracy_against_float64(backend, dtype, tq, softcap, window):
 
 
 @pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 40)])
-def test_sinks_prefill_equals_chunks_equals_decode_with_left_padding(backend, softcap, window):
+def test_sinks_prefill_equals_chunks_equals_decode_with_left_padding(
+    sinks_backend, softcap, window
+):
     # Two left-padded rows: prefill, chunks and the last tokens decoded one by one give the
     # same bits with sinks on, and a padding query still returns zeros.
     length, split = 60, 32
@@ -237,7 +240,7 @@ def test_sinks_prefill_equals_chunks_equals_decode_with_left_padding(backend, so
         assert_bitwise(step, full[:, :, t : t + 1], f"decode {t}")
 
 
-def test_sinks_of_minus_infinity_give_the_bits_of_no_sinks(backend):
+def test_sinks_of_minus_infinity_give_the_bits_of_no_sinks(sinks_backend):
     # A sink of -inf has weight exp(-inf) = 0: merging it changes no bit.
     q, k, v = qkv(2, 1, 2, 70, 16, torch.bfloat16, seed=34)
     kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
@@ -247,7 +250,7 @@ def test_sinks_of_minus_infinity_give_the_bits_of_no_sinks(backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sinks_backward_matches_float64(backend, dtype):
+def test_sinks_backward_matches_float64(sinks_backend, dtype):
     q, k, v = qkv(2, 1, 2, 20, 16, dtype, seed=35)
     kv_start = torch.tensor([0, 4], dtype=torch.int32, device=q.device)
     sinks = sink_logits(2, 36).to(dtype)
@@ -470,6 +473,12 @@ def test_bad_inputs_raise(call, error, match):
         call()
 
 
+@pytest.mark.skipif(
+    DEVICE.type == "cuda",
+    reason="on an H100, torch's fp32 SDPA gave the last prefill row's bits to the decoded row "
+    "at these lengths (benchmarks/results/h100-*-test-kernels-*.log); the softcap/window "
+    "control below still differs there",
+)
 def test_negative_control_plain_torch_decode_differs_from_prefill():
     differs = []
     for length in (64, 100, 200, 333):

@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given
 from hypothesis import strategies as st
@@ -52,6 +53,11 @@ def test_torch_tanh_vector_and_scalar_loops_agree():
 
 
 @NAMED
+@pytest.mark.skipif(
+    DEVICE.type == "cuda",
+    reason="a CPU effect (vector vs scalar loops): on an H100, torch's fp32 activations gave "
+    "the same bits on both layouts (benchmarks/results/h100-*-test-kernels-*.log)",
+)
 def test_negative_control_torch_fp32_activation_depends_on_layout(ours):
     x = randn((20_000,), torch.float32, 1, scale=4.0)
     theirs = ACTIVATIONS[ours]
@@ -105,9 +111,9 @@ def test_rotary_matches_transformers():
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     config = Qwen3Config(hidden_size=64, num_attention_heads=2, head_dim=32, rope_theta=5e5)
-    module = qwen3.Qwen3RotaryEmbedding(config)
-    assert_bitwise(module.inv_freq, default_inv_freq(5e5, 32), "inv_freq")
-    positions = torch.arange(300)[None]
+    module = qwen3.Qwen3RotaryEmbedding(config).to(DEVICE)
+    assert_bitwise(module.inv_freq, default_inv_freq(5e5, 32).to(DEVICE), "inv_freq")
+    positions = torch.arange(300, device=DEVICE)[None]
     x = randn((1, 300, 64), torch.float32, 5)
     ours = rotary_cos_sin(module.inv_freq, positions, module.attention_scaling, torch.float32)
     for mine, theirs in zip(ours, type(module).forward(module, x, positions)):

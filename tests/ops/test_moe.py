@@ -4,6 +4,7 @@ the token: not on the batch, nor on which or how many other tokens chose the sam
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,8 @@ CASES = settings(max_examples=min(10, settings.default.max_examples))
 
 
 def random_groups(rows, groups, seed):
-    return torch.randint(0, groups, (rows,), generator=torch.Generator().manual_seed(seed))
+    chosen = torch.randint(0, groups, (rows,), generator=torch.Generator().manual_seed(seed))
+    return chosen.to(DEVICE)
 
 
 @CASES
@@ -98,7 +100,7 @@ def test_route_matches_the_transformers_formula(backend, normalize):
 
 
 def test_route_breaks_ties_toward_the_lower_expert_index(backend):
-    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0]], device=DEVICE)
     weights, experts = route(logits, 2, normalize=True)
     assert experts.tolist() == [[1, 2], [0, 1]]
     assert torch.equal(weights, torch.full_like(weights, 0.5))
@@ -133,7 +135,7 @@ def test_expert_mlp_accuracy(backend, dtype):
     gate_up = randn((num_experts, 2 * inner, hidden), dtype, 2, scale=0.3)
     down = randn((num_experts, hidden, inner), dtype, 3, scale=0.3)
     weights, experts = route(randn((tokens, num_experts), dtype, 4), top_k, normalize=False)
-    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64, device=DEVICE)
     for t in range(tokens):
         for rank in range(top_k):
             e = experts[t, rank]
@@ -146,7 +148,7 @@ def test_expert_mlp_accuracy(backend, dtype):
 def test_negative_control_transformers_experts_depend_on_the_other_tokens():
     """transformers' own experts (one F.linear per expert over the tokens that chose it):
     a token's output changes with how many other tokens chose its experts."""
-    model = verify.load_model("tiny-qwen3_moe")
+    model = verify.load_model("tiny-qwen3_moe").to(DEVICE)
     block = model.model.layers[0].mlp
     x = randn((1, 300, 128), torch.float32, 5)
     with torch.no_grad():

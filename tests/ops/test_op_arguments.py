@@ -4,13 +4,14 @@ refused with a message naming the argument; degenerate shapes give empty results
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import randn
 
 import bik
 
 
 def test_real_scalars_of_any_kind_give_the_bits_of_a_float(backend):
-    logits, tokens = randn((4, 50), torch.float32, 1), torch.tensor([1, 2, 3, 4])
+    logits, tokens = randn((4, 50), torch.float32, 1), torch.tensor([1, 2, 3, 4], device=DEVICE)
     q, kv = randn((1, 2, 5, 8), torch.float32, 2), randn((1, 2, 5, 8), torch.float32, 3)
     x, w = randn((3, 16), torch.float32, 4), randn((16,), torch.float32, 5)
     t = float(np.float32(0.7))

@@ -131,12 +131,12 @@ def test_meta_tensors_get_shapes_and_dtypes_without_running_a_kernel():
 
 
 IN_PLACE_CASES = {  # 3-D inputs: the kernels see rows, the result is reshaped back
-    "linear": (lambda x: bik.linear(x, torch.ones(7, 12)), (2, 3, 12)),
-    "matmul": (lambda x: bik.matmul(x, torch.ones(7, 12).t()), (2, 3, 12)),
-    "rms_norm": (lambda x: bik.rms_norm(x, torch.ones(12)), (2, 3, 12)),
+    "linear": (lambda x: bik.linear(x, torch.ones(7, 12, device=DEVICE)), (2, 3, 12)),
+    "matmul": (lambda x: bik.matmul(x, torch.ones(7, 12, device=DEVICE).t()), (2, 3, 12)),
+    "rms_norm": (lambda x: bik.rms_norm(x, torch.ones(12, device=DEVICE)), (2, 3, 12)),
     "log_softmax": (bik.log_softmax, (2, 3, 12)),
     "token_logprobs": (
-        lambda x: bik.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long)),
+        lambda x: bik.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long, device=DEVICE)),
         (2, 3, 12),
     ),
     "attention": (lambda x: bik.attention(x, x, x), (1, 2, 3, 12)),

@@ -4,6 +4,7 @@ step, and the other sequences in the batch."""
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, randn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +33,8 @@ def make_step(seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed):
             randn((n, hkv, dim), dtype, seed + 10 * i + 1),
         )
         slots = torch.tensor(
-            [int(table[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+            [int(table[i, t // block_size]) * block_size + t % block_size for t in range(n)],
+            device=DEVICE,
         )
         write_kv_cache(k, v, key_cache, value_cache, slots)
         keys.append(k)
@@ -41,7 +43,7 @@ def make_step(seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed):
     starts = [0]
     for tq in query_lens:
         starts.append(starts[-1] + tq)
-    return keys, values, queries, key_cache, value_cache, table, starts
+    return keys, values, queries, key_cache, value_cache, table.to(DEVICE), starts
 
 
 def contiguous_attention(q, k, v, scale, **options):
@@ -86,6 +88,8 @@ def test_each_sequence_equals_contiguous_attention(
     "softcap, window, sinks", [(1.5, 5, None), (30.0, 40, None), (None, None, [0.5, -1, 2, 3])]
 )
 def test_softcap_window_and_sinks_equal_contiguous_attention(backend, softcap, window, sinks):
+    if sinks is not None and not backends.load(backend).attention_sinks:
+        pytest.skip(f"the {backend} backend has no attention sinks")
     # One step mixing a prefill, a chunk and two decodes of different lengths (a left-padded
     # decode batch): soft-capping, the window and attention sinks are forwarded and keep
     # paged == contiguous.
@@ -119,7 +123,7 @@ def test_decode_equals_the_prefill_row(backend):
 def paged_backend(request):
     """The backends whose paged kernel reads the block table itself (skipped when unbuilt)."""
     try:
-        backends.load(request.param).check_device(torch.device("cpu"))
+        backends.load(request.param).check_device(DEVICE)
     except (ImportError, RuntimeError) as error:
         pytest.skip(f"{request.param} backend unavailable: {error}")
     with bik.use_backend(request.param):
@@ -130,7 +134,7 @@ def vllm_cache(cache):
     """``cache [blocks, Hkv, block_size, D]`` copied into vLLM's CPU layout (each block its
     keys, then its values) and returned as the strided key view engines pass."""
     blocks, heads, block_size, dim = cache.shape
-    pages = torch.zeros(blocks, heads, 2 * block_size, dim, dtype=cache.dtype)
+    pages = cache.new_zeros(blocks, heads, 2 * block_size, dim)
     pages[:, :, :block_size] = cache
     return pages[:, :, :block_size]
 
@@ -240,7 +244,8 @@ def test_layout_errors_name_the_argument():
     a float table was truncated. Each is now refused, naming the argument."""
     q, kc, vc, table, starts, lens = _two_sequences()
     expected = paged_attention(q, kc, vc, table, starts, lens, scale=1.0)
-    unset = torch.cat((table, torch.full((2, 2), -7, dtype=table.dtype)), 1)  # unused columns
+    unused_columns = torch.full((2, 2), -7, dtype=table.dtype, device=table.device)
+    unset = torch.cat((table, unused_columns), 1)
     assert_bitwise(paged_attention(q, kc, vc, unset, starts, lens, scale=1.0), expected)
     narrow = "block_table: seq_lens.0. = 40 tokens fill 3 pages of 16, but the table has 2 col"
     blocks = kc.shape[0]
@@ -262,6 +267,7 @@ def test_layout_errors_name_the_argument():
         ((q, bad_ids[1], starts, lens), ValueError, "got min -1"),
         ((q, table.float(), starts, lens), TypeError, "block_table: expected an integer dtype"),
         ((q, table[0], starts, lens), ValueError, "block_table: expected 2 dims"),
+        ((q, table.to("meta"), starts, lens), ValueError, "block_table: expected device"),
     ]
     for (query, block_table, query_start, seq_lens), error, message in cases:
         with pytest.raises(error, match=message):
@@ -275,6 +281,7 @@ def test_write_kv_cache_errors_name_the_argument():
         (torch.tensor([0, 1, 32]), ValueError, r"slot_mapping: expected values in \[.*, 31\]"),
         (torch.tensor([0.0, 1.0, 2.0]), TypeError, "slot_mapping: expected an integer dtype"),
         (torch.tensor([0, 1]), ValueError, "key: expected size 2 in dim 0"),
+        (torch.tensor([0, 1, 2], device="meta"), ValueError, "slot_mapping: expected device"),
     ]
     for slots, error, message in cases:
         with pytest.raises(error, match=message):
