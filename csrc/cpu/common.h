@@ -72,6 +72,7 @@ inline float lane_sum(const float* lanes) {
 // fused rounding in each), so the bits agree.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 struct Vec { __m512 v; };
+constexpr int VEC_REGISTERS = 1;  // of the 32 zmm
 inline Vec vzero() { return {_mm512_setzero_ps()}; }
 inline Vec vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
 inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -99,6 +100,7 @@ inline float vsum(Vec a) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Vec { __m256 lo, hi; };  // lanes 0-7, 8-15
+constexpr int VEC_REGISTERS = 2;  // of the 16 ymm
 inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -139,6 +141,7 @@ inline float vsum(Vec a) {
 }
 #else
 struct Vec { float v[LANES]; };
+constexpr int VEC_REGISTERS = LANES;  // scalar registers: blocking cannot keep it in them
 inline Vec vbroadcast(float x) { Vec r; std::fill(r.v, r.v + LANES, x); return r; }
 inline Vec vzero() { return vbroadcast(0.0f); }
 inline Vec vload(const float* p) { Vec r; std::copy(p, p + LANES, r.v); return r; }

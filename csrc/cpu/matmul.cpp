@@ -26,7 +26,12 @@ namespace {
 constexpr int64_t ROW_CHUNK = 96;  // rows of A per task (a multiple of RB)
 constexpr int64_t PANEL = 64;      // output columns per task = VECS vectors of LANES
 constexpr int VECS = PANEL / LANES;
-constexpr int RB = 6;              // rows per register block: RB x VECS accumulators
+constexpr int RB = 6;              // rows per register block
+// B vectors per pass over k: RB x GROUP accumulators, GROUP B vectors and a broadcast A value
+// must fit in the register file, or the inner loop spills to memory (AVX-512: 6 x 4 + 4 + 1
+// of 32 zmm; AVX2, two ymm per Vec: 6 x 1 x 2 + 2 + 1 of 16 ymm).
+constexpr int GROUP = VEC_REGISTERS == 1 ? VECS : 1;
+static_assert(VECS % GROUP == 0, "a panel is whole groups of vectors");
 // Calls of at most STREAM_ROWS rows (decode) pack B in K_SLICE-deep slices that stay in L1,
 // carrying the fp32 accumulators from slice to slice through memory (exact), instead of
 // packing a whole [K][PANEL] panel first: the same fma per k in the same order, so the same
@@ -115,6 +120,26 @@ void transpose_tile<float>(const float* src, int64_t stride, float* dst) {
 }
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// bf16 / fp16 tiles: each 16-deep k row widened to fp32 in vector registers (exact), then the
+// fp32 transpose above: the values and places of the generic loop, without its 256 scalar
+// conversions per tile.
+template <typename T>
+void widen_then_transpose(const T* src, int64_t stride, float* dst) {
+  float wide[16 * 16];
+  for (int64_t c = 0; c < 16; ++c) vstore(wide + c * 16, vload_n(src + c * stride, 16));
+  transpose_tile<float>(wide, 16, dst);
+}
+template <>
+void transpose_tile<bf16>(const bf16* src, int64_t stride, float* dst) {
+  widen_then_transpose(src, stride, dst);
+}
+template <>
+void transpose_tile<f16>(const f16* src, int64_t stride, float* dst) {
+  widen_then_transpose(src, stride, dst);
+}
+#endif
+
 // The fma kernel: A and B widened to fp32 (packing only moves and widens values, exactly).
 template <typename T>
 struct FmaKernel {
@@ -151,24 +176,28 @@ struct FmaKernel {
 
   // R rows x PANEL columns starting at packed row block `r0`, over the `depth` k of the
   // packed B slice `b` that starts at k0: ascending k, one fma per k, into accumulators that
-  // start at 0 (k0 == 0) or at the previous slice's sums in `out`.
+  // start at 0 (k0 == 0) or at the previous slice's sums in `out`. The columns run in groups
+  // of GROUP vectors (one pass over k each): a column's chain is the same in every grouping.
   template <int R>
   static void rows(const float* a_packed, int64_t r0, int64_t K, int64_t k0, const float* b,
                    int64_t depth, float out[][PANEL]) {
     const float* a = a_packed + r0 * K + k0 * RB;
-    Vec acc[R][VECS];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < VECS; ++v) acc[r][v] = k0 == 0 ? vzero() : vload(out[r] + v * LANES);
-    for (int64_t k = 0; k < depth; ++k) {
-      Vec bv[VECS];
-      for (int v = 0; v < VECS; ++v) bv[v] = vload(b + k * PANEL + v * LANES);
-      for (int r = 0; r < R; ++r) {
-        const Vec av = vbroadcast(a[k * RB + r]);
-        for (int v = 0; v < VECS; ++v) acc[r][v] = vfma(av, bv[v], acc[r][v]);
+    for (int g = 0; g < VECS; g += GROUP) {
+      Vec acc[R][GROUP];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < GROUP; ++v)
+          acc[r][v] = k0 == 0 ? vzero() : vload(out[r] + (g + v) * LANES);
+      for (int64_t k = 0; k < depth; ++k) {
+        Vec bv[GROUP];
+        for (int v = 0; v < GROUP; ++v) bv[v] = vload(b + k * PANEL + (g + v) * LANES);
+        for (int r = 0; r < R; ++r) {
+          const Vec av = vbroadcast(a[k * RB + r]);
+          for (int v = 0; v < GROUP; ++v) acc[r][v] = vfma(av, bv[v], acc[r][v]);
+        }
       }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < GROUP; ++v) vstore(out[r] + (g + v) * LANES, acc[r][v]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < VECS; ++v) vstore(out[r] + v * LANES, acc[r][v]);
   }
 };
 
@@ -188,13 +217,16 @@ struct PairKernel {
                      uint32_t* dst) {
     const int64_t pairs = depth(K), full = K / 2;
     int64_t done = 0;  // pairs packed by the fast path
-    if (k_stride == 1 && cols == PANEL) {  // W^T: a pair is one dword of a W row
-      constexpr int64_t TILE = 16;         // pairs per tile: one 64-byte line of a W row
+    if (k_stride == 1 && cols == PANEL && n_stride % 2 == 0) {
+      // W^T with even rows: a pair is one dword of a W row, so a 16-pair x 16-column tile is
+      // the fp32 tile transpose of dwords (register moves only: every bit pattern kept).
+      constexpr int64_t TILE = 16;  // pairs per tile: one 64-byte line of a W row
       done = full / TILE * TILE;
+      const float* words = reinterpret_cast<const float*>(b);
       for (int64_t j0 = 0; j0 < done; j0 += TILE)
-        for (int64_t c = 0; c < PANEL; ++c)
-          for (int64_t j = j0; j < j0 + TILE; ++j)
-            std::memcpy(dst + j * PANEL + c, b + c * n_stride + 2 * j, sizeof(uint32_t));
+        for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)
+          transpose_tile<float>(words + c0 * (n_stride / 2) + j0, n_stride / 2,
+                                reinterpret_cast<float*>(dst + j0 * PANEL + c0));
     }
     for (int64_t c = 0; c < PANEL; ++c)
       for (int64_t j = done; j < pairs; ++j) {
