@@ -47,6 +47,10 @@ _LOADED: dict[str, Backend] = {}
 # Invariant backends tried by "auto", best first, per device type.
 _AUTO_ORDER = {"cpu": ["cpu", "triton"], "cuda": ["triton", "cuda"]}
 _current = "auto"
+# (selected name, device, op) -> the backend resolve() found for them: ops ask on every call,
+# and the search costs more than a small kernel. Emptied when a backend is registered; an
+# entry whose backend is no longer the loaded one is searched again.
+_resolved: dict[tuple[str, torch.device, str], Backend] = {}
 
 
 def register_backend(name: str, source: str | Backend) -> None:
@@ -60,6 +64,7 @@ def register_backend(name: str, source: str | Backend) -> None:
         )
     _SOURCES[name] = source
     _LOADED.pop(name, None)
+    _resolved.clear()
 
 
 def available_backends() -> list[str]:
@@ -120,6 +125,14 @@ def resolve(device: torch.device, op: str = "matmul") -> Backend:
     """The backend that will run ``op`` on tensors living on ``device``: the selected one
     (NotImplementedError if it lacks the op), or under "auto" the first usable backend of
     ``_AUTO_ORDER`` that implements it."""
+    key = (_current, device, op)
+    backend = _resolved.get(key)
+    if backend is None or _LOADED.get(backend.name) is not backend:
+        backend = _resolved[key] = _search(device, op)
+    return backend
+
+
+def _search(device: torch.device, op: str) -> Backend:
     if _current != "auto":
         backend = load(_current)
         backend.check_device(device)

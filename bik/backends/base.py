@@ -7,7 +7,8 @@ a backend lacks raises "op X is not implemented on backend Y" when selected expl
 "auto" passes on to the next backend of its order (bik.backends).
 
 Kernel layouts (``OPS``):
-  matmul(a [B, M, K], b [B or 1, K, N], bias [N] | None) -> [B, M, N] in a's dtype
+  matmul(a [B, M, K], b [B or 1, K, N], bias [N] | None) -> [B, M, N] in a's dtype; also
+         a [M, K], b [K, N] -> [M, N] (one product: no batch dim to add and drop per call)
   rms_norm(x [R, D], weight [D], eps) -> [R, D] in x's dtype
   log_softmax(x [R, V], temperature, out_dtype) -> [R, V] in out_dtype
   token_logprobs(logits [R, V], tokens [R], temperature) -> fp32 [R]

@@ -30,11 +30,17 @@ class _NativeKernels:
         self.attention_sinks = attention_sinks
 
     def matmul(self, a, b, bias):
-        """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
-        batch, m, k = a.shape
-        n = b.shape[2]
+        """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype, or
+        ``a [M, K] @ b [K, N]`` -> ``[M, N]`` (one product)."""
         a = _inner_contiguous(a)
-        out = torch.empty(batch, m, n, dtype=a.dtype, device=a.device)
+        out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
+        if a.dim() == 2:  # one product: a batch of 1, no batch strides
+            (m, k), n = a.shape, b.shape[1]
+            batch, a_strides, b_strides = 1, (0, a.stride(0)), (0, *b.stride())
+        else:  # a b shared by the batch (b.shape[0] == 1) has batch stride 0
+            (batch, m, k), n = a.shape, b.shape[2]
+            a_strides = a.stride()[:2]
+            b_strides = (b.stride(0) if b.shape[0] > 1 else 0, *b.stride()[1:])
         self.lib.matmul(
             DTYPE_CODES[a.dtype],
             a.data_ptr(),
@@ -45,11 +51,8 @@ class _NativeKernels:
             m,
             n,
             k,
-            a.stride(0),
-            a.stride(1),
-            b.stride(0) if b.shape[0] > 1 else 0,
-            b.stride(1),
-            b.stride(2),
+            *a_strides,
+            *b_strides,
             *self.launch_args(a.device),
         )
         return out

@@ -16,7 +16,7 @@ def _at_least_fp32(t):
 
 
 def matmul(a, b, bias):
-    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` in a's dtype."""
+    """``a [B, M, K] @ b [B or 1, K, N]`` or ``a [M, K] @ b [K, N]`` (+ bias [N]) in a's dtype."""
     out = torch.matmul(a, b)
     return out if bias is None else out + bias
 

@@ -49,7 +49,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torc
     rows = as_rows(a)
     if rows.shape[0] == 0 or n == 0:
         return a.new_zeros(*a.shape[:-1], n)
-    out = backends.kernel(a.device, "matmul")(rows.unsqueeze(0), b.unsqueeze(0), bias)
+    out = backends.kernel(a.device, "matmul")(rows, b, bias)
     return shaped(out, (*a.shape[:-1], n))
 
 

@@ -306,6 +306,7 @@ def test_right_padded_completions_score_like_single_rows(model_dir):
         assert bool((batch[row, len(expected) :] == 0).all())
     bik.unpatch_model(model)
     batch, alone = batch_and_alone()
-    assert any(not torch.equal(batch[row, : len(e)], e) for row, e in enumerate(alone)), (
-        "plain torch gave the same bits: this control cannot tell"
-    )
+    if all(torch.equal(batch[row, : len(e)], e) for row, e in enumerate(alone)):
+        # Seen on a 2-core AVX-512 Xeon: torch's CPU kernels kept one order for every row
+        # count of these tiny shapes; the bik assertions above still ran.
+        pytest.skip("plain torch gave every row its single-row bits on this CPU: no control")

@@ -3,11 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, embed_row, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
+from bik import backends
 
 # Sizes straddle the 64-wide M/N tiles and the 32-deep K tiles so tails are exercised.
 sizes = st.integers(1, 150)
@@ -22,6 +24,21 @@ def test_row_is_batch_invariant(backend, dtype, m, n, k, bias, data):
     alone = bik.linear(row, weight, b)
     batched = bik.linear(embed_row(row, others, position), weight, b)
     assert_bitwise(batched[position : position + 1], alone, f"row {position} of {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_gives_one_product_the_bits_of_a_batch_of_one(backend, dtype):
+    # Ops hand the kernel 2-D operands (no batch dim to add and drop per call); the batched
+    # layout (bmm, grouped experts) must give each product the same bits. Shapes that the
+    # Triton TMA kernel takes (16-byte rows) and ones it does not, W^T views and contiguous B.
+    kernel = backends.kernel(DEVICE, "matmul")
+    for m, n, k in ((37, 24, 48), (5, 20, 33)):
+        a, weight, bias = randn((m, k), dtype, 5), randn((n, k), dtype, 6), randn((n,), dtype, 7)
+        for b in (weight.t(), weight.t().contiguous()):
+            for add in (None, bias):
+                one = kernel(a, b, add)
+                assert_bitwise(one, kernel(a[None], b[None], add)[0], f"{m}x{n}x{k}")
+                assert_bitwise(one, bik.matmul(a, b, add), f"{m}x{n}x{k}, bik.matmul")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

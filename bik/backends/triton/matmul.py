@@ -338,14 +338,17 @@ def matmul_launch(a, b, bias, out) -> Launch:
 
 
 def matmul(a, b, bias):
-    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype."""
-    batch, m, k = a.shape
-    weight = b[0].t()  # [N, K]
-    if b.shape[0] == 1 and takes_tma(weight):
-        x = aligned(a.reshape(batch * m, k).contiguous())
+    """``a [B, M, K] @ b [B or 1, K, N] (+ bias [N])`` -> ``[B, M, N]`` in a's dtype, or
+    ``a [M, K] @ b [K, N]`` -> ``[M, N]``."""
+    k = a.shape[-1]
+    weight = b.t() if b.dim() == 2 else b[0].t()  # [N, K]
+    if (b.dim() == 2 or b.shape[0] == 1) and takes_tma(weight):
+        x = aligned(a.reshape(-1, k).contiguous())
         weight, bias = aligned(weight), bias if bias is None else aligned(bias)
-        out = _run_linear(x, weight, bias, _bucket(batch * m, weight, bias))
-        return out.reshape(batch, m, -1)
+        out = _run_linear(x, weight, bias, _bucket(x.shape[0], weight, bias))
+        return out.reshape(*a.shape[:-1], -1)
+    if a.dim() == 2:  # the tile kernel's layout has a batch dim
+        return matmul(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     matmul_launch(aligned(a), aligned(b), bias if bias is None else aligned(bias), out)()
     return out
