@@ -165,7 +165,7 @@ void attention_impl(const AttentionArgs& p) {
   T* out = reinterpret_cast<T*>(p.out);
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
-#pragma omp parallel if (rows > 1)
+#pragma omp parallel if (worth_a_team(rows, 2 * rows * p.Tk * p.D, PARALLEL_FMAS))  // q.k and p.v per key
   {
     Scratch scratch(p.D);
 #pragma omp for schedule(static)
@@ -199,8 +199,10 @@ void paged_attention_impl(const PagedAttentionArgs& p) {
   for (int64_t s = 0; s < p.S; ++s)
     std::fill(sequence.begin() + query_start[s], sequence.begin() + query_start[s + 1], s);
   const int64_t groups = p.Hq / p.Hkv, rows = p.T * p.Hq;
+  int64_t keys_read = 0;  // per query head: each query token reads its sequence's keys
+  for (int64_t s = 0; s < p.S; ++s) keys_read += (query_start[s + 1] - query_start[s]) * seq_lens[s];
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
-#pragma omp parallel if (rows > 1)
+#pragma omp parallel if (worth_a_team(rows, 2 * keys_read * p.Hq * p.D, PARALLEL_FMAS))
   {
     Scratch scratch(p.D);
 #pragma omp for schedule(static)

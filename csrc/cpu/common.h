@@ -29,6 +29,15 @@ namespace bik {
 
 constexpr int LANES = CPU_LANES;
 
+// Calls with less work than these run on one thread: waking an OpenMP team costs
+// microseconds on a quiet machine and a scheduler time slice on a busy one. Threads decide
+// who computes a row, never how: the bits do not change.
+constexpr int64_t PARALLEL_FMAS = int64_t{1} << 20;     // matmul, attention: multiply-adds
+constexpr int64_t PARALLEL_ELEMENTS = int64_t{1} << 16;  // row ops: elements read
+inline bool worth_a_team(int64_t rows, int64_t work, int64_t threshold) {
+  return rows > 1 && work >= threshold;
+}
+
 struct bf16 { uint16_t bits; };
 using f16 = _Float16;
 

@@ -71,7 +71,7 @@ template <typename T, typename Body>
 void for_each_row(const T* x, int64_t rows, int64_t V, int64_t stride, float temperature,
                   Body&& body) {
   with_temperature(temperature, [&](auto scale) {
-#pragma omp parallel for schedule(static) if (rows > 1)
+#pragma omp parallel for schedule(static) if (worth_a_team(rows, rows * V, PARALLEL_ELEMENTS))
     for (int64_t r = 0; r < rows; ++r) {
       thread_local std::vector<float> buffer;  // kept across calls: no allocation per row
       body(r, fp32_row(x + r * stride, V, buffer), scale);

@@ -38,7 +38,6 @@ static_assert(VECS % GROUP == 0, "a panel is whole groups of vectors");
 // bits, without a panel's round trip through L2 that only one row block would read.
 constexpr int64_t STREAM_ROWS = 16;
 constexpr int64_t K_SLICE = 64;
-constexpr int64_t PARALLEL_FMAS = int64_t{1} << 20;  // below this many fmas: one thread
 
 // Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
 // per-element arithmetic, R only sets how many rows share one pass over the packed B.
@@ -286,9 +285,7 @@ void matmul_impl(const MatmulArgs& p) {
   // (K = 0: one empty slice.)
   const int64_t slice =
       !Kernel::reads_a_in_place && p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
-  // Small calls run on one thread: waking a team costs more than their work (microseconds
-  // on a quiet machine, a scheduler time slice on a busy one). Threads never change bits.
-  const bool team = tasks > 1 && p.batch * p.M * p.N * p.K >= PARALLEL_FMAS;
+  const bool team = worth_a_team(tasks, p.batch * p.M * p.N * p.K, PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
     std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);

@@ -9,7 +9,7 @@ namespace {
 template <typename T, typename W>
 void rms_norm_impl(const T* x, const W* w, T* y, int64_t rows, int64_t D, int64_t stride,
                    float eps) {
-#pragma omp parallel for schedule(static) if (rows > 1)
+#pragma omp parallel for schedule(static) if (worth_a_team(rows, rows * D, PARALLEL_ELEMENTS))
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * stride;
     Vec acc = vzero();
