@@ -477,7 +477,7 @@ def save(fig: Any, title: str, path: Path) -> None:
 
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # a wide title stays whole on one panel
     plt.close(fig)
 
 
