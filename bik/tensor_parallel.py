@@ -29,7 +29,6 @@ pieces).
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -104,10 +103,16 @@ def row_parallel_shard(
     return combine_partials(list(partials.unbind(0)), bias, x_shard.dtype)
 
 
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter sharded by :func:`tensor_parallel` (a DTensor; the
-    gradient flows back to it), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
+def local_weight(module: nn.Module, name: str = "weight") -> torch.Tensor | None:
+    """The parameter ``name`` of ``module`` as this rank computes with it: a DTensor sharded
+    by :func:`tensor_parallel` gives this rank's part (the gradient flows back to it); the
+    weight of a module between the split layers is read through the rank-order gradient sum;
+    anything else as it is."""
+    t = cast(torch.Tensor | None, getattr(module, name))
+    if isinstance(t, DTensor):
+        return t.to_local()
+    group = getattr(module, "_bik_tp_sum_grads", None)
+    return t if group is None or t is None else _SumGradsInRankOrder.apply(t, group)
 
 
 def tp_group(weight: torch.Tensor) -> ProcessGroup | None:
@@ -135,6 +140,16 @@ class _ColumnParallel(ParallelStyle):
             return (_SumGradsInRankOrder.apply(inputs[0], mesh.get_group()), *inputs[1:])
 
         return distribute_module(module, device_mesh, shard, sum_grads)
+
+
+class _SumWeightGrads(ParallelStyle):
+    """A module with a replicated weight between the split layers (Qwen3's per-head q/k
+    RMSNorm) sees only this rank's heads, so the ranks' gradients of its weight are summed.
+    Marked on the module, not hooked on the parameter: FSDP replaces parameters."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module._bik_tp_sum_grads = device_mesh.get_group()  # type: ignore[assignment]
+        return module
 
 
 class _RowParallel(ParallelStyle):
@@ -230,12 +245,10 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             plan[name] = _ColumnParallel()
         elif leaf in ROW_PARALLEL_NAMES:
             plan[name] = _RowParallel()
+    for block in {name.rsplit(".", 1)[0] for name in plan}:  # attention and MLP modules
+        for name, module in model.get_submodule(block).named_modules(prefix=block):
+            if name not in plan and next(module.parameters(recurse=False), None) is not None:
+                plan[name] = _SumWeightGrads()
     parallelize_module(model, mesh, plan)
-    # A replicated parameter between the split layers (Qwen3's per-head q/k RMSNorm) sees
-    # only this rank's heads: its gradient is summed over the ranks, before accumulation.
-    for block in {name.rsplit(".", 1)[0] for name in plan}:
-        for name, param in model.get_submodule(block).named_parameters():
-            if f"{block}.{name.rsplit('.', 1)[0]}" not in plan:
-                param.register_hook(functools.partial(_sum_over_ranks, group=mesh.get_group()))
     model._bik_tensor_parallel = degree  # type: ignore[assignment]  # any value is allowed
     return model

@@ -15,7 +15,7 @@ from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from ..ops.rotary import rotary_cos_sin
-from ..tensor_parallel import local_shard, row_parallel_shard, tp_group
+from ..tensor_parallel import local_weight, row_parallel_shard, tp_group
 from .autocast import autocast_inputs, run
 
 
@@ -37,10 +37,9 @@ class PatchedForward:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, weight = self.module, cast(torch.Tensor, self.module.weight)
+        m, weight = self.module, cast(torch.Tensor, local_weight(self.module))
         if self.kind in ("linear", "row_parallel_linear"):
-            bias = None if m.bias is None else local_shard(cast(torch.Tensor, m.bias))
-            weight = local_shard(weight)
+            bias = local_weight(m, "bias")
             autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, bias)
             return run(self.backend, autocast_on, self._linear_op(), x, weight, bias)
         autocast_on, _ = autocast_inputs(x.device.type)

@@ -9,6 +9,8 @@ Qwen3 models (16 query / 8 KV heads), a left-padded batch of 4 rows, fp32 and bf
              the one-process gradient within a float tolerance (not bit for bit)
   control    torch's own plan (ColwiseParallel / RowwiseParallel, the K partials all-reduced)
              on the unpatched model gives other logits than the unpatched model in one process
+  FSDP x TP  FSDP2 over the data-parallel dim of a 2 x 2 mesh, TP over the other (threads):
+             each row's log-probs bit for bit, deterministic gradients close to one process
 The layer-level order is tested in test_distributed_tp.py.
 """
 
@@ -114,7 +116,8 @@ def test_plain_tensor_parallel_changes_the_logits(two_ranks, family):
 
 
 def _sharded(models, degree):
-    """Rank r of ``degree`` threads shards ``models[r]`` and returns its logits and gradients."""
+    """Rank r of ``degree`` threads shards ``models[r]`` and returns its logits and gradients.
+    The models are built beforehand: threads would draw their weights from one global RNG."""
     from torch.distributed.device_mesh import init_device_mesh
 
     def rank_main(rank):
@@ -151,6 +154,48 @@ def test_four_and_eight_gloo_ranks(tmp_path):
             for name, grad in run.items():
                 assert_bitwise(rerun[name], grad, f"TP {degree} {name}: rerun")
             _assert_grads_close(run, grads, dtype, f"TP {degree}")
+
+
+@pytest.mark.parametrize(("family", "dtype"), CONFIGS, ids=IDS)
+def test_fsdp_over_tensor_parallel_on_a_2d_mesh(family, dtype):
+    """4 ranks as threads, a (2 data-parallel) x (2 tensor-parallel) mesh: each TP pair shards
+    a model, FSDP2 shards it again over the data-parallel dim, and each data-parallel rank
+    takes its half of the rows. A row's log-probs equal the one-process model's bit for bit;
+    the gradient (FSDP's reduce-scatter of two per-rank gradients) is the same on every rank
+    and in a rerun, and close to the one-process gradient of the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    one = worker.tp_model(family, dtype)
+    with torch.no_grad():
+        expected = worker.logprobs(one, worker.ROWS)
+    _, grads = _one_process(family, dtype)
+    models = [worker.tp_model(family, dtype) for _ in range(4)]  # one seed, not one per thread
+
+    def rank_main(rank):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = tensor_parallel(models[rank], mesh["tp"])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        rows = worker.rows_of(mesh["dp"].get_local_rank(), 2)
+        with torch.no_grad():
+            logprobs = worker.logprobs(model, rows)
+        runs = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            worker.loss(model, rows, world=2).backward()
+            runs.append(worker._grads(model))
+        return mesh["dp"].get_local_rank(), logprobs, runs
+
+    results = worker.run_threads(4, rank_main)
+    for rank, (dp_rank, logprobs, (run, rerun)) in enumerate(results):
+        for row, logp in zip(range(dp_rank, len(worker.ROWS), 2), logprobs):
+            assert_bitwise(logp, expected[row], f"rank {rank} row {row}")
+        for name, grad in run.items():
+            assert_bitwise(rerun[name], grad, f"rank {rank} {name}: rerun")
+            assert_bitwise(grad, results[0][2][0][name], f"rank {rank} {name}: against rank 0")
+    _assert_grads_close(results[0][2][0], grads, dtype, "FSDP x TP")
 
 
 def _refusal(model, degree=2, shape=None):
