@@ -1,8 +1,8 @@
 """A bik-patched Hugging Face model sharded Megatron-style, with bik's order in every split.
 
 ``tensor_parallel(model, mesh)`` shards a model patched with ``tp_invariant=True`` over the
-T ranks of a 1-D device mesh with torch's tensor-parallel API (``parallelize_module`` and two
-``ParallelStyle`` s of bik's):
+T ranks of a 1-D device mesh with torch's tensor-parallel API (``parallelize_module`` and
+bik's ``ParallelStyle`` s below):
 
 * column-parallel (q/k/v, gate/up): weight and bias rows split in T contiguous blocks
   (``Shard(0)``). Each output element is one bik matmul over the whole of K, which no other
@@ -16,15 +16,17 @@ T ranks of a 1-D device mesh with torch's tensor-parallel API (``parallelize_mod
   are all-gathered and every rank sums them in rank order by the top of the same tree
   (``combine_partials``): the one-process ``chunked_linear`` bits. Never an all-reduce.
 * everything else (embedding, RMSNorms, LM head) stays replicated: plain tensors, the same
-  computation on every rank, exact.
+  computation on every rank, exact. A replicated weight between the split layers (Qwen3's
+  per-head q/k RMSNorm) is applied to this rank's heads only.
 
 Every rank must run the same batch: the activations between the split layers are replicated.
 Backward: the partials' gather sends nothing back (every rank computes the same loss from the
 same replicated output, so the gradient of its own partial is its own incoming gradient); the
-input of a column-parallel layer gathers the ranks' gradient contributions and sums them in
-rank order by the same tree (Megatron's all-reduce, in a fixed order). The gradients are then
-deterministic; they are not the one-process bits (the sum over a layer's N runs in other
-pieces).
+gradients that each rank computes only a share of (a column-parallel layer's input, a q/k norm
+weight) are gathered and summed in rank order by the pairwise tree (Megatron's all-reduce, in
+a fixed order). The gradients are then deterministic and equal on every rank; they are not
+the one-process bits (those sums run in other pieces). FSDP2 composes on a 2-D mesh: TP over
+one dim, ``fully_shard`` over the other.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def _sum_over_ranks(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 class _SumGradsInRankOrder(torch.autograd.Function):
-    """Identity forward on a column-parallel layer's replicated input. Backward: each rank's
-    gradient covers only its own columns, so the ranks' gradients are summed."""
+    """Identity forward on a tensor every rank holds whole (a column-parallel layer's input, a
+    q/k norm's weight). Backward: each rank's gradient covers only its own columns or heads,
+    so the ranks' gradients are summed."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -124,7 +127,7 @@ class _ColumnParallel(ParallelStyle):
     """Weight and bias rows split across the mesh (``Shard(0)``); the input stays a plain
     replicated tensor, its gradient summed across ranks in rank order; the output is this
     rank's columns, a plain tensor. The patched forward runs ``bik.linear`` on the local
-    shards (``local_shard``)."""
+    shards (:func:`local_weight`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
@@ -234,7 +237,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     (ValueError): an unpatched model or one patched without ``tp_invariant``, a family that
     cannot be split into whole heads (mixture-of-experts, fused projections, q/k norms over
     all heads), a mesh that is not 1-D, a degree that does not divide TP_CHUNKS or the head
-    counts.
+    counts; a model sharded already (RuntimeError).
     """
     patched = _check_model(model)
     degree = _check_mesh(mesh, cast(Any, model).config)
