@@ -21,7 +21,10 @@ unless a caller fixes another. ``bik.patch_model(model, tp_invariant=True)`` run
 ``chunked_linear`` in a model's row-parallel layers and ``bik.vllm`` runs ``rank_partial`` and
 ``combine_partials`` in vLLM's. See docs/design.md, "Across processes", for what this costs.
 
-``row_parallel_linear`` is forward only: the gather is not differentiated.
+``row_parallel_linear`` is forward only: the gather is not differentiated. The sharded
+trainer, ``tensor_parallel(model, mesh)`` (bik/tensor_parallel.py, imported on first use),
+runs ``rank_partial`` and ``combine_partials`` in a model's row-parallel layers, forward and
+backward.
 """
 
 from typing import TYPE_CHECKING

@@ -9,6 +9,7 @@ Qwen3 models (16 query / 8 KV heads), a left-padded batch of 4 rows, fp32 and bf
              the one-process gradient within a float tolerance (not bit for bit)
   control    torch's own plan (ColwiseParallel / RowwiseParallel, the K partials all-reduced)
              on the unpatched model gives other logits than the unpatched model in one process
+  families   the other families it accepts: the fp32 forward at TP 8 (threads)
   FSDP x TP  FSDP2 over the data-parallel dim of a 2 x 2 mesh, TP over the other (threads):
              each row's log-probs bit for bit, deterministic gradients close to one process
 The layer-level order is tested in test_distributed_tp.py.
@@ -140,6 +141,17 @@ def test_every_degree_emulated_gives_the_one_process_logits(family, dtype):
             for name, grad in got_grads.items():
                 assert_bitwise(grad, results[0][1][name], f"TP {degree} rank {rank} {name}")
         _assert_grads_close(results[0][1], grads, dtype, f"TP {degree}")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma", "gemma2", "gemma3_text"])
+def test_the_other_splittable_families_at_tp_8(family):
+    """The forward of every other family tensor_parallel accepts (Qwen2: biased q/k/v, split
+    with their rows; Gemma: scaled embeddings, (1 + w) norms, soft-capping), 8 threads."""
+    with torch.no_grad():
+        expected = worker.tp_logits(worker.tp_model(family, torch.float32))
+    models = [worker.tp_model(family, torch.float32) for _ in range(8)]
+    for rank, (logits, _) in enumerate(_sharded(models, 8)):
+        assert_bitwise(logits, expected, f"{family} rank {rank}")
 
 
 @pytest.mark.slow  # 8 processes on 2 cores (~70 s); the threads above run the same degrees
