@@ -7,11 +7,16 @@
    ``bik.patch_model`` against the same model patched with ``tp_invariant=True``.
 3. vLLM (``--vllm``): generated tokens/s of vLLM with bik (``tp_invariant=True``) against
    native vLLM, both at tensor parallelism 2, each engine in its own process.
+4. The sharded trainer (``--sharded``): the forward of that Qwen3 patched with
+   ``tp_invariant=True`` and sharded by ``bik.distributed.tensor_parallel`` over 2 gloo
+   processes of one thread each, against the same one-process model on one thread (timed in
+   the first process while the second waits at a barrier; a second thread there would compete
+   with the waiting rank). The sharded logits are checked against the one-process ones first.
 
-The two sides of a pair are timed alternately in one run (median of ``--reps``), so machine
-load hits both alike. Writes a JSON record and a markdown table:
+The sides of a comparison are timed alternately in one run (median of ``--reps``), so
+machine load hits them alike. Writes a JSON record and markdown tables:
 
-    python benchmarks/tp_invariant_cost.py [--vllm] --json F.json --markdown F.md
+    python benchmarks/tp_invariant_cost.py [--vllm] [--sharded] --json F.json --markdown F.md
 """
 
 import argparse
@@ -20,7 +25,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -39,16 +44,17 @@ ROWS = (1, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def alternate(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Median milliseconds of ``a`` and of ``b``, called alternately after one warm-up each."""
-    a(), b()
-    times: tuple[list[float], list[float]] = ([], [])
+def alternate(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """Median milliseconds of each of ``fns``, called in turn after one warm-up each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        for fn, out in ((a, times[0]), (b, times[1])):
+        for fn, out in zip(fns, times):
             start = time.perf_counter()
             fn()
             out.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
 
 
 def kernel_rows(reps: int) -> list[dict]:
@@ -60,30 +66,96 @@ def kernel_rows(reps: int) -> list[dict]:
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 default, chunked = alternate(
-                    partial(bik.linear, x, weight), partial(chunked_linear, x, weight), reps
+                    [partial(bik.linear, x, weight), partial(chunked_linear, x, weight)], reps
                 )
                 rows.append(_row("linear", f"{name}, {m} rows", dtype, default, chunked))
     return rows
 
 
-def trainer_rows(reps: int) -> list[dict]:
+TRAINER_SHAPE = "Qwen3 hidden 512, 4 layers, forward of 4 x 128 tokens"
+
+
+def trainer_model(dtype: torch.dtype, tp_invariant: bool) -> torch.nn.Module:
+    """The trainer benchmark's random Qwen3 (the same weights on every call), patched."""
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen3_config(512, 4, 8192, 1024))
+    model = model.to(dtype).eval()
+    bik.patch_model(model, backend="cpu", tp_invariant=tp_invariant)
+    return model
+
+
+def trainer_ids() -> torch.Tensor:
+    return torch.randint(3, 8192, (4, 128), generator=torch.Generator().manual_seed(1))
+
+
+def trainer_rows(reps: int) -> list[dict]:
     rows = []
-    ids = torch.randint(3, 8192, (4, 128), generator=torch.Generator().manual_seed(1))
+    ids = trainer_ids()
     for dtype in DTYPES:
-        models = []
-        for tp_invariant in (False, True):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(qwen3_config(512, 4, 8192, 1024))
-            model = model.to(dtype).eval()
-            bik.patch_model(model, backend="cpu", tp_invariant=tp_invariant)
-            models.append(model)
+        models = [trainer_model(dtype, tp_invariant) for tp_invariant in (False, True)]
         with torch.no_grad():
-            default, chunked = alternate(partial(models[0], ids), partial(models[1], ids), reps)
-        shape = "Qwen3 hidden 512, 4 layers, forward of 4 x 128 tokens"
-        rows.append(_row("trainer forward", shape, dtype, default, chunked))
+            default, chunked = alternate([partial(models[0], ids), partial(models[1], ids)], reps)
+        rows.append(_row("trainer forward", TRAINER_SHAPE, dtype, default, chunked))
     return rows
+
+
+def _sharded_row(rank: int, dtype: torch.dtype, mesh: object, reps: int) -> dict:
+    import torch.distributed as dist
+
+    from bik.distributed import tensor_parallel
+
+    ids = trainer_ids()
+    one = trainer_model(dtype, True)
+    sharded = tensor_parallel(trainer_model(dtype, True), mesh)
+
+    def run_sharded() -> torch.Tensor:
+        return sharded(ids).logits
+
+    def run_one() -> None:  # rank 1 waits
+        if rank == 0:
+            one(ids)
+        dist.barrier()
+
+    with torch.no_grad():
+        if not torch.equal(run_sharded(), one(ids).logits):
+            raise AssertionError(f"{dtype}: the sharded logits differ from the one-process ones")
+        ms = alternate([run_sharded, run_one], reps)
+    return {
+        "what": "trainer forward, tp_invariant=True",
+        "shape": TRAINER_SHAPE,
+        "dtype": str(dtype).removeprefix("torch."),
+        "one_process_ms": ms[1],
+        "tp2_ms": ms[0],
+        "cost": ms[0] / ms[1],
+    }
+
+
+def _sharded_rank(rank: int, directory: str, reps: int) -> None:
+    """One of the 2 ranks of :func:`sharded_rows`; rank 0 writes the rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    bik.set_backend("cpu")
+    torch.set_num_threads(1)
+    store = f"file://{os.path.join(directory, 'store')}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        rows = [_sharded_row(rank, dtype, mesh, reps) for dtype in DTYPES]
+        if rank == 0:
+            with open(os.path.join(directory, "rows.json"), "w") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_rows(reps: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as directory:
+        torch.multiprocessing.spawn(_sharded_rank, args=(directory, reps), nprocs=2)
+        with open(os.path.join(directory, "rows.json")) as f:
+            return json.load(f)
 
 
 def _row(what: str, shape: str, dtype: torch.dtype, default_ms: float, chunked_ms: float) -> dict:
@@ -169,6 +241,18 @@ def markdown(result: dict) -> str:
                 f"| {r['what']} | {r['shape']} | {r['dtype']} | {r['native_tokens_per_s']:.1f} "
                 f"| {r['bik_tokens_per_s']:.1f} | {r['bik_over_native']:.2f} |"
             )
+    if result["sharded"]:
+        lines += [
+            "",
+            "| what | shape | dtype | 1 process, 1 thread ms "
+            "| TP 2 (2 gloo processes x 1 thread) ms | TP 2 / 1 process |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for r in result["sharded"]:
+            lines.append(
+                f"| {r['what']} | {r['shape']} | {r['dtype']} "
+                f"| {r['one_process_ms']:.1f} | {r['tp2_ms']:.1f} | {r['cost']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -177,6 +261,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--vllm", action="store_true", help="also vLLM at TP 2 (minutes)")
     parser.add_argument("--vllm-runs", type=int, default=3)
+    parser.add_argument(
+        "--sharded", action="store_true", help="also the trainer sharded over 2 gloo processes"
+    )
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -184,6 +271,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = kernel_rows(args.reps) + trainer_rows(max(3, args.reps // 4))
     vllm = vllm_rows(["float32", "bfloat16"], args.vllm_runs) if args.vllm else []
+    sharded = sharded_rows(max(3, args.reps // 4)) if args.sharded else []
     result = {
         "device": device_name(torch.device("cpu")),
         "threads": torch.get_num_threads(),
@@ -191,6 +279,7 @@ def main() -> None:
         "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "rows": rows,
         "vllm": vllm,
+        "sharded": sharded,
     }
     text = markdown(result)
     print(text)

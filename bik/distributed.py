@@ -21,8 +21,13 @@ unless a caller fixes another. ``bik.patch_model(model, tp_invariant=True)`` run
 ``chunked_linear`` in a model's row-parallel layers and ``bik.vllm`` runs ``rank_partial`` and
 ``combine_partials`` in vLLM's. See docs/design.md, "Across processes", for what this costs.
 
-``row_parallel_linear`` is forward only: the gather is not differentiated.
+``row_parallel_linear`` is forward only: the gather is not differentiated. The sharded
+trainer, ``tensor_parallel(model, mesh)`` (bik/tensor_parallel.py, imported on first use),
+runs ``rank_partial`` and ``combine_partials`` in a model's row-parallel layers, forward and
+backward.
 """
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,18 @@ from . import _checks
 from .contract import TP_CHUNKS
 from .ops.matmul import linear
 
+if TYPE_CHECKING:  # what __getattr__ imports on first use
+    from .tensor_parallel import tensor_parallel as tensor_parallel
+else:
+
+    def __getattr__(name: str) -> object:
+        # bik.tensor_parallel builds on this module, so it is imported on first use.
+        if name == "tensor_parallel":
+            from .tensor_parallel import tensor_parallel
+
+            return tensor_parallel
+        raise AttributeError(f"module 'bik.distributed' has no attribute {name!r}")
+
 
 def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """Balanced pairwise sum: left half + right half, recursively (a power-of-two count)."""
@@ -38,6 +55,14 @@ def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0]
     half = len(parts) // 2
     return _tree_sum(parts[:half]) + _tree_sum(parts[half:])
+
+
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape and dtype on all ranks), in rank order."""
+    t = t.contiguous()
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, t, group=group)
+    return gathered
 
 
 def _check_chunks(name: str, chunks: int, k: int) -> None:
@@ -176,7 +201,5 @@ def row_parallel_linear(
     if world & (world - 1):
         raise ValueError(f"group: expected a power-of-two world size, got {world}")
     _check_ranks_agree(x_shard, weight_shard, bias, chunks_per_rank, group)
-    partial = rank_partial(x_shard, weight_shard, chunks_per_rank).contiguous()
-    gathered = [torch.empty_like(partial) for _ in range(world)]
-    dist.all_gather(gathered, partial, group=group)
-    return combine_partials(gathered, bias, x_shard.dtype)
+    partial = rank_partial(x_shard, weight_shard, chunks_per_rank)
+    return combine_partials(_all_gather(partial, group), bias, x_shard.dtype)

@@ -17,6 +17,9 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # The linears tensor parallelism splits along K (row-parallel, Megatron's split, as vLLM builds
 # every supported family): attention's output and the MLP's down projection, by module name.
 ROW_PARALLEL_NAMES = ("o_proj", "down_proj")
+# The linears it splits along N (column-parallel): the query, key, value, gate and up
+# projections, each rank computing whole output columns (and so whole attention heads).
+COLUMN_PARALLEL_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 # What every tiny preset shares: 2 layers, hidden 128, GQA 4/2, head_dim 32, vocab 256.
 _TINY = dict(

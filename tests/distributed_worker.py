@@ -1,5 +1,5 @@
-"""Rank processes for tests/integrations/test_distributed.py: a patched tiny model under FSDP2
-or DDP.
+"""Rank processes for tests/integrations/test_distributed*.py and test_tensor_parallel.py: a
+patched tiny model under FSDP2 or DDP, or sharded by tensor parallelism.
 
 ``spawn(world, out_dir, configs)`` starts ``world`` gloo processes, which run each (wrapper,
 dtype) config in turn. Each rank takes its share of ROWS (rank r: rows r, r + world, ...),
@@ -16,6 +16,11 @@ The parent compares all of it with the unsharded model in one process
 ``bik.distributed`` on each rank's K slice of ``tp_inputs``, the errors of calls whose ranks
 disagree, and the plain tensor-parallel form (each rank's bik.linear partial, summed by an
 all-reduce) for comparison.
+
+``spawn_tensor_parallel(world, out_dir, degrees)`` runs ``run_tensor_parallel_rank``: tiny
+models sharded by ``bik.distributed.tensor_parallel`` (logits, gradients) and torch's own plan
+(the negative control). ``run_threads(world, fn)`` emulates ``world`` ranks as threads of one
+process, for the TP degrees this machine has no cores for.
 """
 
 import datetime
@@ -251,3 +256,141 @@ def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
 def spawn_tp(world: int, out_dir: str) -> list[dict]:
     mp.spawn(run_tp_rank, args=(world, out_dir), nprocs=world)
     return [torch.load(os.path.join(out_dir, f"tp{r}.pt")) for r in range(world)]
+
+
+# -- the sharded trainer (bik.distributed.tensor_parallel) -----------------------------------
+
+TP_FAMILIES = ("llama", "qwen3")
+# 16 query and 8 KV heads of 16 (hidden 128): whole heads, and GQA, at every TP degree up to 8.
+TP_HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=16)
+
+
+def tp_model(family: str, dtype: torch.dtype, tp_invariant: bool | None = True) -> torch.nn.Module:
+    """A tiny random ``family`` model (the same weights on every call), patched with
+    ``tp_invariant`` (None: not patched)."""
+    from transformers import AutoModelForCausalLM
+
+    from bik.families import FAMILIES
+
+    torch.manual_seed(0)
+    config = FAMILIES[family].tiny_config(**TP_HEADS)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if tp_invariant is not None:
+        bik.patch_model(model, backend="cpu", tp_invariant=tp_invariant)
+    return model
+
+
+def tp_logits(model: torch.nn.Module) -> torch.Tensor:
+    """The logits of ROWS, left-padded into one batch, positions as generation derives them."""
+    ids, mask = bik.hf.left_pad(ROWS, PAD)
+    position_ids = bik.hf.generation_position_ids(mask)
+    return model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+    ).logits
+
+
+def _plain_tensor_parallel(model: torch.nn.Module, mesh) -> None:
+    """torch's own Megatron plan: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down (the
+    K partials summed by an all-reduce)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from bik.families import COLUMN_PARALLEL_NAMES, ROW_PARALLEL_NAMES
+
+    plan = {}
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in COLUMN_PARALLEL_NAMES:
+            plan[name] = ColwiseParallel()
+        elif leaf in ROW_PARALLEL_NAMES:
+            plan[name] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+
+
+def run_tensor_parallel_rank(rank: int, world: int, out_dir: str, degrees: tuple[int, ...]):
+    """Each TP degree on groups of ``degree`` consecutive ranks (a (world / degree, degree)
+    mesh's second dim): per family and dtype, the sharded model's logits of ROWS and, at
+    rank 0 of the world or at every rank for degree 2, the full gradients of ``loss`` from two
+    runs. At degree 2 also the plain torch plan's logits on the unpatched model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bik.distributed import tensor_parallel
+
+    _init(rank, world, out_dir)
+    try:
+        result = {}
+        for degree in degrees:
+            mesh = init_device_mesh("cpu", (world // degree, degree), mesh_dim_names=("dp", "tp"))
+            for family in TP_FAMILIES:
+                for dtype in (torch.float32, torch.bfloat16):
+                    model = tensor_parallel(tp_model(family, dtype), mesh["tp"])
+                    with torch.no_grad():
+                        result["logits", family, dtype, degree] = tp_logits(model)
+                    grads = []
+                    for _ in range(2):  # every rank: the backward gathers gradients
+                        model.zero_grad(set_to_none=True)
+                        loss(model, ROWS).backward()
+                        grads.append(_grads(model))
+                    if rank == 0 or degree == 2:
+                        result["grads", family, dtype, degree] = grads
+            if degree == 2:
+                for family in TP_FAMILIES:
+                    model = tp_model(family, torch.float32, tp_invariant=None)
+                    _plain_tensor_parallel(model, mesh["tp"])
+                    with torch.no_grad():
+                        result["plain", family] = tp_logits(model)
+        torch.save(result, os.path.join(out_dir, f"tensor_parallel{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_tensor_parallel(world: int, out_dir: str, degrees: tuple[int, ...]) -> list[dict]:
+    mp.spawn(run_tensor_parallel_rank, args=(world, out_dir, degrees), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"tensor_parallel{r}.pt")) for r in range(world)]
+
+
+def run_threads(world: int, fn) -> list:
+    """``fn(rank)`` on ``world`` ranks emulated in this process: one thread per rank, joined by
+    torch's in-process "threaded" process group (torch.testing's, on which torch's own DTensor
+    tests run; collectives copy tensors, as gloo does). Returns each rank's result; the first
+    rank's exception is raised after every thread has stopped."""
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    results: list = [None] * world
+    errors: list[BaseException] = []
+    store = dist.HashStore()
+
+    def rank_main(rank):
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            results[rank] = fn(rank)
+        except BaseException as error:
+            errors.append(error)
+            ProcessLocalGroup.exception_handle(error)  # wakes ranks waiting in a collective
+        finally:
+            dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return results

@@ -4,6 +4,8 @@ Each is a plain object holding its module and the patch-time backend, not a clos
 bound method, so deepcopy and pickle keep a patched model.
 """
 
+import functools
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -13,23 +15,33 @@ from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from ..ops.rotary import rotary_cos_sin
+from ..tensor_parallel import local_weight, row_parallel_shard, tp_group
 from .autocast import autocast_inputs, run
 
 
 class PatchedForward:
     """A Linear's or RMSNorm's forward (``kind``: 'linear', 'row_parallel_linear' (the
     tensor-parallel-invariant order, bik.distributed.chunked_linear), 'rms_norm',
-    'gemma_rms_norm')."""
+    'gemma_rms_norm'). A linear sharded by ``bik.distributed.tensor_parallel`` runs on this
+    rank's shards; a sharded row-parallel one gathers the ranks' partials."""
 
     def __init__(self, module: torch.nn.Module, kind: str, backend: str):
         self.module, self.kind, self.backend = module, kind, backend
 
+    def _linear_op(self) -> Callable[..., torch.Tensor]:
+        if self.kind == "linear":
+            return linear
+        group = tp_group(cast(torch.Tensor, self.module.weight))
+        return (
+            chunked_linear if group is None else functools.partial(row_parallel_shard, group=group)
+        )
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, weight = self.module, cast(torch.Tensor, self.module.weight)
+        m, weight = self.module, cast(torch.Tensor, local_weight(self.module))
         if self.kind in ("linear", "row_parallel_linear"):
-            autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, m.bias)
-            op = linear if self.kind == "linear" else chunked_linear
-            return run(self.backend, autocast_on, op, x, weight, bias)
+            bias = local_weight(m, "bias")
+            autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, bias)
+            return run(self.backend, autocast_on, self._linear_op(), x, weight, bias)
         autocast_on, _ = autocast_inputs(x.device.type)
         if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding
             wide, scale = x.float(), 1.0 + weight.float()

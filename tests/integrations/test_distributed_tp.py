@@ -6,7 +6,8 @@ a pairwise tree; a TP degree dividing C computes the same tree, so TP 1, 2, 4 an
 ``row_parallel_linear`` on 2 gloo ranks gives the single-process chunked result bit for bit.
 ``bik.patch_model(model, tp_invariant=True)`` runs that order in a model's row-parallel
 linears: its logits equal those of the model with every row-parallel linear computed as TP 2,
-4 or 8 ranks would (emulated in one process). vLLM at TP 2: tests/integrations/test_vllm_tp.py.
+4 or 8 ranks would (emulated in one process). vLLM at TP 2: tests/integrations/test_vllm_tp.py;
+the trainer sharded by bik.distributed.tensor_parallel: tests/integrations/test_tensor_parallel.py.
 """
 
 import distributed_worker as worker
