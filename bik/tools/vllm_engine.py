@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ENGINES = ("native", "bik")
 INSTALL_VLLM = "vLLM is not installed in this environment; run `make install-vllm` (the vllm extra)"
@@ -91,6 +92,7 @@ def run_engine(
     engine_args: dict | None = None,
     sampling: dict | None = None,
     timed_runs: int = 0,
+    weights_from: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> dict:
@@ -108,11 +110,17 @@ def run_engine(
     sampled tokens' log-probs when ``sampling`` asks for them, else None),
     ``cached_tokens[i]`` prompt i's tokens read from the prefix cache, ``seconds`` each timed
     run and ``generated_tokens`` the tokens one run generates.
+
+    weights_from (bik only): a model directory whose weights are pushed into the running
+    engine with ``bik.vllm.update_weights`` before the first ``generate`` (an RL weight sync,
+    into every TP rank's worker).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     if not isinstance(timed_runs, int) or timed_runs < 0:
         raise ValueError(f"timed_runs: expected an integer >= 0, got {timed_runs!r}")
+    if weights_from is not None and engine != "bik":
+        raise ValueError("weights_from: only the bik engine takes pushed weights")
     problem = vllm_problem()
     if problem:
         raise ImportError(problem)
@@ -126,6 +134,7 @@ def run_engine(
         "sampling": dict(sampling or {}),
         "prompts": [[int(t) for t in p] for p in prompts],
         "timed_runs": timed_runs,
+        "weights_from": None if weights_from is None else str(weights_from),
     }
     child_env = {**CHILD_ENV, **os.environ, **(env or {})}
     child_env.pop("BIK_VLLM", None)  # native means native: no bik plugin in the child
@@ -169,6 +178,17 @@ def _samples(output, with_logprobs: bool) -> list[dict]:
     return samples
 
 
+def _push_weights(llm: Any, model_dir: str, dtype: str) -> None:
+    """``model_dir``'s weights (cast to the engine's dtype) into the running engine."""
+    from transformers import AutoModelForCausalLM
+
+    from .. import vllm as bik_vllm
+    from ..contract import DTYPE_NAMES
+
+    source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE_NAMES[dtype])
+    bik_vllm.update_weights(llm, source.named_parameters())
+
+
 def serve(request: dict) -> dict:
     """Build the engine ``request`` names, generate, time; the result :func:`run_engine`
     returns. Runs in the child process (it may switch bik on for good)."""
@@ -188,6 +208,8 @@ def serve(request: dict) -> dict:
         )
     else:
         llm = vllm.LLM(model=request["model"], **kwargs)
+    if request.get("weights_from"):
+        _push_weights(llm, request["weights_from"], request["dtype"])
     params = vllm.SamplingParams(detokenize=False, **request["sampling"])
     inputs = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     outputs = _generate(llm, inputs, params)

@@ -29,6 +29,7 @@ TP-invariant order (bik.contract), and the log-probs at every TP degree equal th
 model patched with ``bik.patch_model(model, tp_invariant=True)``.
 """
 
+import functools
 import os
 import weakref
 from collections.abc import Iterable
@@ -194,8 +195,14 @@ def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Ten
     weights = list(named_tensors)
     _check_weights(weights, _parameter_shapes(llm))
     weights = [(name, tensor.detach()) for name, tensor in weights]
-    llm.apply_model(lambda model: model.load_weights(iter(weights)))
+    # A module-level function, not a closure: under TP > 1 it is pickled to every worker.
+    llm.apply_model(functools.partial(_load_weights, weights=weights))
     llm.reset_prefix_cache()
+
+
+def _load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """In each engine worker: vLLM's loaders take the full weights and keep the rank's shard."""
+    model.load_weights(iter(weights))
 
 
 _SHAPES: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()

@@ -107,6 +107,43 @@ def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):
     _assert_equals_trainer(model_dir, dtype, request, result)
 
 
+@pytest.fixture(scope="module")
+def other_weights(model_dir, tmp_path_factory):
+    """The same model with other random weights: what an RL step's update pushes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("qwen3-tp-updated")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow  # minutes (2 worker processes)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+def test_weights_pushed_into_a_tp2_engine_reach_every_rank(model_dir, other_weights):
+    # bik.vllm.update_weights (an RL weight sync) into the engine's two worker processes: its
+    # log-probs then equal the trainer's loaded from the pushed weights, bit for bit.
+    dtype = "bfloat16"
+    request = _request(other_weights, dtype, 2)
+    result = vllm_engine.run_engine(
+        "bik",
+        model_dir,
+        request["prompts"],
+        dtype=dtype,
+        backend="cpu",
+        tp_invariant=True,
+        engine_args=request["engine_args"],
+        sampling=request["sampling"],
+        weights_from=other_weights,
+        env=vllm_engine.cpu_binding(2),
+        timeout=600,
+    )
+    _assert_equals_trainer(other_weights, dtype, request, result)
+
+
 def test_tp_above_1_needs_tp_invariant(model_dir):
     with pytest.raises(ValueError, match=r"^bik\.vllm: tensor_parallel_size=2 without tp_inv"):
         bik.vllm.LLM(model_dir, tensor_parallel_size=2)
