@@ -38,6 +38,7 @@ static_assert(VECS % GROUP == 0, "a panel is whole groups of vectors");
 // bits, without a panel's round trip through L2 that only one row block would read.
 constexpr int64_t STREAM_ROWS = 16;
 constexpr int64_t K_SLICE = 64;
+static_assert(K_SLICE % 2 == 0, "a slice holds whole bf16 pairs");
 
 // Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
 // per-element arithmetic, R only sets how many rows share one pass over the packed B.
@@ -236,12 +237,16 @@ struct PairKernel {
       }
   }
 
+  // R rows over the K k of the packed B slice `b` (a0: the rows' first k of the slice), into
+  // accumulators that start at 0 (`resume` false) or at the previous slice's sums in `out`.
+  // A slice boundary falls between pairs (K_SLICE is even), so the pairs are the same.
   template <int R>
   static void rows(const bf16* a0, int64_t row_stride, const uint32_t* b, int64_t K,
-                   float out[][PANEL]) {
+                   bool resume, float out[][PANEL]) {
     __m512 acc[R][VECS];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_setzero_ps();
+      for (int v = 0; v < VECS; ++v)
+        acc[r][v] = resume ? _mm512_loadu_ps(out[r] + v * LANES) : _mm512_setzero_ps();
     auto step = [&](int64_t j, auto a_pair) {
       __m512bh bv[VECS];
       for (int v = 0; v < VECS; ++v)
@@ -281,10 +286,9 @@ void matmul_impl(const MatmulArgs& p) {
   const int64_t row_chunks = (p.M + ROW_CHUNK - 1) / ROW_CHUNK;
   const int64_t panels = (p.N + PANEL - 1) / PANEL;
   const int64_t tasks = p.batch * panels * row_chunks;
-  // Decode-shaped calls stream B in slices (FmaKernel only: its accumulators can be resumed).
+  // Decode-shaped calls stream B in slices, their accumulators resumed from slice to slice.
   // (K = 0: one empty slice.)
-  const int64_t slice =
-      !Kernel::reads_a_in_place && p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
+  const int64_t slice = p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
   const bool team = worth_a_team(tasks, p.batch * p.M * p.N * p.K, PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
@@ -310,7 +314,8 @@ void matmul_impl(const MatmulArgs& p) {
         for (int64_t r = 0; r < rows; r += RB) {
           const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
           if constexpr (Kernel::reads_a_in_place)
-            for_rows<Kernel>(n, a + r * p.a_row_stride, p.a_row_stride, b_buf.data(), p.K, out + r);
+            for_rows<Kernel>(n, a + r * p.a_row_stride + k0, p.a_row_stride, b_buf.data(), depth,
+                             k0 > 0, out + r);
           else
             for_rows<Kernel>(n, a_buf.data(), r, p.K, k0, b_buf.data(), depth, out + r);
         }
