@@ -87,12 +87,9 @@ def test_tp1_equals_the_tp_invariant_trainer(model_dir, dtype):
     _assert_equals_trainer(model_dir, dtype, request, result)
 
 
-@pytest.mark.slow  # minutes (2 worker processes); TP 1 and the emulated degrees are the fast cases
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):
-    request = _request(model_dir, dtype, 2)
-    result = vllm_engine.run_engine(
+def _run_tp2(model_dir: str, dtype: str, request: dict, **options) -> dict:
+    """The request's prompts through a TP 2 bik engine in a child process, a core per rank."""
+    return vllm_engine.run_engine(
         "bik",
         model_dir,
         request["prompts"],
@@ -103,8 +100,16 @@ def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):
         sampling=request["sampling"],
         env=vllm_engine.cpu_binding(2),
         timeout=600,
+        **options,
     )
-    _assert_equals_trainer(model_dir, dtype, request, result)
+
+
+@pytest.mark.slow  # minutes (2 worker processes); TP 1 and the emulated degrees are the fast cases
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tp2_equals_the_tp_invariant_trainer(model_dir, dtype):
+    request = _request(model_dir, dtype, 2)
+    _assert_equals_trainer(model_dir, dtype, request, _run_tp2(model_dir, dtype, request))
 
 
 @pytest.fixture(scope="module")
@@ -128,19 +133,7 @@ def test_weights_pushed_into_a_tp2_engine_reach_every_rank(model_dir, other_weig
     # log-probs then equal the trainer's loaded from the pushed weights, bit for bit.
     dtype = "bfloat16"
     request = _request(other_weights, dtype, 2)
-    result = vllm_engine.run_engine(
-        "bik",
-        model_dir,
-        request["prompts"],
-        dtype=dtype,
-        backend="cpu",
-        tp_invariant=True,
-        engine_args=request["engine_args"],
-        sampling=request["sampling"],
-        weights_from=other_weights,
-        env=vllm_engine.cpu_binding(2),
-        timeout=600,
-    )
+    result = _run_tp2(model_dir, dtype, request, weights_from=other_weights)
     _assert_equals_trainer(other_weights, dtype, request, result)
 
 
