@@ -114,7 +114,9 @@ def local_weight(module: nn.Module, name: str = "weight") -> torch.Tensor | None
     t = cast(torch.Tensor | None, getattr(module, name))
     if isinstance(t, DTensor):
         return t.to_local()
-    group = getattr(module, "_bik_tp_sum_grads", None)
+    # Read from the instance's dict: nn.Module's getattr raises (and catches) for an unset
+    # attribute, which costs more per call than the rest of this function.
+    group = module.__dict__.get("_bik_tp_sum_grads")
     return t if group is None or t is None else _SumGradsInRankOrder.apply(t, group)
 
 
