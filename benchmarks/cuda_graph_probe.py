@@ -7,7 +7,10 @@ eagerly and replayed from a CUDA graph, for bik and for torch, and reports the t
 each: the graph replay is the kernels' time without host work. It also checks that the graph
 gives the eager call's bits (a graph replays the same kernels; bik's order must survive it).
 
-    python benchmarks/cuda_graph_probe.py [--layers 24] [--json PATH]
+    python benchmarks/cuda_graph_probe.py [--layers 24] [--json PATH] [--profile]
+
+--profile also prints where the host time of eager bik.linear calls goes (cProfile, the first
+linear case, by time spent in each function itself).
 
 Needs a CUDA device; without one it runs the eager chains on the CPU to check itself.
 """
@@ -15,7 +18,9 @@ Needs a CUDA device; without one it runs the eager chains on the CPU to check it
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -99,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24, help="calls per chain (default 24)")
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--profile", action="store_true", help="profile eager bik.linear calls")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -141,6 +147,8 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     _print_table(rows)
+    if args.profile:
+        _profile_linear(device, dtype)
     if args.json:
         meta = {
             "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
@@ -150,6 +158,21 @@ def main() -> None:
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def _profile_linear(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:
+    _, m, k, n = LINEARS[0]
+    x, w = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
+    bik.linear(x, w)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        bik.linear(x, w)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    print(f"\nhost time of {calls} eager bik.linear calls, M={m} K={k} N={n}:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -126,12 +126,16 @@ def emulate_step(
 def _wrap(model, wrapper, dtype):
     if wrapper == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # The gloo ranks shard on the CPU: without a mesh, fully_shard would move the model to a
+    # GPU wherever one exists.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _init(rank: int, world: int, out_dir: str) -> None:

@@ -12,6 +12,8 @@ from bik.tools import verify
 
 pytest.importorskip("transformers")
 
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
 
 def _left_padded_batch():
     gen = torch.Generator().manual_seed(0)
@@ -41,8 +43,11 @@ def test_compiled_patched_model_equals_eager_bitwise_and_plain_torch_differs():
     torch._dynamo.reset()
     eager = _logits(model, ids, mask)
     assert torch.equal(_logits(torch.compile(model), ids, mask), eager)
-    # and each row compiled alone equals its row in the compiled batch
-    alone = _logits(torch.compile(model), ids[1:2, -4:], mask[1:2, -4:])
+    # and each row compiled alone equals its row in the compiled batch (a recompile with
+    # dynamic shapes, except under torch 2.11, whose inductor emits C++ for that graph that
+    # does not compile on an AVX-512/AMX CPU: "'tmp2' was not declared", in a bounds check)
+    dynamic = None if _TORCH_VERSION >= (2, 12) else False
+    alone = _logits(torch.compile(model, dynamic=dynamic), ids[1:2, -4:], mask[1:2, -4:])
     assert torch.equal(alone[0], eager[1, -4:])
 
 

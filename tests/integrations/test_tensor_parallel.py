@@ -60,7 +60,7 @@ def test_a_column_shard_is_columns_of_the_whole(dtype, m, n_per_rank, k, bias):
 def test_attention_on_a_rank_s_heads_is_those_heads_of_the_whole(dtype):
     """What whole-head attention relies on (GQA 16/8 heads, left padding)."""
     q, k, v = (randn((3, heads, 21, 16), dtype, seed=s) for s, heads in ((1, 16), (2, 8), (3, 8)))
-    kv_start = torch.tensor([0, 5, 17], dtype=torch.int32)
+    kv_start = torch.tensor([0, 5, 17], dtype=torch.int32, device=q.device)
     whole = bik.attention(q, k, v, kv_start=kv_start)
     for degree in (2, 4, 8):
         qs, ks = 16 // degree, 8 // degree
