@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bik.contract import DTYPE_NAMES, check_split_size
+from bik.contract import DTYPE_NAMES, TP_CHUNKS, check_split_size
 from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
 from bik.models import MODELS
 
@@ -280,6 +280,11 @@ class RolloutConfig(_Section):
     # The rollout copy's linear weights rounded to this many mantissa bits after every
     # refresh, as an fp8 rollout serves them (e4m3: 3, e5m2: 2; the exponent is not limited).
     weight_round_bits: int = spec(0, ge=0, le=23)  # 0: off
+    # The vLLM engine's tensor-parallel degree (a worker process per rank, each on its own
+    # core). Above 1 the rollout and the trainer both run bik's TP-invariant order (row-
+    # parallel K in bik.contract.TP_CHUNKS chunks), so TP 2 rollouts equal the one-process
+    # trainer bit for bit.
+    tensor_parallel: int = spec(1, ge=1)
 
     def _validate(self) -> None:
         if self.split_size:
@@ -292,6 +297,18 @@ class RolloutConfig(_Section):
                 ) from None
             if self.kernels != "bik":
                 raise ConfigError("rollout.split_size only applies to rollout.kernels=bik")
+        if self.tensor_parallel > 1:
+            if self.engine != "vllm":
+                raise ConfigError(
+                    f"rollout.tensor_parallel: expected 1 with rollout.engine={self.engine} "
+                    f"(tensor parallelism is the vLLM engine's), got {self.tensor_parallel}"
+                )
+            if TP_CHUNKS % self.tensor_parallel:
+                raise ConfigError(
+                    f"rollout.tensor_parallel: expected a power of two dividing {TP_CHUNKS} "
+                    f"(bik's TP-invariant order cuts K into {TP_CHUNKS} chunks), got "
+                    f"{self.tensor_parallel}"
+                )
         if self.engine == "vllm":
             # The synthetic sources live in the hf sampler's loop; bik's vLLM attention runs
             # the default split; vLLM's top-p keeps another set than LogitsProcessor's (it
@@ -542,12 +559,20 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain values, one object per section (the layout of config.json). A key
-        added after runs were recorded is written only when set (``model.chat_template``),
-        so the config.json of a run without it stays byte for byte what it was."""
+        added after runs were recorded is written only when set (``model.chat_template``,
+        ``rollout.tensor_parallel``), so the config.json of a run without it stays byte for
+        byte what it was."""
         values = dataclasses.asdict(self)
         if not self.model.chat_template:
             del values["model"]["chat_template"]
+        if self.rollout.tensor_parallel == 1:
+            del values["rollout"]["tensor_parallel"]
         return values
+
+    @property
+    def tp_invariant(self) -> bool:
+        """True when both sides run bik's TP-invariant order (a TP-sharded vLLM rollout)."""
+        return self.rollout.tensor_parallel > 1
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:

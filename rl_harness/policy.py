@@ -98,13 +98,18 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
 
 
 def working_copy(
-    master: PreTrainedModel, dtype: str, kernels: str, split_size: int = 0
+    master: PreTrainedModel,
+    dtype: str,
+    kernels: str,
+    split_size: int = 0,
+    tp_invariant: bool = False,
 ) -> PreTrainedModel:
-    """A copy of ``master`` in ``dtype`` running bik's kernels or native torch."""
+    """A copy of ``master`` in ``dtype`` running bik's kernels or native torch (with
+    ``tp_invariant``, bik's TP-invariant order: what a TP-sharded bik rollout runs)."""
     # transformers types PreTrainedModel.to through a decorator that drops its signature
     work = copy.deepcopy(master).to(DTYPE_NAMES[dtype])  # type: ignore[arg-type]
     if kernels == "bik":
-        bik.patch_model(work, split_size=split_size or None)
+        bik.patch_model(work, split_size=split_size or None, tp_invariant=tp_invariant)
     return work
 
 

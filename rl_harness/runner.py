@@ -106,7 +106,10 @@ class Run:
             self.master.load_state_dict(state["master"])
         self.precision = cfg.precision
         self.train_model = policy.working_copy(
-            self.master, self.precision.train_dtype, cfg.train.kernels
+            self.master,
+            self.precision.train_dtype,
+            cfg.train.kernels,
+            tp_invariant=cfg.tp_invariant,
         )
         self.reference = self._reference(state)
         # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
@@ -146,7 +149,10 @@ class Run:
         if not self.cfg.train.kl_coef:
             return None
         reference = policy.working_copy(
-            self.master, self.precision.train_dtype, self.cfg.train.kernels
+            self.master,
+            self.precision.train_dtype,
+            self.cfg.train.kernels,
+            tp_invariant=self.cfg.tp_invariant,
         )
         if state is not None:
             reference.load_state_dict(state["reference"])

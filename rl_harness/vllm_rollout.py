@@ -19,17 +19,25 @@ it afterwards), so a step's samples depend on the run seed, the step and the wei
 resumed run samples what the uninterrupted one did. No per-request seed is passed (vLLM 0.32's
 CPU sampler with per-request generators crashes under chunked prefill).
 
+Tensor parallelism (``rollout.tensor_parallel`` > 1): vLLM's multiprocessing executor runs a
+worker process per rank, each bound to its own core; the engine and the trainer both run bik's
+TP-invariant order (``bik.vllm.LLM(tp_invariant=True)``, ``bik.patch_model(tp_invariant=
+True)``), so a TP 2 rollout's log-probs equal the one-process trainer's. The ranks sample in
+their own processes: each step seeds every worker's generator with the step's seed instead.
+
 bik-in-vLLM is switched on per process (``bik.vllm.enable``); once on, every vLLM engine built
 in the process runs bik's numerics, so a native engine is refused in such a process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +45,7 @@ import torch
 
 import bik
 import bik.vllm
+from bik.tools.vllm_engine import cpu_binding
 
 from .batch import Rollout
 from .errors import ConfigError
@@ -149,25 +158,36 @@ class VllmRollout:
             "gpu_memory_utilization": 0.5,
             "enable_prefix_caching": True,
             "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": cfg.rollout.tensor_parallel,
         }
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
         # the harness (and other code in this process) keeps the real one.
         set_num_threads = torch.set_num_threads
         try:
-            if cfg.rollout.kernels == "bik":
-                self.llm = bik.vllm.LLM(str(self.model_dir), backend=bik.get_backend(), **args)
-            else:
-                self.llm = self.vllm.LLM(str(self.model_dir), enforce_eager=True, **args)
-                if bik.vllm.enabled() is not None:  # a plugin switched it on after the check
-                    raise RuntimeError(
-                        "rollout.kernels=native: bik.vllm was enabled while the native vLLM "
-                        "engine was built; its log-probs would be bik's"
-                    )
+            with _worker_binding(cfg.rollout.tensor_parallel):
+                self.llm = self._engine(args)
         except BaseException:
             self.close()
             raise
         finally:
             torch.set_num_threads = set_num_threads
+
+    def _engine(self, args: dict[str, Any]) -> Any:
+        """The engine: bik's (TP-invariant above TP 1) or vLLM's own."""
+        if self.cfg.rollout.kernels == "bik":
+            return bik.vllm.LLM(
+                str(self.model_dir),
+                backend=bik.get_backend(),
+                tp_invariant=self.cfg.tp_invariant,
+                **args,
+            )
+        llm = self.vllm.LLM(str(self.model_dir), enforce_eager=True, **args)
+        if bik.vllm.enabled() is not None:  # a plugin switched it on after the check
+            raise RuntimeError(
+                "rollout.kernels=native: bik.vllm was enabled while the native vLLM "
+                "engine was built; its log-probs would be bik's"
+            )
+        return llm
 
     def update(self, master: torch.nn.Module) -> None:
         """Push ``master``'s weights into the engine (and drop its prefix cache)."""
@@ -205,6 +225,8 @@ class VllmRollout:
         requests = [self.vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in unique]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            if self.cfg.rollout.tensor_parallel > 1:  # the ranks sample in their processes
+                self.llm.collective_rpc(_seed_worker, args=(seed,))
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses: list[list[int]] = []
         logps: list[list[float]] = []
@@ -228,6 +250,29 @@ class VllmRollout:
             del llm
             gc.collect()
         shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _seed_worker(worker: Any, seed: int) -> None:
+    """Run in each vLLM worker process (``collective_rpc``): seed the global torch generator
+    its sampler draws from. Every rank gets the same seed, so the ranks sample alike."""
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def _worker_binding(tensor_parallel: int) -> Iterator[None]:
+    """While the engine starts: the CPU binding its worker processes need at TP > 1 (a core
+    per rank, ``bik.tools.vllm_engine.cpu_binding``); the environment is restored after."""
+    binding = cpu_binding(tensor_parallel)
+    saved = {key: os.environ.get(key) for key in binding}
+    os.environ.update(binding)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _save(master: PreTrainedModel, path: Path) -> None:

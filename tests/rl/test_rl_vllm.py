@@ -66,6 +66,13 @@ def _no_mismatch(key):
 
 def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
     out, history = bik_run
+    assert_exactly_zero_mismatch_and_trains(history)
+    assert not (out / vllm_rollout.MODEL_DIR).exists()  # removed at the end
+
+
+def assert_exactly_zero_mismatch_and_trains(history):
+    """Every mismatch metric of every step of a 3-step run at its no-mismatch value, every
+    update applied, and the weights pushed into the engine moved."""
     assert [m["step"] for m in history] == [0, 1, 2]
     for m in history:
         mismatch = {k: v for k, v in m.items() if k.startswith("mismatch/")}
@@ -77,7 +84,6 @@ def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
         assert m["update_applied"] == 1 and math.isfinite(m["loss"])
     # Updates moved the weights, and steps 1 and 2 still agree: the pushes reached vLLM.
     assert history[0]["grad_norm"] > 0 and history[1]["grad_norm"] > 0
-    assert not (out / vllm_rollout.MODEL_DIR).exists()  # removed at the end
 
 
 @pytest.mark.slow  # two more engines; test_rl_harness checks resume on the hf engine
@@ -97,11 +103,14 @@ def test_native_engine_refused_where_bik_vllm_is_enabled(tmp_path, cache):
 
 
 def test_native_engine_measures_a_real_mismatch(tmp_path, cache):
+    assert_native_engine_mismatches(tmp_path / "native", cache, [])
+
+
+def assert_native_engine_mismatches(out, cache, sets):
     """vLLM's own kernels: rollout log-probs differ from the trainer's. In a fresh process
     (and without BIK_VLLM, which would switch bik on through vLLM's plugin entry point)."""
     env = {k: v for k, v in os.environ.items() if k != bik.vllm.ENV_VAR}
-    sets = [*VLLM, "rollout.kernels=native", "steps=2"]
-    out = tmp_path / "native"
+    sets = [*VLLM, "rollout.kernels=native", "steps=2", *sets]
     done = subprocess.run(
         [sys.executable, "-m", "rl_harness", "run", "--out", str(out), "--cache-dir", str(cache)]
         + [arg for s in sets for arg in ("--set", s)],
