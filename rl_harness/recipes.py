@@ -141,6 +141,15 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "rollout in vLLM with its own kernels, trainer on bik: the real engine-vs-trainer mismatch",
         {**_VLLM, "rollout.kernels": "native"},
     ),
+    "vllm_tp2_zero_mismatch": (
+        "rollout in vLLM at tensor parallelism 2 with bik's TP-invariant order, trainer in one "
+        "process: every mismatch metric is exactly 0",
+        {**_VLLM, "rollout.tensor_parallel": 2},
+    ),
+    "vllm_tp2_native": (
+        "rollout in vLLM at tensor parallelism 2 with its own kernels, trainer on bik",
+        {**_VLLM, "rollout.tensor_parallel": 2, "rollout.kernels": "native"},
+    ),
     "moe_zero_mismatch": (
         "Qwen3-MoE policy, bik on both sides: every mismatch metric and routing flip is 0",
         _MOE,

@@ -63,7 +63,7 @@ $PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   rm -rf "${OUT:?}/compare_engines"
   $PY -m rl_harness compare $OUT/zero_mismatch $OUT/kernel_swap $OUT/vllm_zero_mismatch \
-    $OUT/vllm_native --out $OUT/compare_engines
+    $OUT/vllm_native $OUT/vllm_tp2_zero_mismatch $OUT/vllm_tp2_native --out $OUT/compare_engines
 fi
 # The anatomy of the mismatch on SmolLM2-135M-Instruct (no training; results/anatomy/, section 10
 # of RESULTS.md): every path from scratch, with the recorded run's lengths (Hugging Face generate
