@@ -7,7 +7,7 @@ tensor without padding. Every query runs the exact per-query reduction order of
 sequence's first key): paged == contiguous == prefill == chunked prefill == decode, bit for
 bit, on every backend.
 
-A backend with a paged kernel (cpu) runs the whole step in one call that reads the keys
+A backend with a paged kernel (cpu, triton) runs the whole step in one call that reads the keys
 through the block table itself. Otherwise, and whenever a graph is recorded or traced (the
 path of bik.attention's autograd and fake kernels), each sequence's keys are gathered into
 contiguous order and handed to bik.attention: decode queries (one new token per sequence) as

@@ -3,7 +3,9 @@
 bf16, head dim 128, GQA 32 query / 8 kv heads: prefill (Tq = Tk = 8192) and decode (Tq = 1,
 Tk = 8192) use only HGMMA (never HMMA) and the same MMA instructions, spill nothing to local
 memory, and their binaries do not change with Tk (8192 vs 8193) nor with the decode's Tq
-(1 vs 3): the bits cannot depend on a length through the compiler's choices. fp32 uses no
+(1 vs 3): the bits cannot depend on a length through the compiler's choices. The paged kernel
+(a packed step over a 16-key-page cache) uses the same MMA instructions and spills nothing,
+its binary the same for 8192 or 8193 tokens and 16 or 5 sequences. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
 nothing either. Checked with the Triton of .venv (3.9) and of `make test-gpu-image` (3.6).
 
@@ -33,6 +35,16 @@ CASES = {  # name: (Tq, Tk, dtype)
 }
 
 
+# A packed step over a paged cache (paged_attention): tokens, sequences, dtype; 16-key pages
+PAGED_CASES = {
+    "paged": (8192, 16, "bfloat16"),
+    "paged_8193": (8193, 16, "bfloat16"),
+    "paged_5_sequences": (8192, 5, "bfloat16"),
+    "fp32_paged": (8192, 16, "float32"),
+}
+PAGE, BLOCKS = 16, 8192
+
+
 def launches(tq, tk, dtype):
     from bik.backends.triton.attention import attention_launches
 
@@ -43,12 +55,33 @@ def launches(tq, tk, dtype):
     return attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256)
 
 
+def paged_launches(tokens, sequences, dtype):
+    """As bik's triton paged_attention launches it: q and out views of packed [T, Hq, D]."""
+    from bik.backends.triton.attention import attention_launches
+
+    dtype = getattr(torch, dtype)
+    q, out = (sm90.meta(tokens, HQ, DIM, dtype=dtype).transpose(0, 1)[None] for _ in "qo")
+    k, v = (sm90.meta(BLOCKS, HKV, PAGE, DIM, dtype=dtype) for _ in "kv")
+    table = sm90.meta(sequences, BLOCKS // sequences, dtype=torch.int32)
+    starts, lens = (
+        sm90.meta(sequences + 1, dtype=torch.int32),
+        sm90.meta(sequences, dtype=torch.int32),
+    )
+    first_keys = sm90.meta(sequences, dtype=torch.int32)
+    return attention_launches(
+        q, k, v, first_keys, out, True, DIM**-0.5, 256, pages=(table, starts, lens)
+    )
+
+
 @pytest.fixture(scope="module")
 def facts():
     """{case: [facts of each launch's binary]}, every case compiled in one go."""
     cases = [(name, launch) for name, shape in CASES.items() for launch in launches(*shape)]
+    cases += [
+        (name, launch) for name, shape in PAGED_CASES.items() for launch in paged_launches(*shape)
+    ]
     binaries = sm90.compile_launches([launch for _, launch in cases])
-    facts = {name: [] for name in CASES}
+    facts = {name: [] for name in [*CASES, *PAGED_CASES]}
     for (name, launch), binary in zip(cases, binaries):
         facts[name].append(
             dict(
@@ -67,8 +100,9 @@ def facts():
 
 def test_paths(facts):
     # Prefill merges its splits in registers (one kernel); decode runs split-parallel plus
-    # the combine.
+    # the combine; a paged step is one in-register launch.
     assert [f["split_parallel"] for f in facts["prefill"]] == [False]
+    assert [f["split_parallel"] for f in facts["paged"]] == [False]
     assert [f["kernel"] for f in facts["decode"]] == ["_attention_kernel", "_combine_kernel"]
     assert facts["decode"][0]["split_parallel"] is True
 
@@ -81,8 +115,13 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
                 assert f["mma"] == [], (case, f)
             elif f["kernel"] == "_attention_kernel":  # the combine does no dot
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
-    assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"]
-    for prefill, decode in [("prefill", "decode"), ("fp32_prefill", "fp32_decode")]:
+    assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"] == facts["paged"][0]["mma"]
+    for prefill, decode in [
+        ("prefill", "decode"),
+        ("fp32_prefill", "fp32_decode"),
+        ("prefill", "paged"),
+        ("fp32_prefill", "fp32_paged"),
+    ]:
         assert facts[prefill][0]["num_warps"] == facts[decode][0]["num_warps"]
 
 
@@ -98,6 +137,8 @@ def test_binaries_do_not_change_with_lengths(facts):
         ("prefill_8193", "prefill"),
         ("decode_8193", "decode"),
         ("decode_tq3", "decode"),
+        ("paged_8193", "paged"),
+        ("paged_5_sequences", "paged"),
     ]:
         for key in ("specialisation", "code"):
             assert [f[key] for f in facts[case]] == [f[key] for f in facts[same_as]], (case, key)

@@ -119,7 +119,7 @@ def test_decode_equals_the_prefill_row(backend):
     assert_bitwise(decode, prefill[-1:], "decode vs prefill")
 
 
-@pytest.fixture(params=["cpu"])
+@pytest.fixture(params=["cpu", "triton"])
 def paged_backend(request):
     """The backends whose paged kernel reads the block table itself (skipped when unbuilt)."""
     try:

@@ -10,7 +10,7 @@ import torch
 from ...contract import KEY_BLOCK, MATMUL_BLOCK_K
 from ..base import Backend
 from ._common import INTERPRET
-from .attention import attention
+from .attention import attention, paged_attention
 from .log_softmax import log_softmax, token_logprobs
 from .matmul import grouped_matmul, matmul
 from .rms_norm import rms_norm
@@ -37,6 +37,7 @@ BACKEND = Backend(
     log_softmax=log_softmax,
     token_logprobs=token_logprobs,
     attention=attention,
+    paged_attention=paged_attention,
     grouped_matmul=grouped_matmul,
     attention_sinks=True,
     extra_device_check=_needs_interpreter_on_cpu,

@@ -170,10 +170,14 @@ def _split_state(
     scale,
     softcap,
     window,
+    pages_ptr,
+    skp,
+    svp,
     CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -185,6 +189,10 @@ def _split_state(
     and the row sum of probabilities is one fixed tree (the dot layout, the same in every
     kernel that calls this). Returns the unnormalised state (max, sum, acc) per row, acc for
     the value dims ``vdims`` only (every chunk of value dims computes the same scores).
+
+    PAGE_SIZE > 0: the keys and values sit in a paged cache; key n is row ``n % PAGE_SIZE`` of
+    page ``pages_ptr[n // PAGE_SIZE]`` (pages ``skp`` / ``svp`` elements apart). Only the
+    addresses change: a block loads the same tile, so the same bits.
     """
     lo = first_key + split * split_size
     hi = tl.minimum(lo + split_size, key_hi)
@@ -203,7 +211,16 @@ def _split_state(
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + offs
         k_mask = (keys[:, None] < Tk) & _in_head(dims, D, BLOCK_D)
-        k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
+        if PAGE_SIZE > 0:
+            page = tl.load(pages_ptr + keys // PAGE_SIZE, mask=keys < Tk, other=0).to(tl.int64)
+            slot = keys % PAGE_SIZE
+            k = tl.load(
+                k_base + (page * skp + slot * skt)[:, None] + dims[None, :] * skd,
+                mask=k_mask,
+                other=0.0,
+            )
+        else:
+            k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
         scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
         scores = scores * scale
         if SOFTCAP:  # transformers' order: divide, tanh, multiply
@@ -220,7 +237,14 @@ def _split_state(
         probs = tl.exp(scores - safe_max[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         v_mask = (keys[:, None] < Tk) & _in_head(vdims, D, BLOCK_D)
-        v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
+        if PAGE_SIZE > 0:
+            v = tl.load(
+                v_base + (page * svp + slot * svt)[:, None] + vdims[None, :] * svd,
+                mask=v_mask,
+                other=0.0,
+            )
+        else:
+            v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
         acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
         row_max = new_max
     return row_max, row_sum, acc
@@ -275,7 +299,7 @@ def _out_ptrs(out_ptr, b, heads, t, cols, sob, soh, sot, sod, UNIT: tl.constexpr
     )
 
 
-@triton.jit(do_not_specialize=_LENGTHS + _STRIDES)
+@triton.jit(do_not_specialize=_LENGTHS + _STRIDES + ["stable"])
 def _attention_kernel(
     q_ptr,
     k_ptr,
@@ -286,6 +310,9 @@ def _attention_kernel(
     ws_acc_ptr,
     ws_max_ptr,
     ws_sum_ptr,
+    block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
     Hkv,
     GROUPS,
     Tq,
@@ -295,6 +322,7 @@ def _attention_kernel(
     scale,
     softcap,
     window,
+    stable,
     sqb,
     sqh,
     sqt,
@@ -319,6 +347,7 @@ def _attention_kernel(
     SPLIT_PARALLEL: tl.constexpr,
     SINKS: tl.constexpr,
     UNIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -328,9 +357,20 @@ def _attention_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
     first_key = tl.load(kv_start_ptr + b)
+    pages_ptr = block_table_ptr
+    if PAGE_SIZE > 0:  # b is a sequence of a packed step: its own lengths, rows and pages
+        first_row = tl.load(query_start_ptr + b)
+        Tq = tl.load(query_start_ptr + b + 1) - first_row
+        Tk = tl.load(seq_lens_ptr + b)
+        pages_ptr = block_table_ptr + b * stable
+        q_ptr += first_row.to(tl.int64) * (sqt * UNIT)
+        out_ptr += first_row.to(tl.int64) * (sot * UNIT)
     t, ok, block_lo, key_hi, split_lo, split_hi = _tile(
         tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
     )
+    if PAGE_SIZE > 0:  # the grid has tiles for the longest query: a tile past this one's
+        # rows visits no split (all its rows are masked; nothing is stored)
+        split_hi = tl.where(tile * BLOCK_M < Tq * GROUPS, split_hi, split_lo)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     heads = kv_head * GROUPS + rows % GROUPS
     pos = Tk - Tq + t  # each row's own key position
@@ -347,6 +387,9 @@ def _attention_kernel(
     )
     k_base = k_ptr + b * (skb * UNIT) + kv_head * (skh * UNIT)
     v_base = v_ptr + b * (svb * UNIT) + kv_head * (svh * UNIT)
+    if PAGE_SIZE > 0:  # skb / svb: the caches' page strides (no batch dim)
+        k_base = k_ptr + kv_head * (skh * UNIT)
+        v_base = v_ptr + kv_head * (svh * UNIT)
     out_mask = ok[:, None] & _in_head(vdims, D, BLOCK_D)
     if SPLIT_PARALLEL:
         # One split per program. A split outside the tile's range is never read: not stored.
@@ -371,10 +414,14 @@ def _attention_kernel(
             scale,
             softcap,
             window,
+            pages_ptr,
+            skb * UNIT,
+            svb * UNIT,
             CAUSAL,
             SOFTCAP,
             WINDOW,
             UPCAST,
+            PAGE_SIZE,
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
@@ -418,10 +465,14 @@ def _attention_kernel(
                 scale,
                 softcap,
                 window,
+                pages_ptr,
+                skb * UNIT,
+                svb * UNIT,
                 CAUSAL,
                 SOFTCAP,
                 WINDOW,
                 UPCAST,
+                PAGE_SIZE,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_D,
@@ -541,17 +592,24 @@ def attention_launches(
     sinks=None,
     *,
     split_parallel=None,
+    pages=None,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
     :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
-    allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90)."""
+    allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90).
+
+    ``pages`` = (block_table, query_start, seq_lens): a packed step over a paged cache (see
+    :func:`paged_attention`); q and out are then ``[1, Hq, T, D]`` views of the packed tokens,
+    k and v the caches ``[num_blocks, Hkv, block_size, D]``, and the in-register path runs."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
     rows = tq * groups
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
     block_m = _block_m(q.dtype)
+    if pages is not None:  # a program per (sequence, kv head); tiles for the longest query
+        batch, split_parallel = pages[2].shape[0], False
     if split_parallel is None:
         split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
@@ -584,6 +642,16 @@ def attention_launches(
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
         for axis, s in zip("bhtd", t.stride()):
             strides[f"s{name}{axis}"] = s if axis == "d" else s // unit
+    paging = dict(block_table_ptr=out, query_start_ptr=out, seq_lens_ptr=out, stable=0)
+    if pages is not None:  # sequences share q and out (no batch stride); skb, svb: page strides
+        table, query_start, seq_lens = pages
+        strides.update(sqb=0, sob=0)
+        paging = dict(
+            block_table_ptr=table,
+            query_start_ptr=query_start,
+            seq_lens_ptr=seq_lens,
+            stable=table.stride(0),
+        )
     if split_parallel:
         f32 = dict(dtype=torch.float32, device=q.device)
         ws_acc = torch.empty(batch * hkv, n_splits, rows, d, **f32)
@@ -609,6 +677,8 @@ def attention_launches(
                 SOFTCAP=softcap is not None,
                 UPCAST=upcast_dot_operands(q.dtype),
                 SPLIT_PARALLEL=split_parallel,
+                PAGE_SIZE=0 if pages is None else tk,
+                **paging,
                 **common,
             ),
             **pinned,
@@ -668,4 +738,44 @@ def attention(
         split_parallel=split_parallel,
     ):
         launch()
+    return out
+
+
+def paged_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    query_start,
+    seq_lens,
+    scale,
+    split_size,
+    softcap=None,
+    window=None,
+    sinks=None,
+):
+    """See bik.ops.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
+    ``query_start`` (int32 ``[S + 1]``) over the caches ``[num_blocks, Hkv, block_size, D]``
+    through ``block_table`` (int32 ``[S, pages]``), ``seq_lens`` (int32 ``[S]``) keys each, in
+    one launch. Every sequence runs :func:`attention`'s tiles, key blocks and splits from its
+    first key, so its rows get the bits of attention over its keys made contiguous."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    block_table, query_start, seq_lens = (aligned(t) for t in (block_table, query_start, seq_lens))
+    first_keys = torch.zeros_like(seq_lens)
+    q, o = (aligned(t).transpose(0, 1).unsqueeze(0) for t in (query, out))
+    (launch,) = attention_launches(
+        q,
+        aligned(key_cache),
+        aligned(value_cache),
+        first_keys,
+        o,
+        True,
+        scale,
+        split_size,
+        softcap,
+        window,
+        None if sinks is None else aligned(sinks),
+        pages=(block_table, query_start, seq_lens),
+    )
+    launch()
     return out
