@@ -5,7 +5,8 @@ Tk = 8192) use only HGMMA (never HMMA) and the same MMA instructions, spill noth
 memory, and their binaries do not change with Tk (8192 vs 8193) nor with the decode's Tq
 (1 vs 3): the bits cannot depend on a length through the compiler's choices. The paged kernel
 (a packed step over a 16-key-page cache) uses the same MMA instructions and spills nothing,
-its binary the same for 8192 or 8193 tokens and 16 or 5 sequences. fp32 uses no
+its binary the same for 8192 or 8193 tokens and 16 or 5 sequences; a paged decode step runs
+split-parallel with decode's instructions. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
 nothing either. Checked with the Triton of .venv (3.9) and of `make test-gpu-image` (3.6).
 
@@ -41,6 +42,8 @@ PAGED_CASES = {
     "paged_8193": (8193, 16, "bfloat16"),
     "paged_5_sequences": (8192, 5, "bfloat16"),
     "fp32_paged": (8192, 16, "float32"),
+    "paged_decode": (16, 16, "bfloat16"),  # one token per sequence: split-parallel
+    "fp32_paged_decode": (16, 16, "float32"),
 }
 PAGE, BLOCKS = 16, 8192
 
@@ -60,7 +63,13 @@ def paged_launches(tokens, sequences, dtype):
     from bik.backends.triton.attention import attention_launches
 
     dtype = getattr(torch, dtype)
-    q, out = (sm90.meta(tokens, HQ, DIM, dtype=dtype).transpose(0, 1)[None] for _ in "qo")
+    decode = tokens == sequences
+    q, out = (
+        sm90.meta(tokens, HQ, DIM, dtype=dtype).unsqueeze(2)
+        if decode
+        else sm90.meta(tokens, HQ, DIM, dtype=dtype).transpose(0, 1)[None]
+        for _ in "qo"
+    )
     k, v = (sm90.meta(BLOCKS, HKV, PAGE, DIM, dtype=dtype) for _ in "kv")
     table = sm90.meta(sequences, BLOCKS // sequences, dtype=torch.int32)
     starts, lens = (
@@ -69,7 +78,15 @@ def paged_launches(tokens, sequences, dtype):
     )
     first_keys = sm90.meta(sequences, dtype=torch.int32)
     return attention_launches(
-        q, k, v, first_keys, out, True, DIM**-0.5, 256, pages=(table, starts, lens)
+        q,
+        k,
+        v,
+        first_keys,
+        out,
+        True,
+        DIM**-0.5,
+        256,
+        pages=(table, None if decode else starts, lens),
     )
 
 
@@ -103,6 +120,8 @@ def test_paths(facts):
     # the combine; a paged step is one in-register launch.
     assert [f["split_parallel"] for f in facts["prefill"]] == [False]
     assert [f["split_parallel"] for f in facts["paged"]] == [False]
+    assert [f["kernel"] for f in facts["paged_decode"]] == ["_attention_kernel", "_combine_kernel"]
+    assert facts["paged_decode"][0]["split_parallel"] is True
     assert [f["kernel"] for f in facts["decode"]] == ["_attention_kernel", "_combine_kernel"]
     assert facts["decode"][0]["split_parallel"] is True
 
@@ -116,6 +135,7 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
             elif f["kernel"] == "_attention_kernel":  # the combine does no dot
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
     assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"] == facts["paged"][0]["mma"]
+    assert facts["paged_decode"][0]["mma"] == facts["decode"][0]["mma"]
     for prefill, decode in [
         ("prefill", "decode"),
         ("fp32_prefill", "fp32_decode"),

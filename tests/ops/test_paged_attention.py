@@ -2,6 +2,8 @@
 sequence, whatever the page order, the mix of prefill, chunked-prefill and decode rows in the
 step, and the other sequences in the batch."""
 
+import importlib
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -180,12 +182,41 @@ def test_paged_kernel_equals_the_gathered_path(
     if strided:  # a [T, H, D] slice of a fused qkv output; caches in vLLM's layout
         fused = torch.cat((query, torch.zeros_like(query)), dim=1)
         query, kc, vc = fused[:, : query.shape[1]], vllm_cache(kc), vllm_cache(vc)
-    sinks = torch.linspace(-1, 1, hkv * groups) if seed % 2 else None
+    sinks = torch.linspace(-1, 1, hkv * groups, device=query.device) if seed % 2 else None
     options = dict(scale=0.3, split_size=split_size, softcap=softcap, window=window)
     out = paged_attention(query, kc, vc, table, starts, seq_lens, **options, sinks=sinks)
     checked = dict(options, split_size=split_size or bik.contract.DEFAULT_SPLIT_SIZE)
     gathered = paged_module._gathered(query, kc, vc, table, starts, seq_lens, checked, sinks)
     assert_bitwise(out, gathered, f"{seq_lens=} {query_lens=}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_step_over_several_splits_equals_contiguous_attention(
+    paged_backend, dtype, monkeypatch
+):
+    # One token per sequence: the triton kernel runs it as a batch of one-token queries on
+    # its split-parallel path (checked below), whose bits must be the in-register path's.
+    seq_lens = [70, 150, 33, 1]
+    keys, values, queries, kc, vc, table, starts = make_step(
+        seq_lens, [1] * 4, 2, 2, 16, 16, dtype, 3
+    )
+    launches = []
+    if paged_backend == "triton":
+        triton_attention = importlib.import_module("bik.backends.triton.attention")
+        plan = triton_attention.attention_launches
+        monkeypatch.setattr(
+            triton_attention,
+            "attention_launches",
+            lambda *a, **k: launches.extend(plan(*a, **k)) or launches,
+        )
+    out = paged_attention(
+        torch.cat(queries), kc, vc, table, starts, seq_lens, scale=0.3, split_size=32
+    )
+    for i in range(len(seq_lens)):
+        expected = contiguous_attention(queries[i], keys[i], values[i], 0.3, split_size=32)
+        assert_bitwise(out[i : i + 1], expected, f"sequence {i}")
+    if paged_backend == "triton":
+        assert [launch.args["SPLIT_PARALLEL"] for launch in launches[:1]] == [True]
 
 
 def test_paged_kernel_is_one_call(paged_backend, monkeypatch):

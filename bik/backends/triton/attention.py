@@ -348,6 +348,7 @@ def _attention_kernel(
     SINKS: tl.constexpr,
     UNIT: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -358,18 +359,19 @@ def _attention_kernel(
     b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
     first_key = tl.load(kv_start_ptr + b)
     pages_ptr = block_table_ptr
-    if PAGE_SIZE > 0:  # b is a sequence of a packed step: its own lengths, rows and pages
-        first_row = tl.load(query_start_ptr + b)
-        Tq = tl.load(query_start_ptr + b + 1) - first_row
+    if PAGE_SIZE > 0:  # b is a sequence of a paged step: its own key count and pages
         Tk = tl.load(seq_lens_ptr + b)
         pages_ptr = block_table_ptr + b * stable
+    if VARLEN:  # ... and its own rows of the packed queries
+        first_row = tl.load(query_start_ptr + b)
+        Tq = tl.load(query_start_ptr + b + 1) - first_row
         q_ptr += first_row.to(tl.int64) * (sqt * UNIT)
         out_ptr += first_row.to(tl.int64) * (sot * UNIT)
     t, ok, block_lo, key_hi, split_lo, split_hi = _tile(
         tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
     )
-    if PAGE_SIZE > 0:  # the grid has tiles for the longest query: a tile past this one's
-        # rows visits no split (all its rows are masked; nothing is stored)
+    if VARLEN:  # the grid has tiles for the longest query: a tile past this sequence's rows
+        # visits no split (all its rows are masked; nothing is stored)
         split_hi = tl.where(tile * BLOCK_M < Tq * GROUPS, split_hi, split_lo)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     heads = kv_head * GROUPS + rows % GROUPS
@@ -493,6 +495,7 @@ def _combine_kernel(
     ws_max_ptr,
     ws_sum_ptr,
     kv_start_ptr,
+    seq_lens_ptr,
     out_ptr,
     sinks_ptr,
     Hkv,
@@ -511,6 +514,7 @@ def _combine_kernel(
     WINDOW: tl.constexpr,
     SINKS: tl.constexpr,
     UNIT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -519,6 +523,8 @@ def _combine_kernel(
     tile = tl.program_id(0)
     b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
     first_key = tl.load(kv_start_ptr + b)
+    if PAGE_SIZE > 0:  # a sequence of a paged step: its own key count
+        Tk = tl.load(seq_lens_ptr + b)
     t, ok, _, _, split_lo, split_hi = _tile(
         tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
     )
@@ -599,17 +605,22 @@ def attention_launches(
     :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
     allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90).
 
-    ``pages`` = (block_table, query_start, seq_lens): a packed step over a paged cache (see
-    :func:`paged_attention`); q and out are then ``[1, Hq, T, D]`` views of the packed tokens,
-    k and v the caches ``[num_blocks, Hkv, block_size, D]``, and the in-register path runs."""
+    ``pages`` = (block_table, query_start, seq_lens): a step over a paged cache (see
+    :func:`paged_attention`): k and v are the caches ``[num_blocks, Hkv, block_size, D]``;
+    q and out are ``[S, Hq, 1, D]`` views of a decode step's tokens (``query_start`` None),
+    or ``[1, Hq, T, D]`` views of a packed step's (a program per sequence and kv head, tiles
+    for the longest query possible, the in-register path)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
     rows = tq * groups
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
     block_m = _block_m(q.dtype)
-    if pages is not None:  # a program per (sequence, kv head); tiles for the longest query
-        batch, split_parallel = pages[2].shape[0], False
+    if pages is not None:
+        table, query_start, seq_lens = pages
+        n_splits = triton.cdiv(table.shape[1] * tk, split_size)  # the longest sequence's
+        if query_start is not None:
+            batch, split_parallel = seq_lens.shape[0], False
     if split_parallel is None:
         split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
@@ -620,6 +631,7 @@ def attention_launches(
     common = dict(
         kv_start_ptr=kv_start,
         out_ptr=out,
+        PAGE_SIZE=0 if pages is None else tk,
         Hkv=hkv,
         GROUPS=groups,
         Tq=tq,
@@ -642,16 +654,16 @@ def attention_launches(
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
         for axis, s in zip("bhtd", t.stride()):
             strides[f"s{name}{axis}"] = s if axis == "d" else s // unit
-    paging = dict(block_table_ptr=out, query_start_ptr=out, seq_lens_ptr=out, stable=0)
-    if pages is not None:  # sequences share q and out (no batch stride); skb, svb: page strides
-        table, query_start, seq_lens = pages
-        strides.update(sqb=0, sob=0)
-        paging = dict(
-            block_table_ptr=table,
-            query_start_ptr=query_start,
-            seq_lens_ptr=seq_lens,
-            stable=table.stride(0),
-        )
+    # (unused pointers point at the output)
+    paging = dict(block_table_ptr=out, query_start_ptr=out, stable=0, VARLEN=False)
+    seq_lens_ptr = out
+    if pages is not None:  # skb, svb: the caches' page strides
+        seq_lens_ptr = seq_lens
+        paging = dict(block_table_ptr=table, query_start_ptr=out, stable=table.stride(0))
+        paging.update(VARLEN=query_start is not None)
+        if query_start is not None:  # the sequences share q and out: no batch stride
+            strides.update(sqb=0, sob=0)
+            paging.update(query_start_ptr=query_start)
     if split_parallel:
         f32 = dict(dtype=torch.float32, device=q.device)
         ws_acc = torch.empty(batch * hkv, n_splits, rows, d, **f32)
@@ -677,7 +689,7 @@ def attention_launches(
                 SOFTCAP=softcap is not None,
                 UPCAST=upcast_dot_operands(q.dtype),
                 SPLIT_PARALLEL=split_parallel,
-                PAGE_SIZE=0 if pages is None else tk,
+                seq_lens_ptr=seq_lens_ptr,
                 **paging,
                 **common,
             ),
@@ -693,6 +705,7 @@ def attention_launches(
                     ws_acc_ptr=ws_acc,
                     ws_max_ptr=ws_max,
                     ws_sum_ptr=ws_sum,
+                    seq_lens_ptr=seq_lens_ptr,
                     **{f"so{axis}": strides[f"so{axis}"] for axis in "bhtd"},
                     **common,
                 ),
@@ -756,18 +769,26 @@ def paged_attention(
 ):
     """See bik.ops.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
     ``query_start`` (int32 ``[S + 1]``) over the caches ``[num_blocks, Hkv, block_size, D]``
-    through ``block_table`` (int32 ``[S, pages]``), ``seq_lens`` (int32 ``[S]``) keys each, in
-    one launch. Every sequence runs :func:`attention`'s tiles, key blocks and splits from its
-    first key, so its rows get the bits of attention over its keys made contiguous."""
+    through ``block_table`` (int32 ``[S, pages]``), ``seq_lens`` (int32 ``[S]``) keys each.
+    Every sequence runs :func:`attention`'s tiles, key blocks and splits from its first key,
+    so its rows get the bits of attention over its keys made contiguous. A decode step (one
+    token per sequence, T == S: known from the shapes, no host sync) runs as a batch of S
+    one-token queries and may take the split-parallel path; any other step is one launch of
+    the in-register path over the packed queries."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    block_table, query_start, seq_lens = (aligned(t) for t in (block_table, query_start, seq_lens))
-    first_keys = torch.zeros_like(seq_lens)
-    q, o = (aligned(t).transpose(0, 1).unsqueeze(0) for t in (query, out))
-    (launch,) = attention_launches(
+    block_table, seq_lens = aligned(block_table), aligned(seq_lens)
+    if query.shape[0] == seq_lens.shape[0]:  # [S, Hq, 1, D]
+        starts, (q, o) = None, (aligned(t).unsqueeze(2) for t in (query, out))
+    else:  # [1, Hq, T, D]
+        starts, (q, o) = (
+            aligned(query_start),
+            (aligned(t).transpose(0, 1)[None] for t in (query, out)),
+        )
+    for launch in attention_launches(
         q,
         aligned(key_cache),
         aligned(value_cache),
-        first_keys,
+        torch.zeros_like(seq_lens),  # every sequence's keys start at 0
         o,
         True,
         scale,
@@ -775,7 +796,7 @@ def paged_attention(
         softcap,
         window,
         None if sinks is None else aligned(sinks),
-        pages=(block_table, query_start, seq_lens),
-    )
-    launch()
+        pages=(block_table, starts, seq_lens),
+    ):
+        launch()
     return out
