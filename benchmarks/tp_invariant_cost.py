@@ -2,7 +2,9 @@
 
 1. Kernels: a row-parallel linear (SmolLM2-135M's o_proj, 576 -> 576, and down_proj,
    1536 -> 576) in bik's default order (``bik.linear``, one chain over K) against the
-   TP-invariant order (``bik.distributed.chunked_linear``, TP_CHUNKS chunks and a tree).
+   TP-invariant order (``bik.distributed.chunked_linear``, TP_CHUNKS chunks and a tree: one
+   call of the cpu backend's chunked kernel), and that order as one bik.linear per chunk
+   (``per_chunk_partial``, what backends without the kernel run; fp32 partial, no rounding).
 2. The trainer: one forward of a random-init Qwen3 (hidden 512, 4 layers) patched with
    ``bik.patch_model`` against the same model patched with ``tp_invariant=True``.
 3. vLLM (``--vllm``): generated tokens/s of vLLM with bik (``tp_invariant=True``) against
@@ -32,7 +34,7 @@ import torch
 
 import bik
 from bik.contract import TP_CHUNKS
-from bik.distributed import chunked_linear
+from bik.distributed import chunked_linear, per_chunk_partial
 from bik.tools import vllm_engine
 from bik.tools.bench.cases import qwen3_config
 from bik.tools.bench.machine import device_name
@@ -65,10 +67,16 @@ def kernel_rows(reps: int) -> list[dict]:
             weight = torch.randn(n, k, generator=gen).to(dtype)
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen).to(dtype)
-                default, chunked = alternate(
-                    [partial(bik.linear, x, weight), partial(chunked_linear, x, weight)], reps
+                default, chunked, per_chunk = alternate(
+                    [
+                        partial(bik.linear, x, weight),
+                        partial(chunked_linear, x, weight),
+                        partial(per_chunk_partial, x, weight, TP_CHUNKS),
+                    ],
+                    reps,
                 )
-                rows.append(_row("linear", f"{name}, {m} rows", dtype, default, chunked))
+                row = _row("linear", f"{name}, {m} rows", dtype, default, chunked)
+                rows.append(dict(row, per_chunk_ms=per_chunk))
     return rows
 
 
@@ -222,13 +230,15 @@ def markdown(result: dict) -> str:
         f"TP_CHUNKS = {TP_CHUNKS}; load average before/after: {result['load'][0]} / "
         f"{result['load'][1]}",
         "",
-        "| what | shape | dtype | default order ms | TP-invariant ms | cost |",
-        "|---|---|---|---:|---:|---:|",
+        "| what | shape | dtype | default order ms | TP-invariant ms | cost "
+        "| TP-invariant as per-chunk calls ms |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        per_chunk = f"{r['per_chunk_ms']:.3f}" if "per_chunk_ms" in r else "-"
         lines.append(
             f"| {r['what']} | {r['shape']} | {r['dtype']} | {r['default_ms']:.3f} "
-            f"| {r['tp_invariant_ms']:.3f} | {r['cost']:.2f}x |"
+            f"| {r['tp_invariant_ms']:.3f} | {r['cost']:.2f}x | {per_chunk} |"
         )
     if result["vllm"]:
         lines += [

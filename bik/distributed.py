@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _checks
+from . import _checks, backends
 from .contract import TP_CHUNKS
+from .ops import _needs_custom_op
 from .ops.matmul import linear
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use
@@ -129,7 +130,21 @@ def _check_ranks_agree(
 
 def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
     """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``: one
-    rank's subtree (``chunks`` = C / T, a power of two dividing K; not checked here)."""
+    rank's subtree (``chunks`` = C / T, a power of two dividing K; not checked here).
+
+    A backend with a chunked kernel (cpu) computes it in one call, reading x and the weight in
+    their dtype; otherwise, and whenever a graph is recorded (autograd, tracing), each chunk is
+    a bik.linear of the fp32 casts, tree-summed here: the same bits."""
+    kernel = backends.resolve(x.device, "matmul").chunked_matmul
+    if kernel is not None and x.dtype == weight.dtype and not _needs_custom_op((x, weight)):
+        out = kernel(x.reshape(-1, x.shape[-1]), weight.t(), chunks)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    return per_chunk_partial(x, weight, chunks)
+
+
+def per_chunk_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
+    """:func:`rank_partial` as one bik.linear per chunk on the fp32 casts, tree-summed here:
+    differentiable, and the path of backends without a chunked kernel."""
     step = x.shape[-1] // chunks
     x32, w32 = x.float(), weight.float()  # exact casts: the order is the fp32 kernel's
     parts = [

@@ -26,6 +26,11 @@ keys into contiguous order and runs attention):
       -> [T, Hq, D]: each query row in attention's order over its sequence's keys, read
       through the block table (docs/vllm.md, "Paged attention")
 
+Optional accelerator of the TP-invariant order (None: rank_partial runs matmul per chunk):
+  chunked_matmul(a [M, K], b [K, N] (any strides), chunks) -> fp32 [M, N]: K in ``chunks``
+      equal chunks, each one fp32 fma chain per output from zero on the exact fp32 values
+      (whatever the dtype), the chunk partials summed by the balanced pairwise tree
+
 Optional accelerator of matmul (None: grouped_linear runs matmul once per group instead):
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
@@ -59,6 +64,8 @@ class Backend:
     """Attention that reads a paged KV cache through its block table (bik.ops.paged_attention)."""
     grouped_matmul: Kernel | None = None
     """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
+    chunked_matmul: Kernel | None = None
+    """The TP-invariant chunked order in one call (bik.distributed.rank_partial)."""
     attention_sinks: bool = False
     """Its attention takes ``sinks`` (one learned logit per query head, gpt-oss)."""
     invariant: bool = True

@@ -26,4 +26,5 @@ BACKEND = native_backend(
     ),
     attention_sinks=True,
     paged_attention=True,
+    chunked_matmul=True,
 )

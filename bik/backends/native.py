@@ -57,6 +57,25 @@ class _NativeKernels:
         )
         return out
 
+    def chunked_matmul(self, a, b, chunks):
+        """fp32 ``a [M, K] @ b [K, N]`` in the TP-invariant chunked order (cpu only)."""
+        a = _inner_contiguous(a)
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        (m, k), n = a.shape, b.shape[1]
+        self.lib.chunked_matmul(
+            DTYPE_CODES[a.dtype],
+            a.data_ptr(),
+            b.data_ptr(),
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            a.stride(0),
+            *b.stride(),
+            chunks,
+        )
+        return out
+
     def rms_norm(self, x, weight, eps):
         x, weight = _inner_contiguous(x), weight.contiguous()
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -204,10 +223,12 @@ def native_backend(
     attention_scratch: Callable | None = None,
     attention_sinks: bool = False,
     paged_attention: bool = False,
+    chunked_matmul: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
     ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
-    sinks pointer after ``window``); ``paged_attention``: ``lib`` has the paged kernel."""
+    sinks pointer after ``window``); ``paged_attention``, ``chunked_matmul``: ``lib`` has that
+    kernel."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name=name,
@@ -220,4 +241,5 @@ def native_backend(
         attention=kernels.attention,
         attention_sinks=attention_sinks,
         paged_attention=kernels.paged_attention if paged_attention else None,
+        chunked_matmul=kernels.chunked_matmul if chunked_matmul else None,
     )

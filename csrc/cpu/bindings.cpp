@@ -21,6 +21,14 @@ void matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t bias, uintptr_t c, in
                                 b_batch_stride, b_k_stride, b_n_stride});
 }
 
+void chunked_matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t c, int64_t M, int64_t N,
+                    int64_t K, int64_t a_row_stride, int64_t b_k_stride, int64_t b_n_stride,
+                    int64_t chunks) {
+  bik::chunked_matmul(dtype, MatmulArgs{a, b, 0, c, 1, M, N, K, 0, a_row_stride, 0, b_k_stride,
+                                        b_n_stride},
+                      chunks);
+}
+
 void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,
                std::array<int64_t, 7> sizes, std::array<int64_t, 3> q_strides,
                std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, float scale,
@@ -51,6 +59,9 @@ PYBIND11_MODULE(_cpu, m) {
   bik::export_contract(m);
   auto release = py::call_guard<py::gil_scoped_release>();
   m.def("matmul", &matmul, release);
+  m.def("chunked_matmul", &chunked_matmul, release,
+        "fp32 C [M, N] = A [M, K] . B [K, N] in K chunks (a power of two dividing K), each in "
+        "the fma order on fp32 values, summed by the balanced tree (bik.distributed)");
   m.def("rms_norm", &bik::rms_norm, release);
   m.def("log_softmax", &bik::log_softmax, release);
   m.def("token_logprobs", &bik::token_logprobs, release);

@@ -8,6 +8,8 @@
 namespace bik {
 
 void matmul(int dtype, const MatmulArgs& args);
+// C (fp32) = the TP-invariant chunked order of A . B (batch 1, no bias); see matmul.cpp
+void chunked_matmul(int dtype, const MatmulArgs& args, int64_t chunks);
 void rms_norm(int dtype, int w_dtype, uintptr_t x, uintptr_t w, uintptr_t y, int64_t rows,
               int64_t D, int64_t x_row_stride, float eps);
 void log_softmax(int dtype, int out_dtype, uintptr_t x, uintptr_t y, int64_t rows, int64_t V,

@@ -331,10 +331,78 @@ void matmul_impl(const MatmulArgs& p) {
   }
 }
 
+// The TP-invariant order (bik.distributed.rank_partial) in one call: K cut into `chunks`
+// equal chunks, each reduced from zero in the fma kernel's order on the exact fp32 values of
+// A and B (its chain of one fma per k, whatever the dtype: no pair instruction), the chunk
+// partials summed by the balanced pairwise tree -- ((p0 + p1) + (p2 + p3)) + ... -- and
+// written in fp32 (no bias, no rounding: the caller adds across ranks). A stack of partials
+// builds the tree as the chunks finish: a finished partial merges with the top of the stack
+// while both cover as many chunks (the left operand is the earlier chunks', as in the tree).
+// `chunks` is a power of two dividing K (checked by the caller); batch must be 1.
+template <typename T>
+void chunked_matmul_impl(const MatmulArgs& p, int64_t chunks) {
+  using Kernel = FmaKernel<T>;
+  const T* A = reinterpret_cast<const T*>(p.a);
+  const T* B = reinterpret_cast<const T*>(p.b);
+  float* C = reinterpret_cast<float*>(p.c);
+  const int64_t chunk_k = p.K / chunks;
+  const int64_t row_chunks = (p.M + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t panels = (p.N + PANEL - 1) / PANEL;
+  const int64_t tasks = panels * row_chunks;
+  int levels = 1;  // stack depth: log2(chunks) + 1
+  while ((int64_t{1} << (levels - 1)) < chunks) ++levels;
+  const bool team = worth_a_team(tasks, p.M * p.N * p.K, PARALLEL_FMAS);
+#pragma omp parallel if (team)
+  {
+    std::vector<float> a_buf(ROW_CHUNK * p.K);
+    std::vector<float> b_buf(PANEL * chunk_k);
+    std::vector<float> stack(static_cast<size_t>(levels) * ROW_CHUNK * PANEL);
+    std::vector<int64_t> covers(levels);  // chunks summed into each stack entry
+    float out[ROW_CHUNK][PANEL];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t panel = t / row_chunks, chunk = t % row_chunks;
+      const int64_t row0 = chunk * ROW_CHUNK, rows = std::min(ROW_CHUNK, p.M - row0);
+      const int64_t col0 = panel * PANEL, cols = std::min(PANEL, p.N - col0);
+      const T* a = A + row0 * p.a_row_stride;
+      const T* b = B + col0 * p.b_n_stride;
+      Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
+      int top = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * chunk_k;
+        Kernel::pack_b(b + k0 * p.b_k_stride, p.b_k_stride, p.b_n_stride, cols, chunk_k,
+                       b_buf.data());
+        // A's packed blocks start at this chunk's k; k0 = 0 for rows(): start from zero
+        for (int64_t r = 0; r < rows; r += RB) {
+          const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
+          for_rows<Kernel>(n, a_buf.data() + k0 * RB, r, p.K, 0, b_buf.data(), chunk_k, out + r);
+        }
+        float* entry = stack.data() + static_cast<size_t>(top) * ROW_CHUNK * PANEL;
+        std::copy(&out[0][0], &out[0][0] + rows * PANEL, entry);
+        covers[top++] = 1;
+        while (top > 1 && covers[top - 2] == covers[top - 1]) {  // merge: left + right
+          float* left = stack.data() + static_cast<size_t>(top - 2) * ROW_CHUNK * PANEL;
+          const float* right = left + ROW_CHUNK * PANEL;
+          for (int64_t i = 0; i < rows * PANEL; ++i) left[i] = left[i] + right[i];
+          covers[top - 2] *= 2;
+          --top;
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        std::copy(stack.data() + i * PANEL, stack.data() + i * PANEL + cols,
+                  C + (row0 + i) * p.N + col0);
+    }
+  }
+}
+
 }  // namespace
 
 void matmul(int dtype, const MatmulArgs& args) {
   dispatch_dtype<CpuTypes>(dtype, [&](auto type) { matmul_impl<decltype(type)>(args); });
+}
+
+void chunked_matmul(int dtype, const MatmulArgs& args, int64_t chunks) {
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { chunked_matmul_impl<decltype(type)>(args, chunks); });
 }
 
 }  // namespace bik

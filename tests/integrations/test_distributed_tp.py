@@ -18,8 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bik
+from bik import backends
 from bik.contract import TP_CHUNKS
-from bik.distributed import chunked_linear, row_parallel_linear
+from bik.distributed import chunked_linear, rank_partial, row_parallel_linear
 from bik.families import FAMILIES, ROW_PARALLEL_NAMES
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -60,6 +61,50 @@ def test_every_tp_degree_gives_the_contract_order(dtype, m, n, k_per_chunk, bias
         got = _tp_emulation(x, weight, b, chunks=TP_CHUNKS, degree=degree)
         assert_bitwise(got, expected, f"TP degree {degree}")
     assert_bitwise(chunked_linear(x[-1:], weight, b), expected[-1:], "row alone")
+
+
+def _per_chunk(x, weight, chunks):
+    """rank_partial's definition: a bik.linear of the fp32 casts per chunk, tree-summed."""
+    step = x.shape[-1] // chunks
+    parts = [
+        bik.linear(
+            x[:, i * step : (i + 1) * step].float(), weight[:, i * step : (i + 1) * step].float()
+        )
+        for i in range(chunks)
+    ]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    m=st.integers(1, 110),
+    n=st.integers(1, 140),
+    chunks=st.sampled_from([1, 2, 4, 8]),
+    k_per_chunk=st.integers(1, 40),
+    strided=st.booleans(),
+)
+def test_the_one_call_chunked_kernel_is_the_per_chunk_order(
+    dtype, m, n, chunks, k_per_chunk, strided
+):
+    """The cpu backend's chunked kernel (one call, inputs read in their dtype) against the
+    per-chunk bik.linear calls it replaces: random shapes cross the row blocks (6), the row
+    chunk (96), the 64-column panels and the 16-deep packing tiles; x may be a strided view."""
+    k = chunks * k_per_chunk
+    x, weight = randn((m, 2 * k if strided else k), dtype, seed=1), randn((n, k), dtype, seed=2)
+    x = x[:, ::2] if strided else x
+    if backends.resolve(x.device).chunked_matmul is None:
+        pytest.skip(f"the {backends.resolve(x.device).name} backend has no chunked kernel")
+    assert_bitwise(rank_partial(x, weight, chunks), _per_chunk(x, weight, chunks))
+
+
+def test_under_autograd_rank_partial_runs_per_chunk_with_the_same_bits():
+    x, weight = randn((5, 64), torch.bfloat16, seed=1), randn((24, 64), torch.bfloat16, seed=2)
+    inference = rank_partial(x, weight, TP_CHUNKS)
+    recorded = rank_partial(x.clone().requires_grad_(), weight, TP_CHUNKS)
+    assert recorded.requires_grad
+    assert_bitwise(recorded.detach(), inference)
 
 
 def test_plain_tensor_parallel_order_depends_on_the_degree():
