@@ -44,7 +44,14 @@ def table() -> str:
     """The op x backend matrix (x: implemented), then each backend's order and status."""
     names = [name for name in backends.available_backends() if name != "auto"]
     loaded = {name: _status(name) for name in names}
-    rows = (*OPS, "attention sinks")
+    # capabilities beyond the ops: the Backend field each row reads
+    extras = {
+        "attention sinks": "attention_sinks",
+        "paged attention": "paged_attention",
+        "grouped matmul": "grouped_matmul",
+        "chunked matmul": "chunked_matmul",
+    }
+    rows = (*OPS, *extras)
     width = max(len(row) for row in rows)
     lines = [" " * width + "  " + "  ".join(names)]
     for op in rows:
@@ -53,13 +60,17 @@ def table() -> str:
             backend = loaded[name][0]
             if backend is None:
                 mark = "?"
-            elif op == "attention sinks":
-                mark = "x" if backend.attention_sinks else "-"
+            elif op in extras:
+                mark = "x" if getattr(backend, extras[op]) else "-"
             else:
                 mark = "x" if backend.implements(op) else "-"
             cells.append(mark.center(len(name)))
         lines.append(op.ljust(width) + "  " + "  ".join(cells))
-    lines.append("(x: implemented, -: not, ?: the backend cannot load here)\n")
+    lines.append(
+        "(x: implemented, -: not, ?: the backend cannot load here; without a paged attention, "
+        "grouped matmul or chunked matmul kernel bik composes the op from the others, with "
+        "the same bits)\n"
+    )
     for name in names:
         backend, status = loaded[name]
         invariant = "" if backend is None or backend.invariant else " [NOT batch-invariant]"

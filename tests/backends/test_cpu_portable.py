@@ -66,7 +66,12 @@ def backends(tmp_path_factory):
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
     return native, native_backend(
-        "cpu-portable", "cpu", lib, order=load("cpu").order, attention_sinks=True
+        "cpu-portable",
+        "cpu",
+        lib,
+        order=load("cpu").order,
+        attention_sinks=True,
+        chunked_matmul=True,
     )
 
 
@@ -86,6 +91,21 @@ def test_matmul_matches_the_portable_build(backends, dtype):
         assert_close_to_reference(native.matmul(a, b, bias), reference, dtype, "native")
     else:
         assert_bitwise(native.matmul(a, b, bias), portable.matmul(a, b, bias), "matmul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_matmul_matches_the_portable_build(backends, dtype):
+    # The TP-invariant order is the fma chain on widened values for every dtype (no pair
+    # instruction), so even bf16 matches: row and column tails, chunks of 20 k (a 16-deep
+    # packing tile and a tail), a strided A.
+    native, portable = backends
+    a, w = randn((13, 320), dtype, 7)[:, ::2], randn((70, 160), dtype, 8)
+    for chunks in (1, 2, 8):
+        assert_bitwise(
+            native.chunked_matmul(a, w.t(), chunks),
+            portable.chunked_matmul(a, w.t(), chunks),
+            f"chunked_matmul, {chunks} chunks",
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
