@@ -91,3 +91,43 @@ def test_bad_device_values_stop_the_program_without_host_syncs():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0
     assert "tokens: expected values in [0, 4]" in done.stderr or "device-side assert" in done.stderr
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_decode_step_replayed_from_a_cuda_graph_gives_the_eager_bits():
+    # CUDA graphs remove the host work that dominates bik's decode-shaped calls
+    # (benchmarks/cuda_graph_probe.py); a replay must run the same kernels on the same data.
+    # Split-parallel attention allocates its workspace inside the capture (the graph's pool).
+    # (paged_attention is not here: it takes Python lists and copies them to the device on
+    # every call, which a capture refuses.)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    x, w = (
+        torch.randn(4, 512, device=device, dtype=dtype),
+        torch.randn(1000, 512, device=device, dtype=dtype),
+    )
+    norm = torch.randn(512, device=device, dtype=dtype)
+    q = torch.randn(4, 8, 1, 64, device=device, dtype=dtype)
+    k, v = (torch.randn(4, 2, 700, 64, device=device, dtype=dtype) for _ in range(2))
+
+    def step():
+        logits = bik.linear(bik.rms_norm(x, norm), w)
+        return (
+            logits,
+            bik.token_logprobs(logits.float(), torch.arange(4, device=device)),
+            bik.attention(q, k, v, split_size=128),
+        )
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up (compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("linear", "token_logprobs", "attention"), captured, eager):
+        assert torch.equal(a, b), name
