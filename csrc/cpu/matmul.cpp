@@ -40,6 +40,14 @@ constexpr int64_t STREAM_ROWS = 16;
 constexpr int64_t K_SLICE = 64;
 static_assert(K_SLICE % 2 == 0, "a slice holds whole bf16 pairs");
 
+// The work of a call for worth_a_team, in fmas: a decode-shaped call (few rows) streams its
+// weight from memory, each element costing about as much as WEIGHT_READ_FMAS of its fmas, so
+// a large weight gets both threads' bandwidth even at M = 1.
+constexpr int64_t WEIGHT_READ_FMAS = 8;
+inline int64_t matmul_work(const MatmulArgs& p) {
+  return p.batch * std::max(p.M, WEIGHT_READ_FMAS) * p.N * p.K;
+}
+
 // Calls kernel.template rows<R>(...) with R = rows (1..RB): every R runs the same
 // per-element arithmetic, R only sets how many rows share one pass over the packed B.
 template <typename Kernel, typename... Args>
@@ -154,8 +162,8 @@ struct FmaKernel {
     if (k_stride == 1 && cols == PANEL) {  // W^T: read 16-deep k tiles along W's rows
       constexpr int64_t TILE = 16;
       done = K / TILE * TILE;
-      for (int64_t k0 = 0; k0 < done; k0 += TILE)
-        for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)
+      for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)  // 16 W rows at a time, along k
+        for (int64_t k0 = 0; k0 < done; k0 += TILE)
           transpose_tile(b + c0 * n_stride + k0, n_stride, dst + k0 * PANEL + c0);
     }
     for (int64_t k = done; k < K; ++k)
@@ -223,8 +231,8 @@ struct PairKernel {
       constexpr int64_t TILE = 16;  // pairs per tile: one 64-byte line of a W row
       done = full / TILE * TILE;
       const float* words = reinterpret_cast<const float*>(b);
-      for (int64_t j0 = 0; j0 < done; j0 += TILE)
-        for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)
+      for (int64_t c0 = 0; c0 < PANEL; c0 += TILE)  // 16 W rows at a time, along k
+        for (int64_t j0 = 0; j0 < done; j0 += TILE)
           transpose_tile<float>(words + c0 * (n_stride / 2) + j0, n_stride / 2,
                                 reinterpret_cast<float*>(dst + j0 * PANEL + c0));
     }
@@ -289,7 +297,7 @@ void matmul_impl(const MatmulArgs& p) {
   // Decode-shaped calls stream B in slices, their accumulators resumed from slice to slice.
   // (K = 0: one empty slice.)
   const int64_t slice = p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
-  const bool team = worth_a_team(tasks, p.batch * p.M * p.N * p.K, PARALLEL_FMAS);
+  const bool team = worth_a_team(tasks, matmul_work(p), PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
     std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);
@@ -351,7 +359,7 @@ void chunked_matmul_impl(const MatmulArgs& p, int64_t chunks) {
   const int64_t tasks = panels * row_chunks;
   int levels = 1;  // stack depth: log2(chunks) + 1
   while ((int64_t{1} << (levels - 1)) < chunks) ++levels;
-  const bool team = worth_a_team(tasks, p.M * p.N * p.K, PARALLEL_FMAS);
+  const bool team = worth_a_team(tasks, matmul_work(p), PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
     std::vector<float> a_buf(ROW_CHUNK * p.K);
