@@ -76,3 +76,16 @@ $PY benchmarks/mismatch_anatomy.py --out results/anatomy --hf-tokens 64 --bik-to
 rm -rf results/anatomy_bf16_1k/cache
 $PY benchmarks/mismatch_anatomy.py --out results/anatomy_bf16_1k --paths hf_bf16 \
   || echo "FAILED: anatomy_bf16_1k"
+# The pilot of the registered SmolLM2 experiment (section 11): the zero-mismatch twin alone,
+# seed 100, 30 steps, one run per LR (about 45 min each on the idle 2-core machine)
+S11=(--set task.max_digits=2 --set rollout.prompts=8 --set rollout.samples_per_prompt=4
+  --set rollout.max_new_tokens=128 --set rollout.temperature=1.0 --set train.dtype=float32
+  --set remedy.bypass=false --set train.clip_low=0.2 --set train.clip_high=0.28
+  --set eval.at_start=true --set eval.every=10)
+for lr in 3e-6; do  # the pilot's other LRs (1e-5, 3e-5) have not run yet
+  rm -rf "results/rl/smollm2_pilot/lr$lr"
+  $PY -m rl_harness run --recipe smollm2 "${S11[@]}" --set rollout.dtype=float32 --set seed=100 \
+    --set steps=30 --set train.lr=$lr --out "results/rl/smollm2_pilot/lr$lr" > /dev/null 2>&1 \
+    || echo "FAILED: smollm2_pilot lr$lr"
+done
+find results/rl/smollm2_pilot -name checkpoint.pt -delete
