@@ -150,6 +150,14 @@ def _in_head(dims, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(base, page, slot, page_stride, row_stride, cols, col_stride, mask):
+    """A key block's rows of a paged cache: row ``slot`` of page ``page`` for each key,
+    columns ``cols`` (zeros where ``mask`` is off)."""
+    rows = page * page_stride + slot * row_stride
+    return tl.load(base + rows[:, None] + cols[None, :] * col_stride, mask=mask, other=0.0)
+
+
+@triton.jit
 def _split_state(
     q,
     k_base,
@@ -214,11 +222,7 @@ def _split_state(
         if PAGE_SIZE > 0:
             page = tl.load(pages_ptr + keys // PAGE_SIZE, mask=keys < Tk, other=0).to(tl.int64)
             slot = keys % PAGE_SIZE
-            k = tl.load(
-                k_base + (page * skp + slot * skt)[:, None] + dims[None, :] * skd,
-                mask=k_mask,
-                other=0.0,
-            )
+            k = _page_rows(k_base, page, slot, skp, skt, dims, skd, k_mask)
         else:
             k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
         scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
@@ -238,11 +242,7 @@ def _split_state(
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         v_mask = (keys[:, None] < Tk) & _in_head(vdims, D, BLOCK_D)
         if PAGE_SIZE > 0:
-            v = tl.load(
-                v_base + (page * svp + slot * svt)[:, None] + vdims[None, :] * svd,
-                mask=v_mask,
-                other=0.0,
-            )
+            v = _page_rows(v_base, page, slot, svp, svt, vdims, svd, v_mask)
         else:
             v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
         acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
