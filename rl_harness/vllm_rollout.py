@@ -261,18 +261,15 @@ def _seed_worker(worker: Any, seed: int) -> None:
 @contextlib.contextmanager
 def _worker_binding(tensor_parallel: int) -> Iterator[None]:
     """While the engine starts: the CPU binding its worker processes need at TP > 1 (a core
-    per rank, ``bik.tools.vllm_engine.cpu_binding``); the environment is restored after."""
+    per rank, ``bik.tools.vllm_engine.cpu_binding``, which is empty when the user set one);
+    removed again after."""
     binding = cpu_binding(tensor_parallel)
-    saved = {key: os.environ.get(key) for key in binding}
     os.environ.update(binding)
     try:
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        for key in binding:
+            os.environ.pop(key, None)
 
 
 def _save(master: PreTrainedModel, path: Path) -> None:
