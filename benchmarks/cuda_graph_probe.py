@@ -7,10 +7,11 @@ eagerly and replayed from a CUDA graph, for bik and for torch, and reports the t
 each: the graph replay is the kernels' time without host work. It also checks that the graph
 gives the eager call's bits (a graph replays the same kernels; bik's order must survive it).
 
-    python benchmarks/cuda_graph_probe.py [--layers 24] [--json PATH] [--profile]
+    python benchmarks/cuda_graph_probe.py [--layers 24] [--json PATH] [--profile [linear] [paged]]
 
---profile also prints where the host time of eager bik.linear calls goes (cProfile, the first
-linear case, by time spent in each function itself).
+--profile also prints where the host time of eager calls goes (cProfile, by time spent in each
+function itself, then by cumulative time): bik.linear on the first linear case (the default),
+bik's paged attention decoding one sequence over 8192 paged keys (the bench's case), or both.
 
 Needs a CUDA device; without one it runs the eager chains on the CPU to check itself.
 """
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import bik
+from bik.tools.bench.cases import paged_decode
 
 # (label, rows M, K, N): decode batches through SmolLM2-135M's and Llama-3.1-8B's projections
 LINEARS = [
@@ -104,7 +106,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24, help="calls per chain (default 24)")
     parser.add_argument("--json", help="write the rows to this file")
-    parser.add_argument("--profile", action="store_true", help="profile eager bik.linear calls")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        choices=("linear", "paged"),
+        default=None,
+        help="profile eager calls of these ops (none: linear)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -147,8 +155,9 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     _print_table(rows)
-    if args.profile:
-        _profile_linear(device, dtype)
+    if args.profile is not None:
+        for op in args.profile or ["linear"]:
+            _profile(*PROFILED[op](device, dtype), device)
     if args.json:
         meta = {
             "device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
@@ -160,19 +169,33 @@ def main() -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
-def _profile_linear(device: torch.device, dtype: torch.dtype, calls: int = 2000) -> None:
+def _linear_call(device: torch.device, dtype: torch.dtype) -> tuple[str, Callable[[], object]]:
     _, m, k, n = LINEARS[0]
     x, w = torch.randn(m, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)
-    bik.linear(x, w)
+    return f"bik.linear M={m} K={k} N={n}", lambda: bik.linear(x, w)
+
+
+def _paged_call(device: torch.device, dtype: torch.dtype) -> tuple[str, Callable[[], object]]:
+    case = paged_decode(1, 32, 8, 8192 if device.type == "cuda" else 256, 128)
+    args = case.inputs(device, dtype)
+    return f"paged attention {case.shape}", lambda: case.bik(*args)
+
+
+PROFILED = {"linear": _linear_call, "paged": _paged_call}
+
+
+def _profile(label: str, call: Callable[[], object], device: torch.device, calls: int = 1000):
+    call()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
-        bik.linear(x, w)
+        call()
     if device.type == "cuda":
         torch.cuda.synchronize()
     profiler.disable()
-    print(f"\nhost time of {calls} eager bik.linear calls, M={m} K={k} N={n}:")
+    print(f"\nhost time of {calls} eager calls of {label}:")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(20)
 
 
 def _print_table(rows: list[dict]) -> None:

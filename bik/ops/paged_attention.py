@@ -71,7 +71,12 @@ def paged_attention(
     _check_cache("key_cache", key_cache, query)
     _check_cache("value_cache", value_cache, query)
     _check_heads(query, key_cache, value_cache)
-    _check_step(query, key_cache, block_table, query_start, seq_lens)
+    pages = [-(-n // key_cache.shape[2]) for n in seq_lens]  # each sequence's pages in use
+    _check_step(query, key_cache, block_table, query_start, seq_lens, pages)
+    starts_on_device, lens_on_device, pages_on_device = _on_device(
+        query.device, query_start, seq_lens, pages
+    )
+    _check_listed_blocks(key_cache, block_table, pages, pages_on_device)
     scale, split_size, softcap, window = validate_options(
         query, True, scale, split_size, softcap, window, sinks
     )
@@ -85,8 +90,8 @@ def paged_attention(
             key_cache,
             value_cache,
             block_table.to(torch.int32),
-            torch.tensor(query_start, dtype=torch.int32, device=query.device),
-            torch.tensor(seq_lens, dtype=torch.int32, device=query.device),
+            starts_on_device,
+            lens_on_device,
             scale,
             split_size,
             softcap,
@@ -184,10 +189,11 @@ def _check_step(
     block_table: torch.Tensor,
     query_start: list[int],
     seq_lens: list[int],
+    pages: list[int],
 ) -> None:
     """Every query token belongs to one sequence, and every page a sequence reads is listed
-    in its row of ``block_table`` and is a block of the cache: otherwise rows would come back
-    as zeros, or attend over fewer keys than ``seq_lens`` says, without a word."""
+    in its row of ``block_table`` (``pages``: how many each reads): otherwise rows would come
+    back as zeros, or attend over fewer keys than ``seq_lens`` says, without a word."""
     tokens, count = query.shape[0], len(seq_lens)
     if len(query_start) != count + 1:
         raise ValueError(
@@ -213,28 +219,47 @@ def _check_step(
             f"block_table: expected a row for each of the {count} sequences, got shape "
             f"{tuple(block_table.shape)}"
         )
-    block_size, blocks = key_cache.shape[2], key_cache.shape[0]
-    pages = [-(-n // block_size) for n in seq_lens]
     widest = max(range(count), key=pages.__getitem__, default=-1)  # -1: no sequence
     if widest >= 0 and pages[widest] > block_table.shape[1]:
         raise ValueError(
             f"block_table: seq_lens[{widest}] = {seq_lens[widest]} tokens fill "
-            f"{pages[widest]} pages of {block_size}, but the table has "
+            f"{pages[widest]} pages of {key_cache.shape[2]}, but the table has "
             f"{block_table.shape[1]} columns (shape {tuple(block_table.shape)})"
         )
-    if count:  # the pages in use only: engines leave the rest of a row unset
-        width = pages[widest]
-        listed = block_table[:count, :width]
-        in_use = torch.arange(width, device=listed.device) < torch.tensor(
-            pages, device=listed.device
-        ).unsqueeze(1)
-        _checks.values_in_range(
-            "block_table",
-            torch.where(in_use, listed, 0),
-            0,
-            blocks - 1,
-            f"ids of the cache's {blocks} blocks, in the pages the sequences use",
-        )
+
+
+def _on_device(device: torch.device, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+    """The lists as int32 tensors on ``device``, by one copy. On a GPU the copy is queued from
+    pinned memory: a copy from pageable memory would wait for the device to finish all the
+    work queued before it, once per layer and step."""
+    flat = torch.tensor(
+        [value for values in lists for value in values],
+        dtype=torch.int32,
+        pin_memory=device.type == "cuda",
+    )
+    return flat.to(device, non_blocking=True).split([len(values) for values in lists])
+
+
+def _check_listed_blocks(
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    pages: list[int],
+    pages_on_device: torch.Tensor,
+) -> None:
+    """Every page a sequence reads is a block of the cache; only the pages in use are
+    checked, as engines leave the rest of a row unset."""
+    if not pages:
+        return
+    width, blocks = max(pages), key_cache.shape[0]
+    listed = block_table[: len(pages), :width]
+    in_use = torch.arange(width, device=listed.device) < pages_on_device.unsqueeze(1)
+    _checks.values_in_range(
+        "block_table",
+        torch.where(in_use, listed, 0),
+        0,
+        blocks - 1,
+        f"ids of the cache's {blocks} blocks, in the pages the sequences use",
+    )
 
 
 def _integers(name: str, value: torch.Tensor, dims: int, what: str) -> None:
