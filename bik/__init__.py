@@ -14,6 +14,7 @@ from .ops.grouped_linear import grouped_linear
 from .ops.log_softmax import log_softmax, token_logprobs
 from .ops.matmul import linear, matmul
 from .ops.rms_norm import rms_norm
+from .packed_weights import pack_weights, packed_bytes, unpack_weights, weights_changed
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use; other names are errors
     from .hf import PatchReport, patch_model, sequence_logprobs, unpatch_model
@@ -41,6 +42,8 @@ __all__ = [
     "linear",
     "log_softmax",
     "matmul",
+    "pack_weights",
+    "packed_bytes",
     "patch_model",
     "register_backend",
     "rms_norm",
@@ -49,6 +52,8 @@ __all__ = [
     "sigmoid",
     "silu",
     "token_logprobs",
+    "unpack_weights",
     "unpatch_model",
     "use_backend",
+    "weights_changed",
 ]

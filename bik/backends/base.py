@@ -31,6 +31,12 @@ Optional accelerator of the TP-invariant order (None: rank_partial runs matmul p
       equal chunks, each one fp32 fma chain per output from zero on the exact fp32 values
       (whatever the dtype), the chunk partials summed by the balanced pairwise tree
 
+Optional accelerator of linear for weights packed once (None: bik.packed_weights packs
+nothing, every call runs matmul):
+  pack_weight(weight [N, K]) -> an opaque buffer: W^T in matmul's own layout
+  prepacked_matmul(a [M, K], packed, N, bias [N] | None) -> [M, N]: matmul(a, W^T, bias)'s
+      bits, W^T read from the buffer
+
 Optional accelerator of matmul (None: grouped_linear runs matmul once per group instead):
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
@@ -66,6 +72,10 @@ class Backend:
     """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
     chunked_matmul: Kernel | None = None
     """The TP-invariant chunked order in one call (bik.distributed.rank_partial)."""
+    pack_weight: Kernel | None = None
+    """A weight's W^T packed once in matmul's layout (bik.packed_weights)."""
+    prepacked_matmul: Kernel | None = None
+    """matmul reading a weight packed by ``pack_weight``: the same bits."""
     attention_sinks: bool = False
     """Its attention takes ``sinks`` (one learned logit per query head, gpt-oss)."""
     invariant: bool = True

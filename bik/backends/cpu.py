@@ -27,4 +27,5 @@ BACKEND = native_backend(
     attention_sinks=True,
     paged_attention=True,
     chunked_matmul=True,
+    prepacked_matmul=True,
 )

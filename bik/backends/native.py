@@ -57,6 +57,31 @@ class _NativeKernels:
         )
         return out
 
+    def pack_weight(self, weight):
+        """``weight [N, K]``'s W^T packed once in matmul's layout (bytes; cpu only)."""
+        (n, k), code = weight.shape, DTYPE_CODES[weight.dtype]
+        packed = torch.empty(self.lib.packed_weight_bytes(code, n, k), dtype=torch.uint8)
+        k_stride, n_stride = weight.stride(1), weight.stride(0)  # of W^T's k and n
+        self.lib.pack_weight(code, weight.data_ptr(), packed.data_ptr(), n, k, k_stride, n_stride)
+        return packed
+
+    def prepacked_matmul(self, a, packed, n, bias):
+        """``a [M, K] @ W^T (+ bias [N])`` -> ``[M, N]``, W^T read from ``pack_weight(W)``."""
+        a = _inner_contiguous(a)
+        out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
+        self.lib.matmul_prepacked(
+            DTYPE_CODES[a.dtype],
+            a.data_ptr(),
+            packed.data_ptr(),
+            0 if bias is None else bias.contiguous().data_ptr(),
+            out.data_ptr(),
+            a.shape[0],
+            n,
+            a.shape[1],
+            a.stride(0),
+        )
+        return out
+
     def chunked_matmul(self, a, b, chunks):
         """fp32 ``a [M, K] @ b [K, N]`` in the TP-invariant chunked order (cpu only)."""
         a = _inner_contiguous(a)
@@ -224,11 +249,12 @@ def native_backend(
     attention_sinks: bool = False,
     paged_attention: bool = False,
     chunked_matmul: bool = False,
+    prepacked_matmul: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
     ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
-    sinks pointer after ``window``); ``paged_attention``, ``chunked_matmul``: ``lib`` has that
-    kernel."""
+    sinks pointer after ``window``); ``paged_attention``, ``chunked_matmul``,
+    ``prepacked_matmul`` (with ``pack_weight``): ``lib`` has that kernel."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name=name,
@@ -242,4 +268,6 @@ def native_backend(
         attention_sinks=attention_sinks,
         paged_attention=kernels.paged_attention if paged_attention else None,
         chunked_matmul=kernels.chunked_matmul if chunked_matmul else None,
+        pack_weight=kernels.pack_weight if prepacked_matmul else None,
+        prepacked_matmul=kernels.prepacked_matmul if prepacked_matmul else None,
     )

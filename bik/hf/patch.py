@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .. import backends
+from .. import backends, packed_weights
 from ..contract import TP_CHUNKS, check_split_size
 from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
@@ -32,6 +32,7 @@ class PatchReport:
     attention_was: str
     split_size: int | None = None
     tp_invariant: bool = False
+    packed_weights: bool = False
 
     def __str__(self) -> str:
         kinds: dict[str, int] = {}
@@ -40,6 +41,8 @@ class PatchReport:
         lines = [f"bik.patch_model: {self.family} model, backend {self.backend!r}"]
         lines += [f"  {count:4d} x {kind}" for kind, count in sorted(kinds.items())]
         lines.append(f"  attention: {ATTENTION_NAME} (was {self.attention_was})")
+        if self.packed_weights:
+            lines.append("  linear weights packed once (bik.pack_weights)")
         if self.unpatched:
             lines.append(f"  NOT patched ({len(self.unpatched)}): {', '.join(self.unpatched)}")
         return "\n".join(lines)
@@ -139,6 +142,7 @@ def patch_model(
     strict: bool = True,
     split_size: int | None = None,
     tp_invariant: bool = False,
+    pack_weights: bool = False,
 ) -> PatchReport:
     """Route every reduction of ``model``'s forward through bik; returns a :class:`PatchReport`.
 
@@ -152,6 +156,9 @@ def patch_model(
     the order bik's vLLM engine computes at every tensor-parallel degree, so the model's bits
     equal a TP 1, 2, 4 or 8 rollout's (``bik.vllm.LLM(..., tp_invariant=True)``). Off, they run
     ``bik.linear``. Dense families only; K must be divisible by ``TP_CHUNKS`` (else ValueError).
+    pack_weights: keep each linear weight packed in the CPU kernel's layout once used, instead
+    of packing it on every call (``bik.pack_weights``: faster decoding, the same bits, one
+    packed copy per weight; writes through ``.data`` need ``bik.weights_changed()``).
     The backend and split size live on the patched modules: deepcopy and pickle keep them.
     """
     _check_model(model)
@@ -159,6 +166,8 @@ def patch_model(
     check_split_size(split_size)
     if not isinstance(tp_invariant, bool):
         raise TypeError(f"tp_invariant: expected a bool, got {tp_invariant!r}")
+    if not isinstance(pack_weights, bool):
+        raise TypeError(f"pack_weights: expected a bool, got {pack_weights!r}")
     model_type = model.config.model_type
     family = FAMILIES.get(model_type)
     if strict and family is None:
@@ -197,8 +206,17 @@ def patch_model(
     attention_was = model.config._attn_implementation
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
+    if pack_weights:
+        packed_weights.pack_weights(model)
     report = PatchReport(
-        model_type, backend, patched, unpatched, attention_was, split_size, tp_invariant
+        model_type,
+        backend,
+        patched,
+        unpatched,
+        attention_was,
+        split_size,
+        tp_invariant,
+        pack_weights,
     )
     model._bik_patch = report  # type: ignore[assignment]  # as above: any value is allowed
     return report
@@ -216,4 +234,6 @@ def unpatch_model(model: PreTrainedModel) -> None:
         else:
             del module.forward  # the class's own forward shows again
     model.set_attn_implementation(report.attention_was)
+    if report.packed_weights:
+        packed_weights.unpack_weights(model)
     del model._bik_patch

@@ -7,8 +7,8 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 
 import torch
 
-from .. import _checks, backends
-from . import as_rows, custom_op, run, shaped
+from .. import _checks, backends, packed_weights
+from . import _needs_custom_op, as_rows, custom_op, run, shaped
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -40,7 +40,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _checks.dim_size("weight", weight, 1, x.shape[-1], "K, the last dim of x")
     if bias is not None:
         _checks.dim_size("bias", bias, 0, weight.shape[0], "N, the first dim of weight")
-    return run(_matmul_op, _matmul, x, weight.t(), bias)
+    out = _prepacked(x, weight, bias)
+    return run(_matmul_op, _matmul, x, weight.t(), bias) if out is None else out
+
+
+def _prepacked(x, weight, bias):
+    """The product from the weight's packed copy (bik.packed_weights), or None: the weight is
+    not marked, a graph is recorded or traced, or the backend has no packed kernel."""
+    if not packed_weights.is_marked(weight) or _needs_custom_op((x, weight, bias)):
+        return None
+    rows, n = as_rows(x), weight.shape[0]
+    if rows.shape[0] == 0 or n == 0:
+        return None
+    out = packed_weights.prepacked_linear(rows, weight, bias)
+    return None if out is None else shaped(out, (*x.shape[:-1], n))
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import backends
+from .. import backends, packed_weights
 
 if TYPE_CHECKING:
     import vllm
@@ -182,8 +182,28 @@ def _install() -> None:
     def process_then_check(model, *args, **kwargs):
         process(model, *args, **kwargs)
         check_model(model)
+        _pack_weights(model)
 
     base_loader.process_weights_after_loading = process_then_check
+
+
+def _pack_weights(model: Any) -> None:
+    """Keep the model's CPU linear weights packed once (``bik.pack_weights``: the same bits).
+    vLLM's loaders write weights through ``.data``, which no version counter sees, so every
+    ``load_weights`` (each weight update of a running engine) marks the packed copies stale."""
+    packed_weights.pack_weights(model)
+    if getattr(model.load_weights, "_bik_marks_stale", False):
+        return
+    load = model.load_weights
+
+    def load_then_mark_stale(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        finally:
+            packed_weights.weights_changed()
+
+    load_then_mark_stale._bik_marks_stale = True  # type: ignore[attr-defined]
+    model.load_weights = load_then_mark_stale
 
 
 def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

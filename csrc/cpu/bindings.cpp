@@ -21,6 +21,17 @@ void matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t bias, uintptr_t c, in
                                 b_batch_stride, b_k_stride, b_n_stride});
 }
 
+void pack_weight(int dtype, uintptr_t b, uintptr_t dst, int64_t N, int64_t K, int64_t b_k_stride,
+                 int64_t b_n_stride) {
+  bik::pack_weight(dtype, MatmulArgs{0, b, 0, 0, 1, 0, N, K, 0, 0, 0, b_k_stride, b_n_stride}, dst);
+}
+
+void matmul_prepacked(int dtype, uintptr_t a, uintptr_t packed, uintptr_t bias, uintptr_t c,
+                      int64_t M, int64_t N, int64_t K, int64_t a_row_stride) {
+  bik::matmul_prepacked(dtype, MatmulArgs{a, 0, bias, c, 1, M, N, K, 0, a_row_stride, 0, 0, 0},
+                        packed);
+}
+
 void chunked_matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t c, int64_t M, int64_t N,
                     int64_t K, int64_t a_row_stride, int64_t b_k_stride, int64_t b_n_stride,
                     int64_t chunks) {
@@ -59,6 +70,12 @@ PYBIND11_MODULE(_cpu, m) {
   bik::export_contract(m);
   auto release = py::call_guard<py::gil_scoped_release>();
   m.def("matmul", &matmul, release);
+  m.def("packed_weight_bytes", &bik::packed_weight_bytes,
+        "bytes of B [K, N] packed by pack_weight (the matmul kernel's layout)");
+  m.def("pack_weight", &pack_weight, release,
+        "B [K, N] (any strides, e.g. a weight's W^T) packed once at dst");
+  m.def("matmul_prepacked", &matmul_prepacked, release,
+        "C [M, N] = A [M, K] . B (+ bias) with B packed by pack_weight: matmul's bits");
   m.def("chunked_matmul", &chunked_matmul, release,
         "fp32 C [M, N] = A [M, K] . B [K, N] in K chunks (a power of two dividing K), each in "
         "the fma order on fp32 values, summed by the balanced tree (bik.distributed)");

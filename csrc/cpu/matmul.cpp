@@ -283,10 +283,35 @@ template <> struct KernelFor<bf16> { using type = PairKernel; };
 template <typename T> struct KernelFor { using type = FmaKernel<T>; };
 #endif
 
+// B's packed panels one after another: panel i holds columns [i * PANEL, (i + 1) * PANEL) as
+// Kernel::pack_b lays out the whole depth of K (zeros past N).
 template <typename T>
-void matmul_impl(const MatmulArgs& p) {
+int64_t packed_elements(int64_t N, int64_t K) {
+  using Kernel = typename KernelFor<T>::type;
+  return (N + PANEL - 1) / PANEL * Kernel::depth(K) * PANEL;
+}
+
+template <typename T>
+void pack_weight_impl(const MatmulArgs& p, uintptr_t dst) {
   using Kernel = typename KernelFor<T>::type;
   using Packed = typename Kernel::Packed;
+  const T* B = reinterpret_cast<const T*>(p.b);
+  Packed* out = reinterpret_cast<Packed*>(dst);
+  const int64_t panels = (p.N + PANEL - 1) / PANEL, depth = Kernel::depth(p.K);
+#pragma omp parallel for schedule(static) if (worth_a_team(panels, p.N * p.K, PARALLEL_FMAS))
+  for (int64_t panel = 0; panel < panels; ++panel)
+    Kernel::pack_b(B + panel * PANEL * p.b_n_stride, p.b_k_stride, p.b_n_stride,
+                   std::min(PANEL, p.N - panel * PANEL), p.K, out + panel * depth * PANEL);
+}
+
+// `prepacked` (may be null): B already packed by pack_weight_impl, shared by the batch. Each
+// panel is then read in place over the whole of K: the same packed values, and the same fma
+// (or pair instruction) per k in the same order as the per-call packing, so the same bits.
+template <typename T>
+void matmul_impl(const MatmulArgs& p, uintptr_t prepacked = 0) {
+  using Kernel = typename KernelFor<T>::type;
+  using Packed = typename Kernel::Packed;
+  const Packed* packed_b = reinterpret_cast<const Packed*>(prepacked);
   const T* A = reinterpret_cast<const T*>(p.a);
   const T* B = reinterpret_cast<const T*>(p.b);
   const T* bias = reinterpret_cast<const T*>(p.bias);
@@ -296,12 +321,13 @@ void matmul_impl(const MatmulArgs& p) {
   const int64_t tasks = p.batch * panels * row_chunks;
   // Decode-shaped calls stream B in slices, their accumulators resumed from slice to slice.
   // (K = 0: one empty slice.)
-  const int64_t slice = p.M <= STREAM_ROWS ? K_SLICE : std::max<int64_t>(p.K, 1);
+  const int64_t slice =
+      p.M <= STREAM_ROWS && !packed_b ? K_SLICE : std::max<int64_t>(p.K, 1);
   const bool team = worth_a_team(tasks, matmul_work(p), PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
     std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);
-    std::vector<Packed> b_buf(PANEL * Kernel::depth(std::min(slice, p.K)));
+    std::vector<Packed> b_buf(packed_b ? 0 : PANEL * Kernel::depth(std::min(slice, p.K)));
     int64_t packed_panel = -1;  // consecutive tasks of a thread share a B panel: pack it once
     float out[ROW_CHUNK][PANEL];
 #pragma omp for schedule(static)
@@ -315,17 +341,18 @@ void matmul_impl(const MatmulArgs& p) {
       if constexpr (!Kernel::reads_a_in_place) Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
       for (int64_t k0 = 0; k0 < std::max<int64_t>(p.K, 1); k0 += slice) {
         const int64_t depth = std::min(slice, p.K - k0);
-        if (slice < p.K || packed_panel != t / row_chunks) {
+        const Packed* b_slice = packed_b ? packed_b + panel * Kernel::depth(p.K) * PANEL : b_buf.data();
+        if (!packed_b && (slice < p.K || packed_panel != t / row_chunks)) {
           Kernel::pack_b(b + k0 * p.b_k_stride, p.b_k_stride, p.b_n_stride, cols, depth, b_buf.data());
           packed_panel = t / row_chunks;
         }
         for (int64_t r = 0; r < rows; r += RB) {
           const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
           if constexpr (Kernel::reads_a_in_place)
-            for_rows<Kernel>(n, a + r * p.a_row_stride + k0, p.a_row_stride, b_buf.data(), depth,
+            for_rows<Kernel>(n, a + r * p.a_row_stride + k0, p.a_row_stride, b_slice, depth,
                              k0 > 0, out + r);
           else
-            for_rows<Kernel>(n, a_buf.data(), r, p.K, k0, b_buf.data(), depth, out + r);
+            for_rows<Kernel>(n, a_buf.data(), r, p.K, k0, b_slice, depth, out + r);
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
@@ -407,6 +434,23 @@ void chunked_matmul_impl(const MatmulArgs& p, int64_t chunks) {
 
 void matmul(int dtype, const MatmulArgs& args) {
   dispatch_dtype<CpuTypes>(dtype, [&](auto type) { matmul_impl<decltype(type)>(args); });
+}
+
+int64_t packed_weight_bytes(int dtype, int64_t N, int64_t K) {
+  int64_t bytes = 0;
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) {
+    using T = decltype(type);
+    bytes = packed_elements<T>(N, K) * sizeof(typename KernelFor<T>::type::Packed);
+  });
+  return bytes;
+}
+
+void pack_weight(int dtype, const MatmulArgs& args, uintptr_t dst) {
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { pack_weight_impl<decltype(type)>(args, dst); });
+}
+
+void matmul_prepacked(int dtype, const MatmulArgs& args, uintptr_t packed) {
+  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { matmul_impl<decltype(type)>(args, packed); });
 }
 
 void chunked_matmul(int dtype, const MatmulArgs& args, int64_t chunks) {

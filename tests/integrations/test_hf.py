@@ -83,6 +83,34 @@ def test_patch_report_and_unpatch_round_trip():
     assert torch.equal(model(input_ids=ids).logits, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_generate_the_bits_of_the_plain_patch(dtype):
+    plain, packed = tiny("tiny-qwen3", dtype), tiny("tiny-qwen3", dtype)
+    bik.patch_model(plain)
+    report = bik.patch_model(packed, pack_weights=True)
+    assert report.packed_weights and "packed once" in str(report)
+    ids = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(2))
+
+    def sample(model):
+        torch.manual_seed(3)
+        out = model.generate(
+            input_ids=ids,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=8,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        return out.sequences, torch.stack(out.logits, 1)
+
+    (seq, logits), (packed_seq, packed_logits) = sample(plain), sample(packed)
+    assert torch.equal(packed_seq, seq) and torch.equal(packed_logits, logits)
+    assert bik.packed_bytes(packed) > 0
+    bik.unpatch_model(packed)
+    assert bik.packed_bytes(packed) == 0
+
+
 def test_patch_with_explicit_backend():
     model = tiny("tiny-qwen2")
     report = bik.patch_model(model, backend="reference")
