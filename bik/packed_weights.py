@@ -17,10 +17,12 @@ through ``.data``'s own tensor (``p.data.copy_(...)``), numpy views or raw stora
 counter: call :func:`weights_changed` after them. ``bik.vllm`` does after each of the engine's
 ``load_weights`` (every weight update goes through it).
 
-Memory: one packed copy per marked weight, made at its first use: the weight's bytes in fp32,
-and in bf16 on CPUs with AVX512-BF16 (k pairs); twice them in fp16, and in bf16 elsewhere
-(widened to fp32); N rounded up to 64. Calls that record a graph (a weight that requires grad
-under grad mode, tracing, vmap) and backends without the kernels (GPUs) run matmul as usual.
+Memory: one packed copy per marked weight, made at its first use: the weight's bytes (fp32,
+and bf16 on CPUs with AVX512-BF16: k pairs), N rounded up to 64. Where the layout is wider
+than the weight (fp16, and bf16 without AVX512-BF16: widened to fp32) nothing is packed: a
+decode call would read twice the bytes from the copy, more than the packing on the fly costs.
+Calls that record a graph (a weight that requires grad under grad mode, tracing, vmap) and
+backends without the kernels (GPUs) run matmul as usual.
 """
 
 import torch
@@ -35,19 +37,18 @@ class _Packed:
     """A weight's packed copy and the state of the weight it was made from."""
 
     def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None  # None: not made yet, or not worth making
         # The weight's tensor the copy was made from: holding it keeps its storage alive, so
         # a weight given new storage (``p.data = ...``) never gets the old address back.
         self.source: torch.Tensor | None = None
         self.key: tuple | None = None
 
-    def of(self, weight: torch.Tensor, pack) -> torch.Tensor:
+    def of(self, weight: torch.Tensor, pack) -> torch.Tensor | None:
         key = (weight._version, weight.dtype, weight.shape, weight.stride(), _generation)
         source = self.source
         if source is None or source.data_ptr() != weight.data_ptr() or key != self.key:
             self.buffer = self.source = self.key = None  # free the stale copy first
             self.buffer, self.source, self.key = pack(weight.detach()), weight.detach(), key
-        assert self.buffer is not None
         return self.buffer
 
 
@@ -105,6 +106,8 @@ def prepacked_linear(
     if backend.prepacked_matmul is None or backend.pack_weight is None:
         return None
     buffer = packed.of(weight, backend.pack_weight)
+    if buffer is None:
+        return None
     return backend.prepacked_matmul(x_rows, buffer, weight.shape[0], bias)
 
 

@@ -58,8 +58,12 @@ class _NativeKernels:
         return out
 
     def pack_weight(self, weight):
-        """``weight [N, K]``'s W^T packed once in matmul's layout (bytes; cpu only)."""
+        """``weight [N, K]``'s W^T packed once in matmul's layout (bytes; cpu only), or None
+        where the layout is wider than the weight (fp16, widened to fp32): a decode call would
+        then read more bytes from the copy than it saves by not packing on the fly."""
         (n, k), code = weight.shape, DTYPE_CODES[weight.dtype]
+        if self.lib.packed_weight_bytes(code, 64, 64) > 64 * 64 * weight.element_size():
+            return None
         packed = torch.empty(self.lib.packed_weight_bytes(code, n, k), dtype=torch.uint8)
         k_stride, n_stride = weight.stride(1), weight.stride(0)  # of W^T's k and n
         self.lib.pack_weight(code, weight.data_ptr(), packed.data_ptr(), n, k, k_stride, n_stride)

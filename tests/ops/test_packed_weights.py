@@ -20,9 +20,11 @@ def _layer(n, k, dtype, bias, seed=1):
     return layer
 
 
-def _packs_here() -> bool:
-    """Whether the current backend packs weights (the cpu one; others run matmul)."""
-    return backends.resolve(torch.device(DEVICE), "matmul").prepacked_matmul is not None
+def _packs_here(dtype=torch.float32) -> bool:
+    """Whether the current backend packs weights of ``dtype`` (the cpu one, where the packed
+    layout is no wider than the weight; others run matmul)."""
+    pack = backends.resolve(torch.device(DEVICE), "matmul").pack_weight
+    return pack is not None and pack(torch.zeros(1, 1, dtype=dtype, device=DEVICE)) is not None
 
 
 # Sizes straddle the 64-column panels, the 64-deep slices of decode-shaped calls (M <= 16),
@@ -44,7 +46,7 @@ def test_packed_weight_gives_the_bits_of_the_per_call_packing(backend, dtype, m,
         again = bik.linear(x[:1], layer.weight, layer.bias)  # the copy reused by another M
     assert_bitwise(packed, plain, f"{m}x{k} @ {k}x{n}")
     assert_bitwise(again, plain[:1], "row 0 alone, from the same packed copy")
-    assert (bik.packed_bytes(layer) > 0) == _packs_here()
+    assert (bik.packed_bytes(layer) > 0) == _packs_here(dtype)
 
 
 def test_leading_dims_and_a_strided_input_are_handled(backend):
@@ -56,7 +58,7 @@ def test_leading_dims_and_a_strided_input_are_handled(backend):
         assert_bitwise(bik.linear(x, layer.weight, layer.bias), plain)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tracked_write_repacks(dtype):
     layer = _layer(33, 70, dtype, bias=False)
     x = randn((4, 70), dtype, seed=5)
@@ -135,6 +137,16 @@ def test_packed_bytes_and_unpack():
     assert not any(hasattr(p, "_bik_packed") for p in model.parameters())
 
 
+def test_fp16_is_not_packed_its_layout_being_twice_as_wide():
+    # fp16 is packed widened to fp32: a copy would double a decode call's weight reads.
+    layer = _layer(64, 64, torch.float16, bias=False)
+    bik.pack_weights(layer)
+    x = randn((1, 64), torch.float16, seed=12)
+    with torch.no_grad():
+        assert_bitwise(bik.linear(x, layer.weight), bik.linear(x, layer.weight.detach().clone()))
+    assert bik.packed_bytes(layer) == 0
+
+
 def test_pack_weights_refuses_what_is_not_a_module():
-    with pytest.raises(TypeError, match="module: expected a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"module: expected a torch\.nn\.Module"):
         bik.pack_weights(torch.zeros(2, 2))

@@ -254,7 +254,7 @@ def _plain_and_patched(config, device, dtype):
 
     plain = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     patched = copy.deepcopy(plain)
-    bik.patch_model(patched)
+    bik.patch_model(patched, pack_weights=True)  # weights packed once (a no-op on GPUs)
     return plain, patched
 
 
@@ -318,7 +318,7 @@ def real_model(kind: str, batch: int, length: int, new_tokens: int = 16) -> Case
         path = models.path("smollm2")
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         patched = copy.deepcopy(plain)
-        bik.patch_model(patched)
+        bik.patch_model(patched, pack_weights=True)
         vocab = plain.config.vocab_size
         return plain, patched, torch.randint(3, vocab, (batch, length), device=device)
 
