@@ -329,6 +329,7 @@ void matmul_impl(const MatmulArgs& p, uintptr_t prepacked = 0) {
     std::vector<float> a_buf(Kernel::reads_a_in_place ? 0 : ROW_CHUNK * p.K);
     std::vector<Packed> b_buf(packed_b ? 0 : PANEL * Kernel::depth(std::min(slice, p.K)));
     int64_t packed_panel = -1;  // consecutive tasks of a thread share a B panel: pack it once
+    int64_t packed_rows = -1;   // the (batch, row chunk) whose A rows a_buf holds: pack once
     float out[ROW_CHUNK][PANEL];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -338,7 +339,12 @@ void matmul_impl(const MatmulArgs& p, uintptr_t prepacked = 0) {
       const int64_t col0 = panel * PANEL, cols = std::min(PANEL, p.N - col0);
       const T* a = A + batch * p.a_batch_stride + row0 * p.a_row_stride;
       const T* b = B + batch * p.b_batch_stride + col0 * p.b_n_stride;
-      if constexpr (!Kernel::reads_a_in_place) Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
+      if constexpr (!Kernel::reads_a_in_place) {
+        if (batch * row_chunks + chunk != packed_rows) {  // e.g. a decode call: every task's rows
+          Kernel::pack_a(a, p.a_row_stride, rows, p.K, a_buf.data());
+          packed_rows = batch * row_chunks + chunk;
+        }
+      }
       for (int64_t k0 = 0; k0 < std::max<int64_t>(p.K, 1); k0 += slice) {
         const int64_t depth = std::min(slice, p.K - k0);
         const Packed* b_slice = packed_b ? packed_b + panel * Kernel::depth(p.K) * PANEL : b_buf.data();

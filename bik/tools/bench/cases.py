@@ -77,6 +77,26 @@ def linear(m: int, k: int, n: int, model: str = "") -> Case:
     )
 
 
+def linear_packed(m: int, k: int, n: int) -> Case:
+    """bik.linear on a weight packed once (bik.pack_weights; a no-op on GPUs) vs F.linear."""
+
+    def inputs(device, dtype):
+        layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype).requires_grad_(False)
+        layer.weight.copy_(_randn(n, k, device=device, dtype=dtype))
+        bik.pack_weights(layer)
+        return _randn(m, k, device=device, dtype=dtype), layer
+
+    return Case(
+        "linear_packed",
+        f"M={m} K={k} N={n}",
+        2 * m * k * n,
+        2 * (m * k + n * k + m * n),
+        inputs,
+        lambda x, layer: bik.linear(x, layer.weight),
+        lambda x, layer: F.linear(x, layer.weight),
+    )
+
+
 def rms_norm(rows: int, d: int) -> Case:
     def inputs(device, dtype):
         return _randn(rows, d, device=device, dtype=dtype), _randn(d, device=device, dtype=dtype)
@@ -411,6 +431,8 @@ def cpu_cases(quick: bool) -> list[Case]:
             end_to_end("forward", 2, 32, 256, 2),
         ]
     cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
+    decode_shapes = ((1024, 1024), (512, 1536), (1536, 512), (512, 32000))
+    cases += [linear_packed(m, k, n) for m in (1, 4, 16) for k, n in decode_shapes]
     cases += [rms_norm(r, d) for d in (256, 1024) for r in (1, 64, 4096)]
     cases += [log_softmax(r, 32000) for r in (1, 64, 256)]
     cases += [token_logprobs(r, 32000) for r in (1, 64, 256)]
