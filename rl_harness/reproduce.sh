@@ -77,15 +77,30 @@ rm -rf results/anatomy_bf16_1k/cache
 $PY benchmarks/mismatch_anatomy.py --out results/anatomy_bf16_1k --paths hf_bf16 \
   || echo "FAILED: anatomy_bf16_1k"
 # The pilot of the registered SmolLM2 experiment (section 11): the zero-mismatch twin alone,
-# seed 100, 30 steps, one run per LR (about 45 min each on the idle 2-core machine)
+# seed 100, 30 steps, one run per LR (35-45 min each on the idle 2-core machine; a run peaks
+# at about 19 GB of memory: one at a time on a 24 GB machine)
 S11=(--set task.max_digits=2 --set rollout.prompts=8 --set rollout.samples_per_prompt=4
   --set rollout.max_new_tokens=128 --set rollout.temperature=1.0 --set train.dtype=float32
   --set remedy.bypass=false --set train.clip_low=0.2 --set train.clip_high=0.28
   --set eval.at_start=true --set eval.every=10)
-for lr in 3e-6; do  # the pilot's other LRs (1e-5, 3e-5) have not run yet
+for lr in 3e-6 3e-5; do  # 1e-5 was not run: 3e-5, the largest, qualified (RESULTS section 11)
   rm -rf "results/rl/smollm2_pilot/lr$lr"
   $PY -m rl_harness run --recipe smollm2 "${S11[@]}" --set rollout.dtype=float32 --set seed=100 \
     --set steps=30 --set train.lr=$lr --out "results/rl/smollm2_pilot/lr$lr" > /dev/null 2>&1 \
     || echo "FAILED: smollm2_pilot lr$lr"
 done
 find results/rl/smollm2_pilot -name checkpoint.pt -delete
+# Its confirmatory runs (LR 3e-5, 60 steps), each arm by its own sweep beside its twin; about a
+# day of wall time in all. A cut sweep resumes when rerun (checkpoints every 5 steps), so the
+# parts may run on different days: rerun this block until every seed is complete.
+C11=("${S11[@]}" --set steps=60 --set train.lr=3e-5 --set checkpoint_every=5)
+TIM=(--set rollout.kernels=native --set rollout.dtype=bfloat16)
+for arm in tim tim_tis tim_surge; do
+  case $arm in
+  tim) extra=() ;;
+  tim_tis) extra=(--set remedy.name=token_tis) ;;
+  tim_surge) extra=(--set lr_schedule.name=length_surge --set lr_schedule.surge_ratio=2.0) ;;
+  esac
+  $PY -m rl_harness sweep --recipe smollm2 --seeds 3 "${C11[@]}" "${TIM[@]}" "${extra[@]}" \
+    --out "results/rl/smollm2_confirm/$arm" > /dev/null 2>&1 || echo "FAILED: smollm2_confirm $arm"
+done
