@@ -18,6 +18,19 @@ def tiny(preset, dtype=torch.float32):
     return verify.load_model(preset, dtype=dtype)
 
 
+def _sampled(model, seed, **kwargs):
+    """``model.generate`` sampling from the full distribution (seeded), with its logits."""
+    torch.manual_seed(seed)
+    return model.generate(
+        do_sample=True,
+        top_k=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
     model = tiny(preset)
@@ -92,16 +105,7 @@ def test_packed_weights_generate_the_bits_of_the_plain_patch(dtype):
     ids = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(2))
 
     def sample(model):
-        torch.manual_seed(3)
-        out = model.generate(
-            input_ids=ids,
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=8,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
+        out = _sampled(model, 3, input_ids=ids, max_new_tokens=8)
         return out.sequences, torch.stack(out.logits, 1)
 
     (seq, logits), (packed_seq, packed_logits) = sample(plain), sample(packed)
@@ -206,17 +210,8 @@ def test_generate_stopping_at_eos_equals_the_trainer_with_zeros_after_eos():
     ids, mask = bik.hf.left_pad(prompts, pad_id=0)
 
     def sample(eos):
-        torch.manual_seed(1)
-        return model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            top_k=0,
-            max_new_tokens=12,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            eos_token_id=eos,
+        return _sampled(
+            model, 1, input_ids=ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos
         )
 
     # EOS := a token the first row samples mid-way, so rows stop at different steps
