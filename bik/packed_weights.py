@@ -53,8 +53,9 @@ class _Packed:
 
 
 def pack_weights(module: torch.nn.Module) -> int:
-    """Mark every 2-D floating weight of ``module``'s CPU linear layers (``nn.Linear``, the
-    patched ones, vLLM's) to be packed once; returns how many were marked."""
+    """Mark every 2-D floating weight of ``module``'s layers (``nn.Linear``, the patched ones,
+    vLLM's, embeddings tied to an LM head) to be packed once; returns how many were marked.
+    On a device whose backend has no packed kernel (GPUs) the marks change nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     marked = 0
@@ -112,7 +113,7 @@ def prepacked_linear(
 
 
 def _linear_weights(module: torch.nn.Module):
-    """The distinct 2-D floating CPU weights of the modules that have a ``weight``."""
+    """The distinct 2-D floating weights of the modules that have a ``weight``."""
     seen: set[int] = set()
     for sub in module.modules():
         weight = getattr(sub, "weight", None)
@@ -120,7 +121,6 @@ def _linear_weights(module: torch.nn.Module):
             isinstance(weight, torch.Tensor)
             and weight.dim() == 2
             and weight.is_floating_point()
-            and weight.device.type == "cpu"
             and id(weight) not in seen
         ):
             seen.add(id(weight))
