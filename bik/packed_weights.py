@@ -95,6 +95,19 @@ def is_marked(weight: torch.Tensor) -> bool:
     return hasattr(weight, _ATTRIBUTE)
 
 
+def readable(weight: torch.Tensor) -> bool:
+    """Whether the packed kernel may read ``weight`` through its data pointer: no graph to
+    record (no grad needed), and real storage: not meta, not a subclass with a dispatch hook of
+    its own (DTensor, fake tensors). Plain ``Parameter`` subclasses qualify: vLLM keeps its
+    linear weights in one (``ModelWeightParameter``), which bik's other calls route through
+    the custom op like any subclass."""
+    return (
+        not (weight.requires_grad and torch.is_grad_enabled())
+        and not weight.is_meta
+        and type(weight).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+    )
+
+
 def prepacked_linear(
     x_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:

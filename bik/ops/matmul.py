@@ -46,8 +46,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _prepacked(x, weight, bias):
     """The product from the weight's packed copy (bik.packed_weights), or None: the weight is
-    not marked, a graph is recorded or traced, or the backend has no packed kernel."""
-    if not packed_weights.is_marked(weight) or _needs_custom_op((x, weight, bias)):
+    not marked or not readable, a graph is recorded or traced, or the backend has no packed
+    kernel."""
+    if (
+        not packed_weights.is_marked(weight)
+        or not packed_weights.readable(weight)
+        or _needs_custom_op((x, bias))
+    ):
         return None
     rows, n = as_rows(x), weight.shape[0]
     if rows.shape[0] == 0 or n == 0:

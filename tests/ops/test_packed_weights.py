@@ -137,6 +137,20 @@ def test_packed_bytes_and_unpack():
     assert not any(hasattr(p, "_bik_packed") for p in model.parameters())
 
 
+class _LoaderParameter(torch.nn.Parameter):
+    """A Parameter subclass with no dispatch hook, as vLLM keeps its linear weights in."""
+
+
+def test_a_plain_parameter_subclass_is_packed():
+    layer = _layer(40, 24, torch.float32, bias=False)
+    layer.weight = _LoaderParameter(layer.weight.detach().clone(), requires_grad=False)
+    x = randn((3, 24), torch.float32, seed=13)
+    plain = bik.linear(x, layer.weight)
+    bik.pack_weights(layer)
+    assert_bitwise(bik.linear(x, layer.weight), plain)
+    assert (bik.packed_bytes(layer) > 0) == _packs_here()
+
+
 def test_fp16_is_not_packed_its_layout_being_twice_as_wide():
     # fp16 is packed widened to fp32: a copy would double a decode call's weight reads.
     layer = _layer(64, 64, torch.float16, bias=False)
