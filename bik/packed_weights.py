@@ -48,7 +48,8 @@ class _Packed:
         source = self.source
         if source is None or source.data_ptr() != weight.data_ptr() or key != self.key:
             self.buffer = self.source = self.key = None  # free the stale copy first
-            self.buffer, self.source, self.key = pack(weight.detach()), weight.detach(), key
+            source = weight.detach()
+            self.buffer, self.source, self.key = pack(source), source, key
         return self.buffer
 
 

@@ -45,7 +45,7 @@ def _fingerprints(backend, threads, extra_env=None):
 )
 def test_thread_count_and_reruns_do_not_change_bits(backend_name):
     one = _fingerprints(backend_name, 1)
-    assert len(one.splitlines()) == 6
+    assert len(one.splitlines()) == 8
     assert _fingerprints(backend_name, 2) == one
     assert _fingerprints(backend_name, 2) == one  # a second process, same bits
 
