@@ -98,7 +98,10 @@ TIM=(--set rollout.kernels=native --set rollout.dtype=bfloat16)
 for arm in tim tim_tis tim_surge; do
   case $arm in
   tim) extra=() ;;
-  tim_tis) extra=(--set remedy.name=token_tis) ;;
+  tim_tis)  # its twin is tim's: token TIS weights every token by 1 without a mismatch
+    extra=(--set remedy.name=token_tis)
+    mkdir -p results/rl/smollm2_confirm/tim_tis
+    ln -sfn ../tim/smollm2__twin results/rl/smollm2_confirm/tim_tis/smollm2__twin ;;
   tim_surge) extra=(--set lr_schedule.name=length_surge --set lr_schedule.surge_ratio=2.0) ;;
   esac
   $PY -m rl_harness sweep --recipe smollm2 --seeds 3 "${C11[@]}" "${TIM[@]}" "${extra[@]}" \

@@ -3,10 +3,12 @@
 ``python -m rl_harness sweep --recipe A [--recipe B ...] --seeds N --out DIR`` runs every
 arm (a recipe plus the ``--set`` overrides) on seeds 0..N-1 into ``DIR/<arm>/seed<k>``, and,
 for an arm that injects mismatch, its twin: the same config with every mismatch source off
-(bik kernels on both sides, the trainer's dtype, no synthetic rollout noise), into
-``DIR/<arm>__twin/seed<k>``, on the same seeds. Arm and twin share the seed, so the warm-up and
-the prompts agree and the per-seed difference isolates the mismatch (a paired design). A run
-already complete is kept, a cut one is resumed: rerunning the command finishes a sweep.
+(bik kernels on both sides, the trainer's dtype, no synthetic rollout noise; no remedy where
+the remedy is the identity without a mismatch, so arms that differ by such a remedy alone have
+one twin), into ``DIR/<arm>__twin/seed<k>``, on the same seeds. Arm and twin share the seed,
+so the warm-up and the prompts agree and the per-seed difference isolates the mismatch (a
+paired design). A run already complete is kept, a cut one is resumed: rerunning the command
+finishes a sweep.
 
 ``DIR/sweep.md`` gives per arm the mean and a 95 % confidence interval (Student's t over the
 seeds) of the reward at the start and the end, the peak k3, the share of unequal tokens and
@@ -24,8 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import collapse, report, rundir, runner
-from .config import Config
+import torch
+
+from . import collapse, remedies, report, rundir, runner
+from .config import Config, RemedyConfig
 from .errors import HarnessError
 from .report import interval as interval  # sweep.interval, as before it moved
 from .rundir import write_atomic
@@ -47,12 +51,24 @@ def twin(cfg: Config) -> Config:
         logit_round_bits=0,
         weight_round_bits=0,
     )
-    out = dataclasses.replace(
-        cfg, rollout=rollout, train=dataclasses.replace(cfg.train, kernels="bik", autocast="none")
-    )
+    remedy = cfg.remedy
+    if is_identity_without_mismatch(remedy):
+        remedy = dataclasses.replace(remedy, name="none")
+    train = dataclasses.replace(cfg.train, kernels="bik", autocast="none")
+    out = dataclasses.replace(cfg, rollout=rollout, train=train, remedy=remedy)
     if not out.zero_mismatch:  # a mismatch source this function does not know yet
         raise HarnessError("sweep: could not turn every mismatch source off for the twin")
     return out
+
+
+def is_identity_without_mismatch(remedy: RemedyConfig) -> bool:
+    """Whether ``remedy`` keeps every token at weight exactly 1 when the rollout's log-probs
+    equal the trainer's (every ratio exp(0) = 1), as every remedy does unless its thresholds
+    exclude a ratio of 1 (``token_mis`` with ``remedy.high`` < 1, say). Asked of the remedy
+    itself on one token rather than listed, so a new remedy needs no entry here."""
+    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
+    weight, keep, _ = remedies.weights(remedy, zero, zero, one)
+    return bool(weight.eq(1).all() and keep.eq(1).all())
 
 
 def arms(configs: dict[str, Config]) -> dict[str, Config]:

@@ -1,9 +1,10 @@
 """rl_harness sweep: seeds beside zero-mismatch twins, 95 % intervals, resumable."""
 
+import dataclasses
 import math
 
 import pytest
-from rl_helpers import TINY
+from rl_helpers import TINY, run_metrics
 
 from rl_harness import config, recipes, runner, sweep
 from rl_harness.__main__ import main
@@ -21,7 +22,24 @@ def test_a_twin_turns_every_mismatch_source_off_and_keeps_the_rest(recipe):
     cfg = config.build(recipes.overrides(recipe), ["train.lr=1e-3", "remedy.name=token_tis"])
     twin = sweep.twin(cfg)
     assert not cfg.zero_mismatch and twin.zero_mismatch
-    assert (twin.train.lr, twin.remedy, twin.seed) == (1e-3, cfg.remedy, cfg.seed)
+    assert (twin.train.lr, twin.seed) == (1e-3, cfg.seed)
+    # token TIS weights every token by exactly 1 without a mismatch: the twin runs no remedy
+    assert twin.remedy == dataclasses.replace(cfg.remedy, name="none")
+
+
+def test_a_twin_keeps_a_remedy_that_drops_tokens_even_without_a_mismatch():
+    cfg = config.build(
+        recipes.overrides("kernel_swap"), ["remedy.name=token_mis", "remedy.high=0.9"]
+    )
+    assert sweep.twin(cfg).remedy == cfg.remedy
+
+
+def test_a_remedy_changes_no_bit_of_a_zero_mismatch_run(tmp_path):
+    """Why a twin may drop its remedy: arms that differ by it alone share one twin's runs."""
+    cache = tmp_path / "cache"
+    plain = run_metrics(tmp_path, cache, "plain", [*TINY, "steps=2"])
+    tis = run_metrics(tmp_path, cache, "tis", [*TINY, "steps=2", "remedy.name=token_tis"])
+    assert tis == plain
 
 
 def test_a_zero_mismatch_arm_has_no_twin():
