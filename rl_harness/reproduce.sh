@@ -58,7 +58,22 @@ $PY -m rl_harness sweep --recipe collapse_constant --set train.lr=1e-3 --seeds 3
 rm -rf "${OUT:?}/collapse_long"
 $PY -m rl_harness sweep --recipe collapse_long_constant --seeds 3 \
   --out "$OUT/collapse_long" > /dev/null 2>&1 || echo "FAILED: collapse_long"
-find "$OUT/collapse" "$OUT/collapse_lr1e-3" "$OUT/collapse_long" -name checkpoint.pt -delete
+# Its registered follow-up (section 12): a pilot of the twin alone picks the largest LR it
+# survives (seeds 100 and 101), then the sweep at that LR (5e-4)
+for lr in 1e-3 5e-4 2.5e-4; do
+  for seed in 100 101; do
+    rm -rf "${OUT:?}/collapse_edge_pilot/lr$lr/seed$seed"
+    $PY -m rl_harness run --recipe collapse_long_constant --set rollout.kernels=bik \
+      --set rollout.dtype=float32 --set rollout.weight_round_bits=0 --set seed=$seed \
+      --set train.lr=$lr --out "$OUT/collapse_edge_pilot/lr$lr/seed$seed" > /dev/null 2>&1 \
+      || echo "FAILED: collapse_edge_pilot lr$lr seed$seed"
+  done
+done
+rm -rf "${OUT:?}/collapse_edge"
+$PY -m rl_harness sweep --recipe collapse_long_constant --seeds 3 --set train.lr=5e-4 \
+  --out "$OUT/collapse_edge" > /dev/null 2>&1 || echo "FAILED: collapse_edge"
+find "$OUT/collapse" "$OUT/collapse_lr1e-3" "$OUT/collapse_long" "$OUT/collapse_edge_pilot" \
+  "$OUT/collapse_edge" -name checkpoint.pt -delete
 $PY -m rl_harness compare $OUT/collapse/collapse_* --out $OUT/collapse/compare
 if [[ $HAVE_VLLM == 1 ]]; then  # rollout in vLLM (rollout.engine=vllm) vs the hf sampler
   rm -rf "${OUT:?}/compare_engines"
