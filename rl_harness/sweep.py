@@ -138,6 +138,50 @@ EVAL_STATISTICS: tuple[Statistic, ...] = (
 )
 
 
+def _k3_mean(history: History, first: bool) -> float:
+    rows = history[:10] if first else history[-10:]
+    return statistics.fmean(m["mismatch/k3_kl"] for m in rows)
+
+
+def _eval_first(history: History) -> float | None:
+    rows = report.eval_rows(history)
+    return rows[0][collapse.EVAL_METRIC] if rows else None
+
+
+# the per-seed table's columns, beside the collapse step: what a registered prediction reads
+PER_SEED_STATISTICS: tuple[Statistic, ...] = (
+    ("reward last 5", lambda h: _reward(h, False)),
+    ("k3 first 10", lambda h: _k3_mean(h, True)),
+    ("k3 last 10", lambda h: _k3_mean(h, False)),
+)
+EVAL_PER_SEED_STATISTICS: tuple[Statistic, ...] = (
+    ("eval accuracy first", _eval_first),
+    *EVAL_STATISTICS,
+)
+
+
+def _per_seed_lines(results: dict[str, list[History]], evaluated: bool) -> list[str]:
+    """One row per arm and seed: the run's own figures and its first collapse step."""
+    columns = PER_SEED_STATISTICS + (EVAL_PER_SEED_STATISTICS if evaluated else ())
+    lines = [
+        "",
+        "Per seed (collapse step: the first, or none):",
+        "",
+        "| arm | seed | " + " | ".join(c for c, _ in columns) + " | collapse step |",
+        "|---|---:|" + "---:|" * (len(columns) + 1),
+    ]
+    for arm, histories in results.items():
+        for seed, history in enumerate(histories):
+            cells = [_cell([stat(history)]) for _, stat in columns]
+            step = collapse.collapse_step(history)
+            lines.append(
+                f"| {arm} | {seed} | "
+                + " | ".join(cells)
+                + f" | {'none' if step is None else step} |"
+            )
+    return lines
+
+
 def _minus(a: float | None, b: float | None) -> float | None:
     """``a - b``; None (not measured) where either is."""
     return None if a is None or b is None else a - b
@@ -148,10 +192,12 @@ def _cell(values: Sequence[float | None]) -> str:
 
 
 def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -> str:
-    """Per arm: mean ± 95 % CI over seeds; then each arm's paired difference from its twin."""
+    """Per arm: mean ± 95 % CI over seeds; then each arm's paired difference from its twin;
+    then each run's own figures, seed by seed."""
     seeds = len(next(iter(results.values())))
     runs = [h for histories in results.values() for h in histories]
-    columns = STATISTICS + (EVAL_STATISTICS if any(map(collapse.evaluated, runs)) else ())
+    evaluated = any(map(collapse.evaluated, runs))
+    columns = STATISTICS + (EVAL_STATISTICS if evaluated else ())
     lines = [
         f"Mean ± half-width of the 95 % confidence interval over {seeds} seeds (Student's t).",
         "",
@@ -179,6 +225,7 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
                 for _, stat in differences
             ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += _per_seed_lines(results, evaluated)
     return "\n".join(lines) + f"\n\n![sweep]({plot})\n"
 
 

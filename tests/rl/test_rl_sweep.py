@@ -63,6 +63,16 @@ def test_a_sweep_runs_arm_and_twin_on_each_seed_and_resumes_a_cut_run(tmp_path, 
     full = sweep.sweep(_configs(2), 2, tmp_path / "full", cache_dir=cache, progress=False)
     assert "| kernel_swap | " in full and "| kernel_swap__twin | " in full
     assert "Paired difference" in full and (tmp_path / "full" / "sweep.png").exists()
+    per_seed = {
+        tuple(cells[:2]): cells[2:]  # (arm, seed): reward last 5, k3 first 10, k3 last 10, step
+        for line in full.split("Per seed")[1].splitlines()
+        if len(cells := [c.strip() for c in line.strip("|").split("|")]) == 6
+    }
+    assert set(per_seed) == {("arm", "seed"), ("---", "---:")} | {
+        (arm, str(seed)) for arm in ("kernel_swap", "kernel_swap__twin") for seed in (0, 1)
+    }
+    assert per_seed["kernel_swap__twin", "1"][1:] == ["0", "0", "none"]
+    assert float(per_seed["kernel_swap", "1"][1]) > 0
     twin = runner.read_metrics(tmp_path / "full" / "kernel_swap__twin" / "seed1")
     assert all(m["mismatch/tokens_unequal_count"] == 0 for m in twin)
 
