@@ -355,11 +355,19 @@ STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), 
 
 
 def plain_ticks(ax: Axes) -> None:
-    """Each y tick labelled with its own value in 3 significant digits: no offset text and no
-    shared exponent to combine with it."""
+    """Each y tick labelled with its own value, no offset text and no shared exponent to
+    combine with it: in 3 significant digits, or as many more as it takes for every tick to
+    read differently (0.9995 and 0.9990 are both 0.999 in 3)."""
     from matplotlib.ticker import FuncFormatter
 
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    def label(value: float, _: int | None) -> str:
+        ticks = ax.yaxis.get_majorticklocs()
+        digits = next(
+            (d for d in range(3, 9) if len({f"{t:.{d}g}" for t in ticks}) == len(ticks)), 9
+        )
+        return f"{value:.{digits}g}"
+
+    ax.yaxis.set_major_formatter(FuncFormatter(label))
 
 
 def plot_panel(ax: Axes, runs: Mapping[str, Sequence[History]], key: str, title: str) -> None:

@@ -60,6 +60,12 @@ def test_a_flat_panel_gets_a_range_and_ticks_are_plain_numbers(tmp_path):
     report.plot_panel(ax2, {"flat": [flat]}, "k", "k")
     low, high = ax2.get_ylim()
     assert low < 0 < high and len(ax2.get_yticks()) > 2
+    _, ax3 = plt.subplots()  # ticks 0.0005 apart near 1: 3 significant digits would repeat
+    near_one = [{"step": s, "k": 1.0 - 0.0025 * (s % 2)} for s in range(3)]
+    report.plot_panel(ax3, {"near one": [near_one]}, "k", "k")
+    ax3.figure.canvas.draw()
+    labels = [t.get_text() for t in ax3.get_yticklabels()]
+    assert len(set(labels)) == len(labels) > 2 and "0.9995" in labels
     plt.close("all")
 
 
