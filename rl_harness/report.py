@@ -118,6 +118,12 @@ def eval_rows(history: History) -> History:
     return [m for m in history if EVAL in m]
 
 
+def eval_first(history: History) -> float | None:
+    """The first held-out accuracy (None: the run did not evaluate)."""
+    rows = eval_rows(history)
+    return rows[0][EVAL] if rows else None
+
+
 def eval_peak(history: History) -> float | None:
     """The highest held-out accuracy (None: the run did not evaluate)."""
     return max((m[EVAL] for m in eval_rows(history)), default=None)

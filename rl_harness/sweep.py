@@ -67,8 +67,8 @@ def is_identity_without_mismatch(remedy: RemedyConfig) -> bool:
     exclude a ratio of 1 (``token_mis`` with ``remedy.high`` < 1, say). Asked of the remedy
     itself on one token rather than listed, so a new remedy needs no entry here."""
     zero, one = torch.zeros(1, 1), torch.ones(1, 1)
-    weight, keep, _ = remedies.weights(remedy, zero, zero, one)
-    return bool(weight.eq(1).all() and keep.eq(1).all())
+    weight, _, _ = remedies.weights(remedy, zero, zero, one)  # the weight includes the keep
+    return bool(weight.eq(1).all())
 
 
 def arms(configs: dict[str, Config]) -> dict[str, Config]:
@@ -143,19 +143,14 @@ def _k3_mean(history: History, first: bool) -> float:
     return statistics.fmean(m["mismatch/k3_kl"] for m in rows)
 
 
-def _eval_first(history: History) -> float | None:
-    rows = report.eval_rows(history)
-    return rows[0][collapse.EVAL_METRIC] if rows else None
-
-
 # the per-seed table's columns, beside the collapse step: what a registered prediction reads
 PER_SEED_STATISTICS: tuple[Statistic, ...] = (
-    ("reward last 5", lambda h: _reward(h, False)),
+    STATISTICS[1],  # reward last 5
     ("k3 first 10", lambda h: _k3_mean(h, True)),
     ("k3 last 10", lambda h: _k3_mean(h, False)),
 )
 EVAL_PER_SEED_STATISTICS: tuple[Statistic, ...] = (
-    ("eval accuracy first", _eval_first),
+    ("eval accuracy first", report.eval_first),
     *EVAL_STATISTICS,
 )
 
