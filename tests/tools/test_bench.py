@@ -336,6 +336,22 @@ def test_markdown_says_the_cuda_backend_is_the_portable_reference():
     assert "portable reference" not in bench.markdown(_result("triton"))
 
 
+def test_offline_a_real_model_case_is_skipped_not_failed(tmp_path, monkeypatch, capsys):
+    from bik import models
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))  # nothing prepared there
+    monkeypatch.setenv(models.OFFLINE_ENV, "1")
+    monkeypatch.setattr(bench, "measure_peaks", lambda *args: (1e12, 1e9))
+    out = tmp_path / "out.json"
+    argv = ["bench", "--device", "cpu", "--ops", "e2e_smollm2_forward", "--dtypes", "float32"]
+    assert main([*argv, "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["records"]
+    assert "BIK_OFFLINE=1" in record["skipped"] and "bik_ms" not in record
+    printed = capsys.readouterr().out
+    assert "| e2e_smollm2_forward |" in printed
+    assert "| float32 | skipped: smollm2 is not prepared" in printed
+
+
 def test_markdown_names_versions_timer_rotation_peaks_and_failures():
     text = bench.markdown(_result("triton", interrupted=True))
     assert "torch 2.11.0+cu130, Triton 3.6.0, CUDA 13.0; bik backend `triton`" in text

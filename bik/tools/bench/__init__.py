@@ -11,7 +11,8 @@ exceed 100% of the copy bandwidth. On a GPU each sample set is timed by CUDA eve
 inputs are copied (:func:`rotation_copies`) so that the copies together are at least twice
 the L2 cache; bik and the baseline walk the copies in turn through one cursor, so no timed call
 finds its inputs left in L2 by an earlier one (model cases are not copied: their weights alone
-exceed L2). A case that fails on a GPU is recorded with its error and the others still run; an
+exceed L2). A case that fails on a GPU is recorded with its error and the others still run (a
+real-model case that ``BIK_OFFLINE=1`` leaves without its model is recorded as skipped); an
 interrupt (Ctrl-C, ``timeout -s INT``) keeps the records made so far.
 
 ``--vllm`` times vLLM instead: generated tokens/s of vLLM with bik against native vLLM, same
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ... import backends
+from ... import backends, models
 from ...contract import DTYPE_NAMES
 from .. import verify, vllm_engine
 from ..cli import (
@@ -204,6 +205,10 @@ def run(
                     bik_ms, base_ms, copies, set_bytes = _time_case(
                         case, device, dtype, l2, min_time
                     )
+                except models.ModelOfflineError as error:  # BIK_OFFLINE=1: not a failure
+                    record["skipped"] = str(error)
+                    say(_row(record))
+                    continue
                 except Exception as error:
                     if not gpu:  # the CPU bench stops at the first failure
                         raise
@@ -233,7 +238,7 @@ def run(
                     )
                 say(_row(record))
     except KeyboardInterrupt:
-        if records and "bik_ms" not in records[-1] and "error" not in records[-1]:
+        if records and not {"bik_ms", "error", "skipped"} & records[-1].keys():
             records.pop()  # the case being timed
         result["interrupted"] = True
         say(f"interrupted: {len(records)} records kept")
@@ -294,6 +299,8 @@ HEADER = (
 def _row(r):
     if "error" in r:
         return f"| {r['op']} | {r['shape']} | {r['dtype']} | failed: {r['error']} |"
+    if "skipped" in r:
+        return f"| {r['op']} | {r['shape']} | {r['dtype']} | skipped: {r['skipped']} |"
     head = (
         f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
     )
