@@ -122,3 +122,8 @@ for arm in tim tim_tis tim_surge; do
   $PY -m rl_harness sweep --recipe smollm2 --seeds 3 "${C11[@]}" "${TIM[@]}" "${extra[@]}" \
     --out "results/rl/smollm2_confirm/$arm" > /dev/null 2>&1 || echo "FAILED: smollm2_confirm $arm"
 done
+# ... and every arm side by side (mean and 95 % interval over the seeds)
+R11=results/rl/smollm2_confirm
+$PY -m rl_harness compare $R11/tim/smollm2 $R11/tim/smollm2__twin $R11/tim_tis/smollm2 \
+  $R11/tim_surge/smollm2 $R11/tim_surge/smollm2__twin --out $R11/compare > /dev/null 2>&1 \
+  || echo "FAILED: smollm2_confirm compare"
