@@ -124,9 +124,12 @@ def _reward(history: History, first: bool) -> float:
 
 # (column, per-run statistic; None: not measured)
 Statistic = tuple[str, Callable[[History], float | None]]
+REWARD_FIRST: Statistic = ("reward first 5", lambda h: _reward(h, True))
+REWARD_LAST: Statistic = ("reward last 5", lambda h: _reward(h, False))
+EVAL_LAST: Statistic = ("eval accuracy last", report.eval_last)
 STATISTICS: tuple[Statistic, ...] = (
-    ("reward first 5", lambda h: _reward(h, True)),
-    ("reward last 5", lambda h: _reward(h, False)),
+    REWARD_FIRST,
+    REWARD_LAST,
     ("k3 max", lambda h: max(m["mismatch/k3_kl"] for m in h)),
     ("unequal tokens", lambda h: statistics.fmean(m["mismatch/tokens_unequal_frac"] for m in h)),
 )
@@ -134,7 +137,7 @@ STATISTICS: tuple[Statistic, ...] = (
 
 EVAL_STATISTICS: tuple[Statistic, ...] = (
     ("eval accuracy peak", report.eval_peak),
-    ("eval accuracy last", report.eval_last),
+    EVAL_LAST,
 )
 
 
@@ -145,7 +148,7 @@ def _k3_mean(history: History, first: bool) -> float:
 
 # the per-seed table's columns, beside the collapse step: what a registered prediction reads
 PER_SEED_STATISTICS: tuple[Statistic, ...] = (
-    STATISTICS[1],  # reward last 5
+    REWARD_LAST,
     ("k3 first 10", lambda h: _k3_mean(h, True)),
     ("k3 last 10", lambda h: _k3_mean(h, False)),
 )
@@ -206,7 +209,7 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
     paired = [a for a in results if a + TWIN in results]
     if paired:
         # the rewards, and the held-out accuracy where the runs evaluated
-        differences = STATISTICS[:2] + columns[len(STATISTICS) + 1 :]
+        differences = (REWARD_FIRST, REWARD_LAST) + ((EVAL_LAST,) if evaluated else ())
         lines += [
             "",
             "Paired difference, arm minus its zero-mismatch twin on the same seed:",
