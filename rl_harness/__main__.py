@@ -1,4 +1,4 @@
-"""python -m rl_harness run | sweep | recipes | compare | world-size  (see
+"""python -m rl_harness run | sweep | recipes | compare | world-size | same  (see
 rl_harness/README.md). ``run`` under ``torchrun --nproc-per-node N`` runs data-parallel
 (rl_harness.distributed)."""
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import distributed, recipes, report, rundir, runner, sweep, world_size
+from . import distributed, recipes, report, rundir, runner, same, sweep, world_size
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -139,6 +139,13 @@ def parser() -> argparse.ArgumentParser:
         "world-size", help="a config at world size 1 and on W processes, compared step by step"
     )
     world_size.add_arguments(world)
+    same.add_arguments(
+        commands.add_parser(
+            "same",
+            help="whether two runs are the same bit for bit (metrics and last checkpoint); "
+            "exit 0 if so, 1 if not",
+        )
+    )
     return parser
 
 
@@ -155,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "recipes": _recipes,
         "compare": _compare,
         "world-size": world_size.main,
+        "same": same.main,
     }[args.command]
     formatwarning, warnings.formatwarning = warnings.formatwarning, _warning_line
     try:

@@ -1,0 +1,79 @@
+"""``python -m rl_harness same``: two runs of one config are the same bit for bit, and a run
+that differs in anything (its seed, its rollout kernels, its length) is reported as different."""
+
+import shutil
+
+import pytest
+from rl_helpers import TINY
+
+from rl_harness.__main__ import main
+from rl_harness.same import metric_differences
+
+RUN = [*TINY, "steps=2"]
+
+
+def _run(cache, out, sets=RUN):
+    args = [arg for s in sets for arg in ("--set", s)]
+    assert main(["run", "--out", str(out), "--cache-dir", str(cache), *args]) == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
+    """Four tiny runs: one config twice, the same with another seed, native rollout kernels."""
+    root = tmp_path_factory.mktemp("same")
+    for name, sets in {
+        "a": RUN,
+        "b": RUN,
+        "seed": [*RUN, "seed=1"],
+        "native": [*RUN, "rollout.kernels=native"],
+    }.items():
+        _run(cache, root / name, sets)
+    return root
+
+
+def test_one_config_run_twice_is_the_same(runs, capsys):
+    capsys.readouterr()
+    assert main(["same", str(runs / "a"), str(runs / "b")]) == 0
+    report = capsys.readouterr().out
+    assert ": the same" in report and "every value equal" in report
+    assert "every bit equal" in report
+
+
+def _different(runs, capsys, other):
+    capsys.readouterr()
+    assert main(["same", str(runs / "a"), str(runs / other)]) == 1
+    report = capsys.readouterr().out
+    assert ": different" in report and "step 0: " in report  # the first step already differs
+    return report
+
+
+def test_another_seed_differs_in_metrics_and_weights(runs, capsys):
+    report = _different(runs, capsys, "seed")
+    assert "master: " in report and "tensors differ" in report
+
+
+def test_native_rollout_kernels_differ_in_the_mismatch_metrics(runs, capsys):
+    """The rollout's log-probs differ from the trainer's; whether the weights do depends on
+    whether the update reads them (remedies, the rollout's pi_old), so only metrics are checked."""
+    assert "mismatch/k3_kl" in _different(runs, capsys, "native")
+
+
+def test_metric_differences_name_the_step_and_keys():
+    a = [{"step": 0, "x": 1.0, "y": 2.0}, {"step": 1, "x": 1.0}]
+    b = [{"step": 0, "x": 1.0, "y": 2.0000001}]
+    assert metric_differences(a, b) == ["steps logged: 2 and 1", "step 0: y"]
+    assert metric_differences(a, a) == []
+
+
+def test_missing_directory_or_checkpoint_is_a_one_line_error(runs, tmp_path, capsys):
+    shutil.copytree(runs / "a", tmp_path / "cut", ignore=shutil.ignore_patterns("checkpoint.pt"))
+    for argv, match in [
+        ([runs / "a", tmp_path / "nope"], "same: no run directory at"),
+        ([runs / "a", tmp_path], "no metrics.jsonl"),
+        ([runs / "a", tmp_path / "cut"], "has no checkpoint.pt"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["same", *map(str, argv)])
+        assert exit_info.value.code == 2
+        assert match in capsys.readouterr().err
