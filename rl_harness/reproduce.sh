@@ -124,6 +124,20 @@ for arm in tim tim_tis tim_surge; do
 done
 # ... and every arm side by side (mean and 95 % interval over the seeds)
 R11=results/rl/smollm2_confirm
+rm -rf "$R11/compare"
 $PY -m rl_harness compare $R11/tim/smollm2 $R11/tim/smollm2__twin $R11/tim_tis/smollm2 \
   $R11/tim_surge/smollm2 $R11/tim_surge/smollm2__twin --out $R11/compare > /dev/null 2>&1 \
   || echo "FAILED: smollm2_confirm compare"
+# ... and which runs are the same bit for bit (rl_harness same: 0 same, 1 different): tim_surge
+# and tim (the surge trigger never fired), their twins, and tim against its twin (a control)
+rm -f "$R11/same.md"
+for seed in 0 1 2; do
+  for pair in "tim/smollm2 tim_surge/smollm2" "tim/smollm2__twin tim_surge/smollm2__twin" \
+    "tim/smollm2 tim/smollm2__twin"; do
+    read -r a b <<< "$pair"
+    status=0
+    $PY -m rl_harness same "$R11/$a/seed$seed" "$R11/$b/seed$seed" >> "$R11/same.md" || status=$?
+    echo >> "$R11/same.md"
+    if ((status > 1)); then echo "FAILED: smollm2_confirm same $a $b seed$seed"; fi
+  done
+done
