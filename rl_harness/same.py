@@ -2,9 +2,10 @@
 
     python -m rl_harness same RUN_A RUN_B
 
-Compares every logged metric of every step (metrics.jsonl; floats compared exactly) and the
-last checkpoint's master weights and optimizer state (checkpoint.pt; ``torch.equal`` per
-tensor, loaded memory-mapped so that two large checkpoints fit). Prints a markdown report;
+Compares every logged metric of every step (metrics.jsonl; each value by its exact JSON text,
+so NaN equals NaN and 0.0 differs from -0.0) and the last checkpoint's master weights and
+optimizer state (checkpoint.pt; each tensor's dtype, shape and bytes, loaded memory-mapped so
+that two large checkpoints fit). Prints a markdown report;
 the exit status is 0 when the runs are the same, 1 when they differ (as ``cmp`` does), 2 for
 a directory that cannot be read. Two runs of one config on one machine must be the same:
 that is the determinism bik promises, checked on whole runs rather than single kernels.
@@ -13,6 +14,7 @@ that is the determinism bik promises, checked on whole runs rather than single k
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,26 @@ def metric_differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list
     """One line per difference: a step count, then each step's keys whose values differ."""
     lines = [] if len(a) == len(b) else [f"steps logged: {len(a)} and {len(b)}"]
     for row_a, row_b in zip(a, b):
-        keys = sorted(k for k in row_a.keys() | row_b.keys() if row_a.get(k) != row_b.get(k))
+        keys = sorted(k for k in row_a.keys() | row_b.keys() if _text(row_a, k) != _text(row_b, k))
         if keys:
             lines.append(f"step {row_a.get('step')}: {', '.join(keys)}")
     return lines
+
+
+def _text(row: dict[str, Any], key: str) -> str:
+    """A metric's exact text (floats print in full; NaN is "NaN"); a missing key is unique."""
+    return json.dumps(row[key]) if key in row else "<missing>"
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Same dtype, shape and bytes (torch.equal alone promotes dtypes and finds NaN != NaN)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -72,7 +90,6 @@ def _load(run_dir: Path) -> dict[str, Any]:
 def checkpoint_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], int]:
     """The differences of two checkpoints (step, tensor paths, shapes, bits) and the number
     of tensor elements compared."""
-    import torch
 
     lines = [] if a["step"] == b["step"] else [f"checkpoint step: {a['step']} and {b['step']}"]
     compared = 0
@@ -81,7 +98,7 @@ def checkpoint_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[s
         if tensors_a.keys() != tensors_b.keys():
             lines.append(f"{part}: different tensors ({len(tensors_a)} and {len(tensors_b)})")
             continue
-        unequal = [k for k in tensors_a if not torch.equal(tensors_a[k], tensors_b[k])]
+        unequal = [k for k in tensors_a if not _same_bits(tensors_a[k], tensors_b[k])]
         compared += sum(t.numel() for t in tensors_a.values())
         if unequal:
             lines.append(

@@ -4,10 +4,11 @@ that differs in anything (its seed, its rollout kernels, its length) is reported
 import shutil
 
 import pytest
+import torch
 from rl_helpers import TINY
 
 from rl_harness.__main__ import main
-from rl_harness.same import metric_differences
+from rl_harness.same import checkpoint_differences, metric_differences
 
 RUN = [*TINY, "steps=2"]
 
@@ -63,6 +64,20 @@ def test_metric_differences_name_the_step_and_keys():
     b = [{"step": 0, "x": 1.0, "y": 2.0000001}]
     assert metric_differences(a, b) == ["steps logged: 2 and 1", "step 0: y"]
     assert metric_differences(a, a) == []
+    nan = [{"step": 0, "x": float("nan")}]
+    assert metric_differences(nan, nan) == []  # the same bits, though NaN != NaN
+    assert metric_differences([{"step": 0, "x": 0.0}], [{"step": 0, "x": -0.0}]) == ["step 0: x"]
+
+
+def test_checkpoint_differences_compare_dtype_and_bits():
+    def state(weight):
+        return {"step": 3, "master": {"w": weight}, "optimizer": {"state": {}}}
+
+    w = torch.tensor([1.0, float("nan"), -0.0])
+    assert checkpoint_differences(state(w), state(w.clone())) == ([], 3)
+    for other in (w.double(), torch.tensor([1.0, float("nan"), 0.0])):
+        lines, _ = checkpoint_differences(state(w), state(other))
+        assert lines == ["master: 1 of 1 tensors differ (w, ...)"]
 
 
 def test_missing_directory_or_checkpoint_is_a_one_line_error(runs, tmp_path, capsys):
