@@ -5,10 +5,10 @@
 Compares every logged metric of every step (metrics.jsonl; each value by its exact JSON text,
 so NaN equals NaN and 0.0 differs from -0.0) and the last checkpoint's master weights and
 optimizer state (checkpoint.pt; each tensor's dtype, shape and bytes, loaded memory-mapped so
-that two large checkpoints fit). Prints a markdown report;
-the exit status is 0 when the runs are the same, 1 when they differ (as ``cmp`` does), 2 for
-a directory that cannot be read. Two runs of one config on one machine must be the same:
-that is the determinism bik promises, checked on whole runs rather than single kernels.
+that two large checkpoints fit). Prints a markdown report; the exit status is 0 when the runs
+are the same, 1 when they differ (as ``cmp`` does), 2 for a directory that cannot be read.
+Two runs of one config on one machine must be the same: that is the determinism bik promises,
+checked on whole runs rather than single kernels.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ def _load(run_dir: Path) -> dict[str, Any]:
 def checkpoint_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], int]:
     """The differences of two checkpoints (step, tensor paths, shapes, bits) and the number
     of tensor elements compared."""
-
     lines = [] if a["step"] == b["step"] else [f"checkpoint step: {a['step']} and {b['step']}"]
     compared = 0
     for part in CHECKPOINT_PARTS:
