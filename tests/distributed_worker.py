@@ -314,11 +314,19 @@ def _plain_tensor_parallel(model: torch.nn.Module, mesh) -> None:
     parallelize_module(model, mesh, plan)
 
 
+def plain_tp_logits(family: str, dtype: torch.dtype, mesh) -> torch.Tensor:
+    """The logits of ROWS from the unpatched model under torch's plan on ``mesh``."""
+    model = tp_model(family, dtype, tp_invariant=None)
+    _plain_tensor_parallel(model, mesh)
+    with torch.no_grad():
+        return tp_logits(model)
+
+
 def run_tensor_parallel_rank(rank: int, world: int, out_dir: str, degrees: tuple[int, ...]):
     """Each TP degree on groups of ``degree`` consecutive ranks (a (world / degree, degree)
     mesh's second dim): per family and dtype, the sharded model's logits of ROWS and, at
     rank 0 of the world or at every rank for degree 2, the full gradients of ``loss`` from two
-    runs. At degree 2 also the plain torch plan's logits on the unpatched model."""
+    runs. At degree 2 also the plain torch plan's logits on the unpatched model, per dtype."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bik.distributed import tensor_parallel
@@ -342,10 +350,8 @@ def run_tensor_parallel_rank(rank: int, world: int, out_dir: str, degrees: tuple
                         result["grads", family, dtype, degree] = grads
             if degree == 2:
                 for family in TP_FAMILIES:
-                    model = tp_model(family, torch.float32, tp_invariant=None)
-                    _plain_tensor_parallel(model, mesh["tp"])
-                    with torch.no_grad():
-                        result["plain", family] = tp_logits(model)
+                    for dtype in (torch.float32, torch.bfloat16):
+                        result["plain", family, dtype] = plain_tp_logits(family, dtype, mesh["tp"])
         torch.save(result, os.path.join(out_dir, f"tensor_parallel{rank}.pt"))
     finally:
         dist.destroy_process_group()

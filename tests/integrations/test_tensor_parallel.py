@@ -8,7 +8,8 @@ Qwen3 models (16 query / 8 KV heads), a left-padded batch of 4 rows, fp32 and bf
   backward   a rerun gives the same gradient bits, every rank the same full gradient; it equals
              the one-process gradient within a float tolerance (not bit for bit)
   control    torch's own plan (ColwiseParallel / RowwiseParallel, the K partials all-reduced)
-             on the unpatched model gives other logits than the unpatched model in one process
+             on the unpatched model gives other logits than the unpatched model in one
+             process: in bf16 at TP 2, 4 and 8, in fp32 at one of them at least
   families   the other families it accepts: the fp32 forward at TP 8 (threads)
   FSDP x TP  FSDP2 over the data-parallel dim of a 2 x 2 mesh, TP over the other (threads):
              each row's log-probs bit for bit, deterministic gradients close to one process
@@ -106,14 +107,47 @@ def test_two_ranks_give_the_one_process_logits_and_close_gradients(two_ranks, fa
         _assert_grads_close(run, grads, dtype, f"rank {rank}")
 
 
-@pytest.mark.parametrize("family", worker.TP_FAMILIES)
-def test_plain_tensor_parallel_changes_the_logits(two_ranks, family):
-    """Negative control: torch's ColwiseParallel / RowwiseParallel plan on the unpatched
-    model (each rank's half of K, all-reduced) against the same model in one process."""
+def _plain_logits(family, dtype):
+    """The unpatched model's logits in one process, then under torch's ColwiseParallel /
+    RowwiseParallel plan at TP 2 (the gloo ranks' fixture supplies it), 4 and 8 (threads):
+    each rank's partial over its share of K, all-reduced."""
     with torch.no_grad():
-        expected = worker.tp_logits(worker.tp_model(family, torch.float32, tp_invariant=None))
-    for result in two_ranks:
-        assert not torch.equal(result["plain", family], expected)
+        one = worker.tp_logits(worker.tp_model(family, dtype, tp_invariant=None))
+
+    def rank_main(degree, rank):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return worker.plain_tp_logits(family, dtype, init_device_mesh("cpu", (degree,)))
+
+    sharded = {d: worker.run_threads(d, lambda rank, d=d: rank_main(d, rank)) for d in (4, 8)}
+    return one, sharded
+
+
+@pytest.mark.parametrize("family", worker.TP_FAMILIES)
+def test_plain_tensor_parallel_changes_the_bf16_logits_at_every_degree(two_ranks, family):
+    """Negative control, on every machine: in bf16 each rank's partial is rounded to bf16
+    before the all-reduce adds them (one rounding per rank and per sum, against one rounding
+    of an fp32 accumulator in one process), whatever order the CPU's GEMM sums K in."""
+    one, sharded = _plain_logits(family, torch.bfloat16)
+    sharded[2] = [result["plain", family, torch.bfloat16] for result in two_ranks]
+    for degree, ranks in sharded.items():
+        for rank, logits in enumerate(ranks):
+            assert not torch.equal(logits, one), f"TP {degree} rank {rank}"
+
+
+@pytest.mark.parametrize("family", worker.TP_FAMILIES)
+def test_plain_tensor_parallel_changes_the_fp32_logits(two_ranks, family):
+    """Negative control in fp32, asserted over the degrees: the plain form is exact at one
+    degree when the CPU's GEMM happens to cut K where the ranks do. MKL cuts K into equal
+    blocks and adds their partials in order, so two blocks of K / 2 are exactly TP 2's two
+    partials added: measured for one layer (M = 44, N = 128) at K = 512 on an AVX-512 Xeon and
+    at K = 384 and 512 under MKL's AVX2 path; on an AMD Zen 4 this model (K = 256) gave the
+    one-process logits at TP 2. So no single degree is asserted: at least one of TP 2, 4 and 8
+    must move every rank's logits."""
+    one, sharded = _plain_logits(family, torch.float32)
+    sharded[2] = [result["plain", family, torch.float32] for result in two_ranks]
+    moved = {d: [not torch.equal(logits, one) for logits in ranks] for d, ranks in sharded.items()}
+    assert any(all(ranks) for ranks in moved.values()), f"no degree moved every rank: {moved}"
 
 
 def _sharded(models, degree):
