@@ -8,29 +8,43 @@ and reuses the packed copy for as long as the weight is unchanged. The packed va
 fma (or bf16 pair instruction) per k are the ones of the per-call packing, in the same order:
 the same bits (tests/ops/test_packed_weights.py).
 
-Never stale: a packed copy is remade when the weight's storage, shape, strides, dtype or
-version counter changed since it was made, or :func:`weights_changed` was called (the copy
-holds the storage it was made from, so a new storage never reuses its address). The version
-counter sees every in-place write through the parameter or a view of it (optimizer steps,
-``load_state_dict``, ``copy_`` under ``no_grad``), and a new ``.data`` is a new storage. Writes
-through ``.data``'s own tensor (``p.data.copy_(...)``), numpy views or raw storage bump no
-counter: call :func:`weights_changed` after them. ``bik.vllm`` does after each of the engine's
-``load_weights`` (every weight update goes through it).
+Never stale: a packed copy is remade when the weight's storage, shape, strides, offset,
+dtype or version counter changed since it was made, after any ``torch.optim`` optimizer step
+(fused ones write without bumping version counters), or after :func:`weights_changed`. The
+version counter sees every in-place write through the parameter or a view of it (unfused
+optimizer steps, ``load_state_dict``, ``copy_`` under ``no_grad``), and a new ``.data`` is a new
+storage (compared through a weak reference, so its address is never reused while the copy
+lives). A weight whose storage another tensor also holds (two parameters sharing ``.data``, a
+view of a flat buffer as FSDP1 keeps them) could be written through that tensor unseen: it
+is packed per call, never from a copy. Inference tensors (made under ``inference_mode``)
+have no version counter: packed per call too. Writes through ``.data``'s own tensor
+(``p.data.copy_(...)``), numpy views or raw storage bump no counter: call
+:func:`weights_changed` after them. ``bik.vllm`` does after each of the engine's
+``load_weights`` (every weight update goes through it). A saved, loaded or deep-copied mark
+carries no copy: the copy is made again at its first use.
 
 Memory: one packed copy per marked weight, made at its first use: the weight's bytes (fp32,
 and bf16 on CPUs with AVX512-BF16: k pairs), N rounded up to 64. Where the layout is wider
 than the weight (fp16, and bf16 without AVX512-BF16: widened to fp32) nothing is packed: a
 decode call would read twice the bytes from the copy, more than the packing on the fly costs.
+A copy made before a weight got new storage (``model.to(dtype)``) is freed at the weight's
+next use or by :func:`unpack_weights`.
 Calls that record a graph (a weight that requires grad under grad mode, tracing, vmap) and
 backends without the kernels (GPUs) run matmul as usual.
 """
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import backends
 
 _ATTRIBUTE = "_bik_packed"
 _generation = 0  # bumped by weights_changed(): every packed copy made before is stale
+_optimizer_hook = None  # marks every copy stale after any torch.optim step, once registered
+# References to a lone weight's storage: the weight's own, and the storage object a check asks
+# for (weight.untyped_storage()). More means another tensor can write it unseen.
+_LONE_USES = 2
 
 
 class _Packed:
@@ -38,19 +52,37 @@ class _Packed:
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None  # None: not made yet, or not worth making
-        # The weight's tensor the copy was made from: holding it keeps its storage alive, so
-        # a weight given new storage (``p.data = ...``) never gets the old address back.
-        self.source: torch.Tensor | None = None
+        # The storage the copy was made from, held weakly: it stays distinct from every later
+        # storage while the reference lives, and is freed when the weight lets go of it.
+        self.storage: StorageWeakRef | None = None
         self.key: tuple | None = None
 
+    def __reduce__(self):
+        """Saved (torch.save) or copied: the mark only, never the copy or the old key."""
+        return (_Packed, ())
+
     def of(self, weight: torch.Tensor, pack) -> torch.Tensor | None:
-        key = (weight._version, weight.dtype, weight.shape, weight.stride(), _generation)
-        source = self.source
-        if source is None or source.data_ptr() != weight.data_ptr() or key != self.key:
-            self.buffer = self.source = self.key = None  # free the stale copy first
+        storage = weight.untyped_storage()
+        if torch._C._storage_Use_Count(storage._cdata) > _LONE_USES:
+            self.clear()  # shared storage: writes through the other tensor are unseen
+            return None
+        key = (
+            weight._version,
+            weight.dtype,
+            weight.shape,
+            weight.stride(),
+            weight.storage_offset(),
+            _generation,
+        )
+        held = self.storage
+        if held is None or held.expired() or held.cdata != storage._cdata or key != self.key:
+            self.clear()  # free the stale copy first
             source = weight.detach()
-            self.buffer, self.source, self.key = pack(source), source, key
+            self.buffer, self.storage, self.key = pack(source), StorageWeakRef(storage), key
         return self.buffer
+
+    def clear(self) -> None:
+        self.buffer = self.storage = self.key = None
 
 
 def pack_weights(module: torch.nn.Module) -> int:
@@ -59,12 +91,26 @@ def pack_weights(module: torch.nn.Module) -> int:
     On a device whose backend has no packed kernel (GPUs) the marks change nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    _watch_optimizer_steps()
     marked = 0
     for weight in _linear_weights(module):
-        if getattr(weight, _ATTRIBUTE, None) is None:
-            setattr(weight, _ATTRIBUTE, _Packed())
+        mark(weight)
         marked += 1
     return marked
+
+
+def mark(weight: torch.Tensor) -> None:
+    """Mark one weight to be packed once (kept if already marked)."""
+    if getattr(weight, _ATTRIBUTE, None) is None:
+        setattr(weight, _ATTRIBUTE, _Packed())
+
+
+def _watch_optimizer_steps() -> None:
+    """Mark every packed copy stale after each step of any torch.optim optimizer: fused
+    AdamW, Adam, SGD and Adagrad write parameters without bumping their version counters."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(lambda *_: weights_changed())
 
 
 def unpack_weights(module: torch.nn.Module) -> None:
@@ -99,12 +145,14 @@ def is_marked(weight: torch.Tensor) -> bool:
 def readable(weight: torch.Tensor) -> bool:
     """Whether the packed kernel may read ``weight`` through its data pointer: no graph to
     record (no grad needed), and real storage: not meta, not a subclass with a dispatch hook of
-    its own (DTensor, fake tensors). Plain ``Parameter`` subclasses qualify: vLLM keeps its
-    linear weights in one (``ModelWeightParameter``), which bik's other calls route through
-    the custom op like any subclass."""
+    its own (DTensor, fake tensors), not an inference tensor (no version counter to tell a
+    write). Plain ``Parameter`` subclasses qualify: vLLM keeps its linear weights in one
+    (``ModelWeightParameter``), which bik's other calls route through the custom op like any
+    subclass."""
     return (
         not (weight.requires_grad and torch.is_grad_enabled())
         and not weight.is_meta
+        and not weight.is_inference()
         and type(weight).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
     )
 

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 
+from .. import packed_weights
 from ..distributed import chunked_linear
 from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
@@ -27,6 +28,9 @@ class PatchedForward:
 
     def __init__(self, module: torch.nn.Module, kind: str, backend: str):
         self.module, self.kind, self.backend = module, kind, backend
+        # patch_model(pack_weights=True): the weight is marked again at each call, so a deep
+        # copy of the model (whose Parameters drop their marks) keeps its weights packed.
+        self.pack_weight = False
 
     def _linear_op(self) -> Callable[..., torch.Tensor]:
         if self.kind == "linear":
@@ -39,6 +43,8 @@ class PatchedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, weight = self.module, cast(torch.Tensor, local_weight(self.module))
         if self.kind in ("linear", "row_parallel_linear"):
+            if self.pack_weight:
+                packed_weights.mark(weight)
             bias = local_weight(m, "bias")
             autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, bias)
             return run(self.backend, autocast_on, self._linear_op(), x, weight, bias)

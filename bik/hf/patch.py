@@ -208,6 +208,10 @@ def patch_model(
     model.set_attn_implementation(ATTENTION_NAME)
     if pack_weights:
         packed_weights.pack_weights(model)
+        for name in patched:
+            forward = model.get_submodule(name).forward
+            if isinstance(forward, PatchedForward):
+                forward.pack_weight = True
     report = PatchReport(
         model_type,
         backend,

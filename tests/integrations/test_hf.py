@@ -1,5 +1,7 @@
 """patch_model on Hugging Face causal LMs: bitwise rollout-vs-train log-probs, verify, errors."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -114,6 +116,27 @@ def test_packed_weights_generate_the_bits_of_the_plain_patch(dtype):
     assert (bik.packed_bytes(packed) > 0) == (pack(torch.zeros(1, 1, dtype=dtype)) is not None)
     bik.unpatch_model(packed)
     assert bik.packed_bytes(packed) == 0
+
+
+def test_packed_weights_follow_a_fused_adamw_step_and_a_deep_copy():
+    # transformers' Trainer defaults to adamw_torch_fused, which bumps no version counter.
+    plain, packed = tiny("tiny-qwen3"), tiny("tiny-qwen3")
+    bik.patch_model(plain)
+    bik.patch_model(packed, pack_weights=True)
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(4))
+    for model in (plain, packed):
+        with torch.no_grad():
+            model(input_ids=ids)  # packs the copy (an eval, a generate)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        optimizer.step()
+    with torch.no_grad():
+        expected = plain(input_ids=ids).logits
+        assert torch.equal(packed(input_ids=ids).logits, expected)
+        twin = copy.deepcopy(packed)
+        assert torch.equal(twin(input_ids=ids).logits, expected)
+    pack = bik.backends.resolve(torch.device("cpu"), "matmul").pack_weight
+    assert (bik.packed_bytes(twin) > 0) == (pack(torch.zeros(1, 1)) is not None)
 
 
 def test_patch_with_explicit_backend():

@@ -1,11 +1,14 @@
 """Weights packed once (bik.pack_weights): the bits of the per-call packing, never stale."""
 
+import gc
+
 import pytest
 import torch
 from conftest import DEVICE
 from helpers import DTYPES, assert_bitwise, randn
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import bik
 from bik import backends
@@ -164,3 +167,102 @@ def test_fp16_is_not_packed_its_layout_being_twice_as_wide():
 def test_pack_weights_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match=r"module: expected a torch\.nn\.Module"):
         bik.pack_weights(torch.zeros(2, 2))
+
+
+def _fresh(x, weight):
+    """The product from an unmarked copy of ``weight`` as it is now."""
+    return bik.linear(x, weight.detach().clone())
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [("AdamW", {}), ("Adam", {}), ("SGD", {"momentum": 0.9}), ("Adagrad", {})],
+)
+def test_a_fused_optimizer_step_repacks(name, kwargs):
+    # Fused CPU optimizers write the parameters without bumping their version counters.
+    layer = _layer(40, 24, torch.float32, bias=False)
+    x = randn((3, 24), torch.float32, seed=14)
+    bik.pack_weights(layer)
+    optimizer = getattr(torch.optim, name)(layer.parameters(), lr=0.5, fused=True, **kwargs)
+    version = layer.weight._version
+    with torch.no_grad():
+        before = bik.linear(x, layer.weight)  # the packed copy is made here
+    bik.linear(x, layer.weight).sum().backward()
+    optimizer.step()
+    assert layer.weight._version == version  # what makes this case hard
+    with torch.no_grad():
+        after = bik.linear(x, layer.weight)
+        assert_bitwise(after, _fresh(x, layer.weight), f"after a fused {name} step")
+        assert not torch.equal(after, before)
+
+
+def test_parameters_sharing_storage_are_packed_per_call():
+    # `b.data = a.data`: a step on `a` bumps `a`'s counter, never `b`'s.
+    a, b = _layer(20, 30, torch.float32, bias=False), _layer(20, 30, torch.float32, False, 2)
+    b.weight.data = a.weight.data
+    x = randn((2, 30), torch.float32, seed=15)
+    bik.pack_weights(b)
+    with torch.no_grad():
+        bik.linear(x, b.weight)
+        a.weight.mul_(3)
+        assert_bitwise(bik.linear(x, b.weight), _fresh(x, b.weight), "after a step on the twin")
+    assert bik.packed_bytes(b) == 0
+
+
+def test_a_view_of_a_flat_buffer_written_through_the_buffer():
+    # FSDP1 keeps parameters as views of one flat buffer and all-gathers into the buffer.
+    flat = torch.zeros(20 * 30 + 7, device=DEVICE)
+    layer = _layer(20, 30, torch.float32, bias=False)
+    layer.weight.data = flat[7:].view(20, 30)
+    x = randn((2, 30), torch.float32, seed=16)
+    bik.pack_weights(layer)
+    with torch.no_grad():
+        flat.copy_(randn((20 * 30 + 7,), torch.float32, seed=17))
+        bik.linear(x, layer.weight)
+        flat.copy_(randn((20 * 30 + 7,), torch.float32, seed=18))
+        assert_bitwise(bik.linear(x, layer.weight), _fresh(x, layer.weight), "after a gather")
+
+
+def test_a_saved_and_loaded_module_packs_its_loaded_weights(tmp_path):
+    layer = _layer(20, 30, torch.float32, bias=False)
+    x = randn((2, 30), torch.float32, seed=19)
+    bik.pack_weights(layer)
+    with torch.no_grad():
+        bik.linear(x, layer.weight)
+        torch.save(layer, tmp_path / "layer.pt")
+        layer.weight.data.copy_(randn((20, 30), torch.float32, seed=20))  # the saved copy is old
+        torch.save(layer, tmp_path / "changed.pt")
+    loaded = torch.load(tmp_path / "changed.pt", weights_only=False)
+    assert bik.packed_bytes(loaded) == 0  # the mark is kept, never a copy
+    with torch.no_grad():
+        assert_bitwise(bik.linear(x, loaded.weight), _fresh(x, loaded.weight), "loaded")
+    assert (bik.packed_bytes(loaded) > 0) == _packs_here()
+
+
+def test_inference_tensors_are_packed_per_call():
+    with torch.inference_mode():
+        layer = _layer(20, 30, torch.float32, bias=False)
+        x = randn((2, 30), torch.float32, seed=21)
+    bik.pack_weights(layer)
+    with torch.inference_mode():
+        first = bik.linear(x, layer.weight)
+        layer.weight.mul_(2)  # no version counter sees this
+        assert_bitwise(bik.linear(x, layer.weight), _fresh(x, layer.weight), "after mul_")
+    assert not torch.equal(first, bik.linear(x, layer.weight))
+    assert bik.packed_bytes(layer) == 0
+
+
+def test_a_weight_given_new_storage_lets_the_old_one_go():
+    # model.to(dtype) gives each weight new storage; the packed copy must not keep the old one.
+    layer = _layer(64, 64, torch.float32, bias=False)
+    x = randn((2, 64), torch.float32, seed=22)
+    bik.pack_weights(layer)
+    old = StorageWeakRef(layer.weight.untyped_storage())
+    with torch.no_grad():
+        bik.linear(x, layer.weight)
+    layer.to(torch.bfloat16)
+    gc.collect()
+    assert old.expired()
+    with torch.no_grad():
+        x = x.bfloat16()
+        assert_bitwise(bik.linear(x, layer.weight), _fresh(x, layer.weight), "after .to(bf16)")
