@@ -27,6 +27,7 @@ runs ``rank_partial`` and ``combine_partials`` in a model's row-parallel layers,
 backward.
 """
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +76,30 @@ def _check_chunks(name: str, chunks: int, k: int) -> None:
         raise ValueError(f"{name}: K = {k} (the last dim of x) is not divisible by {chunks}")
 
 
+def _check_chunked_operands(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> None:
+    _check_operands("x", x, "weight", weight, None, "K, the last dim of x")
+    _check_chunks("chunks", chunks, x.shape[-1])
+
+
+def _check_partials(partials: list[torch.Tensor]) -> None:
+    if not isinstance(partials, (list, tuple)) or not partials:
+        raise ValueError(
+            f"partials: expected a non-empty list of the ranks' partials, got {partials!r}"
+        )
+    count = len(partials)
+    if count & (count - 1):
+        raise ValueError(f"partials: expected a power-of-two count (one per rank), got {count}")
+    for rank, partial in enumerate(partials):
+        name = f"partials[{rank}]"
+        if not isinstance(partial, torch.Tensor) or partial.dtype != torch.float32:
+            raise TypeError(f"{name}: expected an fp32 tensor (rank_partial's), got {partial!r}")
+        if partial.shape != partials[0].shape:
+            raise ValueError(
+                f"{name}: expected the shape of partials[0], {tuple(partials[0].shape)}, got "
+                f"{tuple(partial.shape)}"
+            )
+
+
 def _check_operands(
     x_name: str,
     x: torch.Tensor,
@@ -99,6 +124,12 @@ def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, n: int) -> None:
         _checks.dim_size("bias", bias, 0, n, "N, the first dim of weight")
 
 
+def _digest(t: torch.Tensor) -> str:
+    """A SHA-256 of ``t``'s bytes: ranks compare values without sending them."""
+    raw = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
 def _check_ranks_agree(
     x_shard: torch.Tensor,
     weight_shard: torch.Tensor,
@@ -108,14 +139,16 @@ def _check_ranks_agree(
 ) -> None:
     """Every rank must call with the same layout: other chunk counts would sum partials of
     different trees (a result equal to no chunked_linear), other shapes would gather into
-    buffers of the wrong size. One small all_gather_object compares them; every rank raises
-    the same ValueError, naming each rank's values."""
+    buffers of the wrong size, another bias would make the ranks' outputs differ. One small
+    all_gather_object compares them (the bias by a digest of its bytes); every rank raises the
+    same ValueError, naming each rank's values."""
     layout = {
         "chunks_per_rank": chunks_per_rank,
         "x_shard shape": tuple(x_shard.shape),
         "weight_shard shape": tuple(weight_shard.shape),
         "dtype": str(x_shard.dtype),
         "bias": None if bias is None else tuple(bias.shape),
+        "bias values": None if bias is None else _digest(bias),
     }
     layouts: list[dict | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(layouts, layout, group=group)
@@ -130,11 +163,12 @@ def _check_ranks_agree(
 
 def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
     """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``: one
-    rank's subtree (``chunks`` = C / T, a power of two dividing K; not checked here).
+    rank's subtree (``chunks`` = C / T, a power of two dividing K).
 
     A backend with a chunked kernel (cpu) computes it in one call, reading x and the weight in
     their dtype; otherwise, and whenever a graph is recorded (autograd, tracing), each chunk is
     a bik.linear of the fp32 casts, tree-summed here: the same bits."""
+    _check_chunked_operands(x, weight, chunks)
     kernel = backends.resolve(x.device, "matmul").chunked_matmul
     if kernel is not None and x.dtype == weight.dtype and not _needs_custom_op((x, weight)):
         out = kernel(x.reshape(-1, x.shape[-1]), weight.t(), chunks)
@@ -145,6 +179,7 @@ def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Te
 def per_chunk_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
     """:func:`rank_partial` as one bik.linear per chunk on the fp32 casts, tree-summed here:
     differentiable, and the path of backends without a chunked kernel."""
+    _check_chunked_operands(x, weight, chunks)
     step = x.shape[-1] // chunks
     x32, w32 = x.float(), weight.float()  # exact casts: the order is the fp32 kernel's
     parts = [
@@ -157,8 +192,15 @@ def per_chunk_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> tor
 def combine_partials(
     partials: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The ranks' fp32 partials (in rank order, a power-of-two count) summed by the top of the
-    tree, the bias added in fp32, one rounding to ``dtype``."""
+    """The ranks' fp32 partials (in rank order, a power-of-two count, one shape) summed by the
+    top of the tree, the bias added in fp32, one rounding to ``dtype``."""
+    _check_partials(partials)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
+    if bias is not None:
+        _checks.floating("bias", bias)
+        _checks.rank("bias", bias, 1)
+        _checks.dim_size("bias", bias, 0, partials[0].shape[-1], "N, the last dim of the partials")
     total = _tree_sum(partials)
     if bias is not None:
         total = total + bias.float()

@@ -239,12 +239,18 @@ def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
                 result[dtype, per_rank] = row_parallel_linear(
                     xs, ws, bias, chunks_per_rank=per_rank
                 )
-        # Ranks that disagree (issue 25, item 8): other chunk counts, other row counts.
+        # Ranks that disagree (issue 25, item 8): other chunk counts, other row counts, and
+        # (issue 42, item 4) another bias of the same shape.
         x, weight, bias = tp_inputs(torch.float32)
         xs, ws = k_slice(x, rank, world), k_slice(weight, rank, world)
-        for what, per_rank, rows in (("chunks_per_rank", rank + 1, 6), ("rows", 1, 6 - rank)):
+        cases = (
+            ("chunks_per_rank", rank + 1, 6, bias),
+            ("rows", 1, 6 - rank, bias),
+            ("bias values", 1, 6, bias + rank),
+        )
+        for what, per_rank, rows, rank_bias in cases:
             try:
-                row_parallel_linear(xs[:rows], ws, bias, chunks_per_rank=per_rank)
+                row_parallel_linear(xs[:rows], ws, rank_bias, chunks_per_rank=per_rank)
                 result["disagree", what] = None
             except ValueError as error:
                 result["disagree", what] = str(error)

@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 import bik
 from bik import backends
 from bik.contract import TP_CHUNKS
-from bik.distributed import chunked_linear, rank_partial, row_parallel_linear
+from bik.distributed import (
+    chunked_linear,
+    combine_partials,
+    per_chunk_partial,
+    rank_partial,
+    row_parallel_linear,
+)
 from bik.families import FAMILIES, ROW_PARALLEL_NAMES
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -197,6 +203,43 @@ def test_row_parallel_linear_refuses_ranks_that_disagree(results):
             "row_parallel_linear: every rank must pass the same x_shard shape, got "
             "rank 0: (6, 128), rank 1: (5, 128)"
         )
+        # Issue 42, item 4: a bias of the same shape but other values gave each rank its own
+        # output.
+        assert result["disagree", "bias values"].startswith(
+            "row_parallel_linear: every rank must pass the same bias values, got rank 0: "
+        )
+
+
+def test_rank_partial_and_combine_partials_check_their_arguments():
+    """Issue 42, item 4: chunks=0 killed the process (SIGFPE), another K read out of bounds,
+    chunks=3 returned a wrong sum; combine_partials took 3 partials, broadcast mismatched
+    shapes and recursed on an empty list."""
+    x, weight, bias = worker.tp_inputs(torch.float32)
+    for chunks, match in ((0, "positive int"), (3, "power of two"), (512, "not divisible")):
+        with pytest.raises(ValueError, match=f"^chunks: .*{match}"):
+            rank_partial(x, weight, chunks)
+        with pytest.raises(ValueError, match=f"^chunks: .*{match}"):
+            per_chunk_partial(x, weight, chunks)
+    with pytest.raises(ValueError, match=r"^weight: .*K, the last dim of x"):
+        rank_partial(x, weight[:, :128], 2)
+    with pytest.raises(TypeError, match=r"^x: "):
+        rank_partial(x.long(), weight, 2)
+    partial = rank_partial(x, weight, 2)
+    assert_bitwise(
+        combine_partials([partial], bias, x.dtype), chunked_linear(x, weight, bias, chunks=2)
+    )
+    for partials, error, match in (
+        ([], ValueError, r"^partials: expected a non-empty list"),
+        ([partial] * 3, ValueError, r"^partials: expected a power-of-two count"),
+        ([partial, partial[:, :1]], ValueError, r"^partials\[1\]: expected the shape"),
+        ([partial, partial.bfloat16()], TypeError, r"^partials\[1\]: expected an fp32 tensor"),
+    ):
+        with pytest.raises(error, match=match):
+            combine_partials(partials, None, x.dtype)
+    with pytest.raises(ValueError, match=r"^bias: .*N, the last dim of the partials"):
+        combine_partials([partial], bias[:5], x.dtype)
+    with pytest.raises(TypeError, match=r"^dtype: expected a floating torch\.dtype"):
+        combine_partials([partial], None, torch.int32)
 
 
 def test_row_parallel_linear_refuses_inputs_that_need_gradients():
