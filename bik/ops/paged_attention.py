@@ -89,7 +89,7 @@ def paged_attention(
             query,
             key_cache,
             value_cache,
-            block_table.to(torch.int32),
+            _rows_of_ids(block_table),
             starts_on_device,
             lens_on_device,
             scale,
@@ -101,6 +101,14 @@ def paged_attention(
     return _gathered(
         query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks
     )
+
+
+def _rows_of_ids(block_table: torch.Tensor) -> torch.Tensor:
+    """The table as kernels read it: int32, each row's ids adjacent (the backends' contract:
+    innermost dims contiguous). A column-strided view (``table[:, ::2]``) is copied: a kernel
+    stepping one id at a time would read the skipped columns' ids."""
+    table = block_table.to(torch.int32)
+    return table if table.stride(-1) == 1 else table.contiguous()
 
 
 def _gathered(query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks):

@@ -232,6 +232,24 @@ def test_paged_kernel_is_one_call(paged_backend, monkeypatch):
     assert_bitwise(graph.detach(), out)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_column_strided_block_table_reads_its_own_columns(paged_backend, dtype):
+    # Issue 42, item 3: the triton kernel stepped one id at a time through the table's
+    # storage, so a table[:, ::2] view read the skipped columns' blocks.
+    seq_lens, query_lens = [40, 23, 9], [1, 5, 9]
+    *_, queries, kc, vc, table, starts = make_step(seq_lens, query_lens, 2, 2, 16, 16, dtype, 3)
+    query = torch.cat(queries)
+    wide = torch.empty(table.shape[0], 2 * table.shape[1], dtype=table.dtype, device=DEVICE)
+    wide[:, ::2] = table
+    wide[:, 1::2] = table.flip(1)  # real blocks, the wrong ones
+    strided = wide[:, ::2]
+    assert strided.stride(-1) == 2
+    for step in ((query, starts, seq_lens), (query[[0, 1, 6]], [0, 1, 2, 3], seq_lens)):
+        expected = paged_attention(step[0], kc, vc, table, step[1], step[2], scale=0.25)
+        got = paged_attention(step[0], kc, vc, strided, step[1], step[2], scale=0.25)
+        assert_bitwise(got, expected, f"{len(step[1]) - 1} sequences, {step[0].shape[0]} rows")
+
+
 def test_padding_slots_are_skipped():
     k, v = torch.ones(3, 1, 4), torch.ones(3, 1, 4)
     kc, vc = torch.zeros(2, 1, 16, 4), torch.zeros(2, 1, 16, 4)
