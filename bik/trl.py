@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from . import backends
 from .hf.logprobs import generation_position_ids
 from .ops.log_softmax import log_softmax, token_logprobs
 
@@ -69,7 +68,9 @@ def enable(backend: str = "auto") -> None:
     Idempotent; a second call may only change the kernel backend. Raises ``RuntimeError`` for a
     TRL version outside ``TESTED_TRL``: the patched internals are version-specific.
     """
-    backends.check_name(backend)
+    from .vllm import check as check_engine_backend
+
+    check_engine_backend(backend)  # the engine's refusals (a backend that is not invariant)
     _check_trl_version()
     _state["backend"] = backend
     if _state["patches"]:
@@ -178,8 +179,9 @@ def check_settings(
     """Raise ``ValueError`` listing every GRPO setting bik cannot make exact: no vLLM or vLLM's
     server mode, mixed precision over weights of another dtype, an fp32-cast LM head, sampler
     settings that edit the logits vLLM scores (top-p, top-k, min-p, repetition penalty,
-    structured outputs, other generation_kwargs), PEFT adapters, Liger kernels, tools and
-    custom rollouts."""
+    structured outputs, other generation_kwargs), dropout the engine does not run, vLLM's
+    transformers model implementation, PEFT adapters, Liger kernels, tools and custom
+    rollouts."""
     kwargs = trainer_kwargs or {}
     problems = []
     if not args.use_vllm:
@@ -190,7 +192,13 @@ def check_settings(
             "build; use vllm_mode='colocate' (or start the server with BIK_VLLM set and patch "
             "the trainer yourself)"
         )
+    if getattr(args, "vllm_model_impl", "vllm") != "vllm":
+        problems.append(
+            f"vllm_model_impl={args.vllm_model_impl!r}: bik's layers replace vLLM's own model "
+            "implementation; use vllm_model_impl='vllm'"
+        )
     problems += _precision_problems(args, model)
+    problems += _dropout_problems(args, model)
     if getattr(args, "cast_lm_head_to_fp32", False):
         problems.append(
             "cast_lm_head_to_fp32=True: the engine's LM head runs in the model's dtype; "
@@ -233,6 +241,31 @@ def _precision_problems(args: Any, model: torch.nn.Module | None) -> list[str]:
             f"{flag}=True over {params} weights: autocast runs the trainer in "
             f"{str(dtype).removeprefix('torch.')} while the engine runs the weights' dtype; set "
             f"{flag}=False, or load the model in {str(dtype).removeprefix('torch.')}"
+        )
+    return problems
+
+
+def _dropout_problems(args: Any, model: torch.nn.Module | None) -> list[str]:
+    """Dropout the trainer would apply and the engine never does: residual / embedding
+    dropout modules (TRL zeroes them only with disable_dropout=True) and attention dropout (a
+    float on the attention modules, which disable_dropout does not reach)."""
+    if model is None:
+        return []
+    problems = []
+    dropped = sorted(
+        {m.p for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)}
+        - {0.0}
+    )
+    if dropped and not getattr(args, "disable_dropout", False):
+        problems.append(
+            f"disable_dropout=False over a model with dropout p={dropped}: the trainer would "
+            "drop activations the engine keeps; set disable_dropout=True"
+        )
+    attention = sorted({getattr(m, "attention_dropout", 0.0) for m in model.modules()} - {0.0})
+    if attention:
+        problems.append(
+            f"attention_dropout={attention}: the engine runs none; load the model with "
+            "attention_dropout=0.0"
         )
     return problems
 

@@ -193,6 +193,7 @@ REFUSED = [
     ({"vllm_mode": "server"}, "vllm_mode='server'"),
     ({"use_vllm": False}, "use_vllm=False"),
     ({"cast_lm_head_to_fp32": True}, "cast_lm_head_to_fp32=True"),
+    ({"vllm_model_impl": "transformers"}, "vllm_model_impl='transformers'"),
 ]
 
 
@@ -201,6 +202,42 @@ def test_inexact_settings_are_refused(model_dir, tmp_path, overrides, message):
     bik.trl.enable(backend="cpu")
     with pytest.raises(ValueError, match=message):
         build_trainer(model_dir, tmp_path, **overrides)
+
+
+def test_dropout_the_engine_does_not_run_is_refused(model_dir, tmp_path):
+    """Issue 42, item 2: TRL's default disable_dropout=False trained a Phi-3 with residual
+    dropout 0.3 against a dropout-free engine (logged max |logp difference| 0.271)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOTrainer
+
+    from bik.families import FAMILIES
+
+    bik.trl.enable(backend="cpu")
+    config = FAMILIES["phi3"].tiny_config(
+        vocab_size=len(char_tokenizer()), resid_pdrop=0.3, embd_pdrop=0.3
+    )
+    phi3 = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"disable_dropout=False over a model with dropout p=\[0\.3\]"
+    ):
+        GRPOTrainer(
+            model=phi3,
+            reward_funcs=reward_a,
+            args=grpo_args(tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )
+    bik.trl.check_settings(grpo_args(tmp_path, disable_dropout=True), phi3)  # TRL zeroes it
+    qwen3 = AutoModelForCausalLM.from_pretrained(model_dir, attention_dropout=0.2)
+    for disable_dropout in (False, True):  # disable_dropout does not reach attention dropout
+        with pytest.raises(ValueError, match=r"attention_dropout=\[0\.2\]"):
+            bik.trl.check_settings(grpo_args(tmp_path, disable_dropout=disable_dropout), qwen3)
+
+
+def test_a_backend_the_engine_refuses_is_refused_at_enable():
+    with pytest.raises(ValueError, match="'reference' is not batch-invariant"):
+        bik.trl.enable("reference")
+    assert bik.trl.enabled() is None
 
 
 def test_peft_is_refused(model_dir, tmp_path):
