@@ -103,7 +103,9 @@ def run_seeds(
             raise HarnessError(
                 f"sweep: {run_dir} holds a run of another config; remove it or choose --out"
             )
-        if done >= cfg.steps:
+        # complete: every step logged and the report written, which comes after the last
+        # checkpoint (a run cut between its last metrics line and that checkpoint is resumed)
+        if done >= cfg.steps and (run_dir / rundir.SUMMARY).exists():
             say(f"{name} seed {seed}: complete, kept")
         elif (run_dir / rundir.CONFIG).exists():
             say(f"{name} seed {seed}: resuming at step {done}")

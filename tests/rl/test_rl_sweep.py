@@ -2,11 +2,13 @@
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
+import torch
 from rl_helpers import TINY, run_metrics
 
-from rl_harness import config, recipes, runner, sweep
+from rl_harness import config, recipes, rundir, runner, sweep
 from rl_harness.__main__ import main
 
 
@@ -101,6 +103,35 @@ def test_a_sweep_runs_arm_and_twin_on_each_seed_and_resumes_a_cut_run(tmp_path, 
             assert runner.read_metrics(tmp_path / "cut" / run) == runner.read_metrics(
                 tmp_path / "full" / run
             )
+
+
+def test_a_seed_cut_before_its_last_checkpoint_is_resumed(tmp_path, monkeypatch):
+    """Issue 42, item 7: a seed cut between its last metrics line and its last checkpoint was
+    kept as complete, with no checkpoint, summary or plot ever written."""
+    cache = tmp_path / "cache"
+    configs = {"kernel_swap": config.build(recipes.overrides("kernel_swap"), [*TINY, "steps=2"])}
+    write = rundir.write_atomic
+
+    def cut_at_the_last_checkpoint(path, data):
+        path = Path(path)
+        if path.name == rundir.CHECKPOINT and len(rundir.read_metrics(path.parent)) == 2:
+            raise KeyboardInterrupt
+        write(path, data)
+
+    monkeypatch.setattr(rundir, "write_atomic", cut_at_the_last_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.sweep(configs, 1, tmp_path / "cut", cache_dir=cache, progress=False)
+    monkeypatch.setattr(rundir, "write_atomic", write)
+    run_dir = tmp_path / "cut" / "kernel_swap" / "seed0"
+    assert len(rundir.read_metrics(run_dir)) == 2 and not (run_dir / rundir.SUMMARY).exists()
+    said: list[str] = []
+    sweep.sweep(configs, 1, tmp_path / "cut", cache_dir=cache, progress=False, say=said.append)
+    assert said[0].startswith("kernel_swap seed 0: resuming at step ")
+    assert torch.load(run_dir / rundir.CHECKPOINT, weights_only=True)["step"] == 1
+    assert (run_dir / rundir.SUMMARY).exists()
+    full = tmp_path / "full"
+    sweep.sweep(configs, 1, full, cache_dir=cache, progress=False)
+    assert rundir.read_metrics(run_dir) == rundir.read_metrics(full / "kernel_swap" / "seed0")
 
 
 def test_a_sweep_refuses_a_directory_of_another_config(tmp_path):
