@@ -195,8 +195,7 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         state = torch.load(path, weights_only=True)
-        if not isinstance(state, dict) or not {"step", "master", "optimizer"} <= set(state):
-            raise ValueError("not an rl_harness checkpoint")
+        _check_checkpoint(state)
     except Exception as error:
         reason = (str(error).splitlines() or [type(error).__name__])[0]
         raise RunDirError(
@@ -204,3 +203,24 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             f"delete it to rerun {run_dir} from step 0"
         ) from None
     return state
+
+
+def _check_checkpoint(state: Any) -> None:
+    """What a resume reads before anything is built: a step that is a count, and weights that
+    are finite tensors (a NaN would train on silently)."""
+    import torch
+
+    if not isinstance(state, dict) or not {"step", "master", "optimizer"} <= set(state):
+        raise ValueError("not an rl_harness checkpoint")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"its step is {step!r}, expected an integer >= 0")
+    for part in ("master", "reference"):
+        weights = state.get(part, {})
+        if not isinstance(weights, dict):
+            raise ValueError(f"its {part} weights are not a state dict")
+        for name, tensor in weights.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{part} {name} is not a tensor")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{part} {name} holds NaN or infinite values")

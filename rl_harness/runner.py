@@ -16,6 +16,7 @@ import random
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,7 @@ class Run:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
             self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
         else:
-            self.master.load_state_dict(state["master"])
+            _restore(self.master.load_state_dict, state, "master")
         self.precision = cfg.precision
         self.train_model = policy.working_copy(
             self.master,
@@ -130,9 +131,12 @@ class Run:
         self.detector = collapse.Detector(cfg.collapse)
         self.start = 0
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.schedule.load_state_dict(state["schedule"])
-            self.detector.load_state_dict(state["detector"])
+            for part, target in (
+                ("optimizer", self.optimizer),
+                ("schedule", self.schedule),
+                ("detector", self.detector),
+            ):
+                _restore(target.load_state_dict, state, part)
             self.start = state["step"] + 1
         drift_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
@@ -155,7 +159,7 @@ class Run:
             tp_invariant=self.cfg.tp_invariant,
         )
         if state is not None:
-            reference.load_state_dict(state["reference"])
+            _restore(reference.load_state_dict, state, "reference")
         return reference.requires_grad_(False)
 
     def close(self) -> None:
@@ -410,6 +414,21 @@ class Run:
         return state
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the run's config (resume names the files)."""
+
+
+def _restore(load: Callable[[Any], Any], state: dict[str, Any], part: str) -> None:
+    """``load(state[part])``, any failure a :class:`CheckpointMismatch` naming ``part``."""
+    if part not in state:
+        raise CheckpointMismatch(f"it has no {part} state")
+    try:
+        load(state[part])
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CheckpointMismatch(f"its {part} state does not fit ({reason})") from None
+
+
 def _progress(step: int, total: int, metrics: dict[str, Any], started: float, first: int) -> None:
     rate = (time.time() - started) / max(step + 1 - first, 1)
     flips = metrics.get("mismatch/routing_flip_frac")  # MoE policies only
@@ -498,7 +517,13 @@ def _loop(
     progress: bool,
     name: str,
 ) -> dict[str, Any]:
-    job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR)
+    try:
+        job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR)
+    except CheckpointMismatch as error:
+        raise RunDirError(
+            f"--resume: {out / rundir.CHECKPOINT} does not fit {out / rundir.CONFIG}: {error}; "
+            f"delete the checkpoint to rerun {out} from step 0"
+        ) from None
     main = job.world.main  # rank 0 alone writes metrics, checkpoints and the report
     heldout = Heldout(cfg) if main and cfg.eval.every else None  # rank 0 evaluates
     metrics_path = out / rundir.METRICS

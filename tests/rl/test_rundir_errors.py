@@ -127,3 +127,58 @@ def test_config_and_summary_record_the_number_of_processes(tmp_path, cache, caps
     (out / "config.json").write_text(json.dumps({**values, "world_size": 2}))
     err = _error(capsys, ["run", "--resume", out, "--steps", "2", "--cache-dir", cache])
     assert "was run by 2 process(es), this is 1; resume it with 2" in err
+
+
+def _edited_run(tmp_path, cache, edit_state=None, edit_config=None):
+    """A finished one-step run whose checkpoint or config.json ``edit_*`` changed."""
+    run_dir = tmp_path / "run"
+    assert _main(["run", "--out", run_dir, "--cache-dir", cache, *_sets(TINY)]) == 0
+    if edit_state is not None:
+        state = torch.load(run_dir / rundir.CHECKPOINT, weights_only=True)
+        edit_state(state)
+        torch.save(state, run_dir / rundir.CHECKPOINT)
+    if edit_config is not None:
+        values = json.loads((run_dir / rundir.CONFIG).read_text())
+        edit_config(values)
+        (run_dir / rundir.CONFIG).write_text(json.dumps(values))
+    return run_dir
+
+
+def _first_weight(state):
+    return next(iter(state["master"]))
+
+
+@pytest.mark.parametrize(
+    ("edit_state", "message"),
+    [
+        (lambda s: s.update(step=-3), "its step is -3, expected an integer >= 0"),
+        (lambda s: s.update(step="0"), "its step is '0', expected an integer >= 0"),
+        (
+            lambda s: s["master"][_first_weight(s)].fill_(float("nan")),
+            "holds NaN or infinite values",
+        ),
+        (
+            lambda s: s["master"].update({_first_weight(s): torch.zeros(3)}),
+            "its master state does not fit",
+        ),
+        (lambda s: s.pop("schedule"), "it has no schedule state"),
+    ],
+    ids=["negative step", "string step", "NaN weights", "wrong shape", "no schedule"],
+)
+def test_resume_refuses_a_checkpoint_that_does_not_fit(
+    tmp_path, cache, capsys, edit_state, message
+):
+    """Issue 42, item 9: a step of -3 was accepted; the others ended in raw tracebacks."""
+    run_dir = _edited_run(tmp_path, cache, edit_state=edit_state)
+    err = _error(capsys, ["run", "--resume", run_dir, "--cache-dir", cache, "--steps", "2"])
+    assert str(run_dir / rundir.CHECKPOINT) in err and message in err, err
+
+
+def test_resume_refuses_a_config_its_checkpoint_does_not_fit(tmp_path, cache, capsys):
+    def wider(values):
+        values["model"]["hidden_size"] *= 2
+
+    run_dir = _edited_run(tmp_path, cache, edit_config=wider)
+    err = _error(capsys, ["run", "--resume", run_dir, "--cache-dir", cache, "--steps", "2"])
+    assert f"{run_dir / rundir.CHECKPOINT} does not fit {run_dir / rundir.CONFIG}" in err, err
+    assert "its master state does not fit (" in err
