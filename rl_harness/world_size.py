@@ -27,9 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import config as config_lib
-from . import recipes, runner
+from . import recipes, rundir, runner
 from .config import Config
 from .distributed import World
+from .errors import HarnessError, RunDirError
 
 WEIGHT_STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
@@ -154,10 +155,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="also write the report to this file")
 
 
+def _check_arguments(args: argparse.Namespace, cfg: Config) -> None:
+    if args.world < 2:
+        raise HarnessError(f"world-size --world: expected an integer >= 2, got {args.world}")
+    runner.check_world(cfg, World(0, args.world))
+    if args.out:
+        out = rundir.resolved(args.out)
+        if out.is_dir():
+            raise RunDirError(f"world-size --out: {out} is a directory; pass a file name")
+        if not out.parent.is_dir():
+            raise RunDirError(f"world-size --out: no directory {out.parent} to write {out.name}")
+
+
 def main(args: argparse.Namespace) -> int:
     """Trace the config at world size 1 and W, print (and with --out write) the report."""
     sets = args.set + ([f"steps={args.steps}"] if args.steps is not None else [])
     cfg = config_lib.build(recipes.overrides(args.recipe), sets)
+    _check_arguments(args, cfg)  # before the traces, which take minutes
     one = trace(cfg, args.cache_dir, World())
     many = spawn_trace(cfg, args.cache_dir, args.world)
     text = report(one, many, args.world, args.recipe)

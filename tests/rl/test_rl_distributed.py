@@ -248,3 +248,30 @@ def test_world_size_report(single, cache):
     text = world_size.report(one, other, WORLD, "zero")
     assert f"{one['grad0'].numel()} of {one['grad0'].numel()} elements differ" in text
     assert "metrics differ: 1 (grad_norm)" in text and "tokens differ: 1 (1 of 2 steps" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world", "1"], "world-size --world: expected an integer >= 2, got 1"),
+        (["--world", "4", "--set", "rollout.prompts=2"], "rollout.prompts: expected at least"),
+        (["--out", "{tmp}"], "is a directory; pass a file name"),
+        (["--out", "{tmp}/nosuch/report.md"], "world-size --out: no directory"),
+    ],
+)
+def test_world_size_checks_its_arguments_before_tracing(
+    argv, message, tmp_path, capsys, monkeypatch
+):
+    """Issue 42, item 10: --world and --out were checked only after both traces ran."""
+    from rl_harness.__main__ import main
+
+    def never(*_, **__):
+        raise AssertionError("traced before the arguments were checked")
+
+    monkeypatch.setattr(world_size, "trace", never)
+    monkeypatch.setattr(world_size, "spawn_trace", never)
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["world-size", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
