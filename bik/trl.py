@@ -253,8 +253,7 @@ def _dropout_problems(args: Any, model: torch.nn.Module | None) -> list[str]:
         return []
     problems = []
     dropped = sorted(
-        {m.p for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)}
-        - {0.0}
+        {m.p for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)} - {0.0}
     )
     if dropped and not getattr(args, "disable_dropout", False):
         problems.append(

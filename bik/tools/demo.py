@@ -28,7 +28,7 @@ import torch
 
 from .. import hf, models
 from ..ops.log_softmax import token_logprobs
-from .cli import positive_int
+from .cli import UsageError, positive_int
 from .cli import seed as seed_type
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ PROMPTS = (
     "Name a fruit that is yellow.",
 )
 TEMPERATURE = 0.7
+VLLM_PROMPTS = 4  # prompts of the vLLM comparison (--vllm-prompts), 2 samples each
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BAND = (0.9, 1.1)  # a ratio exp(delta) outside it is what a token-level remedy acts on
 
@@ -272,7 +273,7 @@ def vllm_part(directory: str, args: argparse.Namespace, echo: Callable[[str], ob
         trainer,
         directory,
         dtype="bfloat16",
-        prompts=args.vllm_prompts,
+        prompts=args.vllm_prompts or VLLM_PROMPTS,
         tokens=args.tokens,
         seed=args.seed,
         echo=echo,
@@ -287,8 +288,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vllm-prompts",
         type=positive_int,
-        default=4,
-        help="prompts for the vLLM comparison (4; 2 samples each)",
+        help=f"prompts for the vLLM comparison ({VLLM_PROMPTS}; 2 samples each)",
     )
     parser.add_argument(
         "--no-vllm", action="store_true", help="skip the vLLM comparison even if vLLM is installed"
@@ -296,7 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Nothing to check beyond argparse."""
+    """Flags that contradict each other."""
+    if args.no_vllm and args.vllm_prompts is not None:
+        raise UsageError("--vllm-prompts", "sizes the vLLM comparison, which --no-vllm skips")
 
 
 def main(args: argparse.Namespace) -> int:

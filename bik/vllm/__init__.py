@@ -54,10 +54,11 @@ def requested() -> str | None:
     """The backend ``BIK_VLLM`` asks for, or None when it leaves bik off (see the module
     doc); a ValueError naming ``BIK_VLLM`` when it names no invariant backend."""
     value = os.environ.get(ENV_VAR, "")
-    if value.strip().lower() in OFF:
+    name = value.strip().lower()  # any case and spacing, as for the off values
+    if name in OFF:
         return None
     try:
-        return _invariant_backend(value)
+        return _invariant_backend(name)
     except ValueError as error:
         raise ValueError(
             f"{ENV_VAR}={value!r}: {error}; unset it (or set {'/'.join(OFF[1:])}) for bik off"

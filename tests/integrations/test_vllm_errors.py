@@ -36,6 +36,13 @@ def test_bik_vllm_unset_empty_0_or_off_leaves_bik_off(monkeypatch, never_install
     assert bik.vllm.requested() is None
 
 
+@pytest.mark.parametrize("value", ["cpu", "CPU", " Cpu "])
+def test_bik_vllm_names_a_backend_in_any_case(monkeypatch, value):
+    """Issue 42, item 11: ``BIK_VLLM=CPU`` was refused although ``OFF`` is read in any case."""
+    monkeypatch.setenv("BIK_VLLM", value)
+    assert bik.vllm.requested() == "cpu"
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -135,6 +135,11 @@ def test_seed_must_be_an_integer_torch_takes(capsys, no_work, seed):
         assert f"argument --seed: expected an integer from 0 to 2**64 - 1, got {seed!r}" in line
 
 
+def test_contradictory_demo_flags_are_refused(capsys, no_work):
+    line = usage_error(capsys, ["demo", "--vllm-prompts", "2", "--no-vllm"])
+    assert "argument --vllm-prompts: sizes the vLLM comparison, which --no-vllm skips" in line
+
+
 # -- the alias and a real process ----------------------------------------------------------
 
 
