@@ -196,12 +196,25 @@ def model_files_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def warmup_numerics() -> dict[str, Any]:
+    """What the warm-up's bits depend on beyond its config: the torch thread count, the torch
+    version and the CPU's vector capability."""
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
     """Where the warm-up of ``config`` is cached: keyed by the warm-up seed
     (:func:`warmup_seed`, not the RL seed: runs that differ in ``seed`` only share one
     warm-up under one warmup.seed), the model, task and warm-up sections and, for
     ``model.path``, the content of the model's files (new weights written to the same
-    directory get a new warm-up)."""
+    directory get a new warm-up), and what else changes the warm-up's bits: plain torch
+    trains it, whose CPU reductions split by thread, so the torch thread count, the torch
+    version and the CPU's vector capability (a run on 1 thread never reuses the warm-up of
+    a run on 2: its start would silently depend on which ran first)."""
     # warmup.seed enters through "seed" only: a run with warmup.seed=None keeps its key, and
     # one whose warmup.seed equals another's seed (same warm-up) shares that one's cache.
     warmup_section = dataclasses.replace(config.warmup, seed=None)
@@ -209,6 +222,7 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
     key: dict[str, Any] = {
         "seed": warmup_seed(config),
         **{k: dataclasses.asdict(v) for k, v in sections.items()},
+        "numerics": warmup_numerics(),
     }
     if not config.model.chat_template:  # the keys of runs without it stay what they were
         del key["model"]["chat_template"]

@@ -30,11 +30,14 @@ SFT_BATCHES = {
     ("counting", 1, 2): "031cc51996a181aa7483026d84f8860b5bb3d049f3db373580be71928159f850",
     ("counting", 3, 7): "bdb7dbb516ee3c0073caf190a300312c6d7da318f4a1fb0dac28863a7d2f1867",
 }
-# warmup_cache_path(config.build(sets=...), "c").name before warmup.seed existed
+# warmup_cache_path(config.build(sets=...), "c").name under NUMERICS: warmup.seed unset keeps
+# a run's key (the names of before warmup.seed existed, recomputed when the key took in the
+# numerics the warm-up's bits depend on)
+NUMERICS = {"threads": 2, "torch": "2.13.0+cpu", "cpu": "AVX512"}
 CACHE_NAMES = {
-    (): "warmup-ca5f8671e8e6be88.pt",
-    ("seed=3", "task.name=sorting"): "warmup-b8ff7fa3454cc209.pt",
-    ("model.hidden_size=32",): "warmup-86e1b6e459fa4830.pt",
+    (): "warmup-edf7dd44055dc254.pt",
+    ("seed=3", "task.name=sorting"): "warmup-213891f19b72c9c7.pt",
+    ("model.hidden_size=32",): "warmup-daacae0fac0e1253.pt",
 }
 
 
@@ -172,8 +175,29 @@ def test_sequences_that_cannot_fit_the_policy_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("sets", CACHE_NAMES)
-def test_warmup_cache_keys_without_warmup_seed_are_unchanged(sets):
+def test_warmup_cache_keys_without_warmup_seed_are_unchanged(sets, monkeypatch):
+    monkeypatch.setattr(policy, "warmup_numerics", lambda: NUMERICS)
     assert policy.warmup_cache_path(config.build(sets=sets), "c").name == CACHE_NAMES[sets]
+
+
+def test_warmup_cache_is_keyed_by_what_changes_its_bits(monkeypatch):
+    """Issue 42, item 5: plain torch trains the warm-up, and its bits change with the thread
+    count; a run on 1 thread reused the cache of a run on 2 and hid it."""
+    cfg = config.build({}, [])
+    names = set()
+    for change in ({}, {"threads": 1}, {"torch": "2.14.0+cpu"}, {"cpu": "AVX2"}):
+        monkeypatch.setattr(policy, "warmup_numerics", lambda c=change: {**NUMERICS, **c})
+        names.add(policy.warmup_cache_path(cfg, "c").name)
+    assert len(names) == 4
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = policy.warmup_cache_path(cfg, "c")
+        torch.set_num_threads(2)
+        assert policy.warmup_cache_path(cfg, "c") != one
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_warmup_seed_keys_the_cache_and_the_init():
