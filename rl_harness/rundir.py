@@ -59,6 +59,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-step metrics of a run. A torn last line (a crash in the middle of writing it)
     is dropped with a warning; any other unreadable line is a RunDirError."""
     path = Path(run_dir) / METRICS
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+        raise RunDirError(f"{path}: not a regular file")
     try:
         text = path.read_text()
     except FileNotFoundError:

@@ -3,10 +3,13 @@
     python -m rl_harness same RUN_A RUN_B
 
 Compares every logged metric of every step (metrics.jsonl; each value by its exact JSON text,
-so NaN equals NaN and 0.0 differs from -0.0) and the last checkpoint's master weights and
-optimizer state (checkpoint.pt; each tensor's dtype, shape and bytes, loaded memory-mapped so
-that two large checkpoints fit). Prints a markdown report; the exit status is 0 when the runs
-are the same, 1 when they differ (as ``cmp`` does), 2 for a directory that cannot be read.
+so NaN equals NaN and 0.0 differs from -0.0) and everything the last checkpoint holds, which
+is what a resume reads (checkpoint.pt: the master weights, the optimizer's state and its
+param_groups, the LR schedule, the collapse detector and, with a KL term, the reference; each
+tensor by its dtype, shape and bytes, loaded memory-mapped so that two large checkpoints fit,
+every other value by its type and exact repr). Prints a markdown report; the exit status is
+0 when the runs are the same, 1 when they differ (as ``cmp`` does), 2 for a directory that
+cannot be read (a metrics.jsonl that is not a regular file, such as a FIFO, included).
 Two runs of one config on one machine must be the same: that is the determinism bik promises,
 checked on whole runs rather than single kernels.
 """
@@ -22,7 +25,7 @@ from typing import Any
 from . import rundir
 from .errors import RunDirError
 
-CHECKPOINT_PARTS = ("master", "optimizer")
+CHECKPOINT_PARTS = ("master", "optimizer")  # what every checkpoint holds
 SHOWN = 10  # metric differences listed; the rest are counted
 
 
@@ -57,18 +60,33 @@ def _same_bits(a: Any, b: Any) -> bool:
     )
 
 
-def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """The tensors of a nested state dict, each with its path (``state/0/exp_avg``)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
+def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The leaves of a nested state (tensors and plain values), each with its path
+    (``state/0/exp_avg``, ``param_groups/0/lr``)."""
+    if isinstance(obj, dict):
         for key, value in obj.items():
-            yield from _tensors(value, f"{prefix}/{key}" if prefix else str(key))
+            yield from _leaves(value, f"{prefix}/{key}" if prefix else str(key))
     elif isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
-            yield from _tensors(value, f"{prefix}/{index}" if prefix else str(index))
+            yield from _leaves(value, f"{prefix}/{index}" if prefix else str(index))
+    else:
+        yield prefix, obj
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Tensors by :func:`_same_bits`; other values by type and exact repr (NaN equals NaN,
+    0.0 differs from -0.0 and from 0)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_bits(a, b)
+    return type(a) is type(b) and repr(a) == repr(b)
+
+
+def _numel(value: Any) -> int:
+    import torch
+
+    return value.numel() if isinstance(value, torch.Tensor) else 1
 
 
 def _load(run_dir: Path) -> dict[str, Any]:
@@ -88,20 +106,23 @@ def _load(run_dir: Path) -> dict[str, Any]:
 
 
 def checkpoint_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], int]:
-    """The differences of two checkpoints (step, tensor paths, shapes, bits) and the number
-    of tensor elements compared."""
+    """The differences of two checkpoints, part by part (step, parts one lacks, leaf paths,
+    shapes, bits, values), and the number of elements compared (a plain value counts one)."""
     lines = [] if a["step"] == b["step"] else [f"checkpoint step: {a['step']} and {b['step']}"]
     compared = 0
-    for part in CHECKPOINT_PARTS:
-        tensors_a, tensors_b = dict(_tensors(a[part])), dict(_tensors(b[part]))
-        if tensors_a.keys() != tensors_b.keys():
-            lines.append(f"{part}: different tensors ({len(tensors_a)} and {len(tensors_b)})")
+    for part in sorted((a.keys() | b.keys()) - {"step"}):
+        if part not in a or part not in b:
+            lines.append(f"{part}: only in the {'first' if part in a else 'second'} checkpoint")
             continue
-        unequal = [k for k in tensors_a if not _same_bits(tensors_a[k], tensors_b[k])]
-        compared += sum(t.numel() for t in tensors_a.values())
+        leaves_a, leaves_b = dict(_leaves(a[part])), dict(_leaves(b[part]))
+        if leaves_a.keys() != leaves_b.keys():
+            lines.append(f"{part}: different entries ({len(leaves_a)} and {len(leaves_b)})")
+            continue
+        unequal = [k for k in leaves_a if not _same_leaf(leaves_a[k], leaves_b[k])]
+        compared += sum(_numel(value) for value in leaves_a.values())
         if unequal:
             lines.append(
-                f"{part}: {len(unequal)} of {len(tensors_a)} tensors differ ({unequal[0]}, ...)"
+                f"{part}: {len(unequal)} of {len(leaves_a)} entries differ ({unequal[0]}, ...)"
             )
     return lines, compared
 
@@ -123,8 +144,8 @@ def compare(run_a: str | Path, run_b: str | Path) -> tuple[bool, str]:
         + (f"{len(metric_lines)} differences" if metric_lines else "every value equal"),
         *[f"  - {line}" for line in metric_lines[:SHOWN]],
         *([f"  - ... and {len(metric_lines) - SHOWN} more"] if len(metric_lines) > SHOWN else []),
-        f"- checkpoint: {elements} elements of weights and optimizer state compared; "
-        + ("differences" if checkpoint_lines else "every bit equal"),
+        f"- checkpoint: {elements} elements of weights, optimizer, schedule and detector state "
+        "compared; " + ("differences" if checkpoint_lines else "every bit equal"),
         *[f"  - {line}" for line in checkpoint_lines],
     ]
     return same, "\n".join(report)

@@ -1,12 +1,14 @@
 """``python -m rl_harness same``: two runs of one config are the same bit for bit, and a run
 that differs in anything (its seed, its rollout kernels, its length) is reported as different."""
 
+import os
 import shutil
 
 import pytest
 import torch
 from rl_helpers import TINY
 
+from rl_harness import same
 from rl_harness.__main__ import main
 from rl_harness.same import checkpoint_differences, metric_differences
 
@@ -50,7 +52,7 @@ def _different(runs, capsys, other):
 
 def test_another_seed_differs_in_metrics_and_weights(runs, capsys):
     report = _different(runs, capsys, "seed")
-    assert "master: " in report and "tensors differ" in report
+    assert "master: " in report and "entries differ" in report
 
 
 def test_native_rollout_kernels_differ_in_the_mismatch_metrics(runs, capsys):
@@ -77,7 +79,50 @@ def test_checkpoint_differences_compare_dtype_and_bits():
     assert checkpoint_differences(state(w), state(w.clone())) == ([], 3)
     for other in (w.double(), torch.tensor([1.0, float("nan"), 0.0])):
         lines, _ = checkpoint_differences(state(w), state(other))
-        assert lines == ["master: 1 of 1 tensors differ (w, ...)"]
+        assert lines == ["master: 1 of 1 entries differ (w, ...)"]
+
+
+def test_every_part_a_resume_reads_is_compared(runs):
+    """Issue 42, item 6: the KL reference, the LR schedule, the optimizer's param_groups and
+    the collapse detector were not compared, so two runs called the same could diverge after
+    resuming."""
+    base = torch.load(runs / "a" / "checkpoint.pt", weights_only=True)
+    assert {"schedule", "detector"} <= set(base) and "param_groups" in base["optimizer"]
+    assert checkpoint_differences(base, base)[0] == []
+
+    def edited(edit):
+        state = torch.load(runs / "a" / "checkpoint.pt", weights_only=True)
+        edit(state)
+        return checkpoint_differences(base, state)[0]
+
+    assert edited(lambda s: s["optimizer"]["param_groups"][0].update(lr=0.5)) == [
+        "optimizer: 1 of "
+        + str(len(dict(same._leaves(base["optimizer"]))))
+        + " entries differ (param_groups/0/lr, ...)"
+    ]
+    for part, key in (("schedule", "lr"), ("detector", "best_reward")):
+        lines = edited(lambda s, p=part, k=key: s[p].update({k: 0.5}))
+        assert len(lines) == 1 and lines[0].startswith(f"{part}: 1 of "), lines
+        assert lines[0].endswith(f" entries differ ({key}, ...)")
+    reference = {"w": torch.zeros(2)}
+    assert edited(lambda s: s.update(reference=reference)) == [
+        "reference: only in the second checkpoint"
+    ]
+    one, other = dict(base, reference=reference), dict(base, reference={"w": torch.ones(2)})
+    assert checkpoint_differences(one, other)[0] == ["reference: 1 of 1 entries differ (w, ...)"]
+    assert checkpoint_differences({"step": 0, "x": 0}, {"step": 0, "x": 0.0})[0] == [
+        "x: 1 of 1 entries differ (, ...)"
+    ]
+
+
+def test_a_metrics_file_that_is_a_fifo_is_refused_not_waited_on(runs, tmp_path, capsys):
+    shutil.copytree(runs / "a", tmp_path / "fifo", ignore=shutil.ignore_patterns("metrics.jsonl"))
+    os.mkfifo(tmp_path / "fifo" / "metrics.jsonl")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["same", str(runs / "a"), str(tmp_path / "fifo")])
+    assert exit_info.value.code == 2
+    assert "metrics.jsonl: not a regular file" in capsys.readouterr().err
 
 
 def test_missing_directory_or_checkpoint_is_a_one_line_error(runs, tmp_path, capsys):
