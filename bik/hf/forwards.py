@@ -26,11 +26,12 @@ class PatchedForward:
     'gemma_rms_norm'). A linear sharded by ``bik.distributed.tensor_parallel`` runs on this
     rank's shards; a sharded row-parallel one gathers the ranks' partials."""
 
+    # patch_model(pack_weights=True) sets it: the weight is marked again at each call, so a
+    # deep copy of the model (whose Parameters drop their marks) keeps its weights packed.
+    pack_weight = False
+
     def __init__(self, module: torch.nn.Module, kind: str, backend: str):
         self.module, self.kind, self.backend = module, kind, backend
-        # patch_model(pack_weights=True): the weight is marked again at each call, so a deep
-        # copy of the model (whose Parameters drop their marks) keeps its weights packed.
-        self.pack_weight = False
 
     def _linear_op(self) -> Callable[..., torch.Tensor]:
         if self.kind == "linear":
