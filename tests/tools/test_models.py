@@ -1,5 +1,8 @@
 """bik.models: the real pretrained model, prepared from its registry package and cached."""
 
+import os
+import pathlib
+import shutil
 import sys
 
 import pytest
@@ -137,3 +140,130 @@ def test_bench_times_the_real_model_end_to_end(smollm2):
     ours, theirs = case.make("cpu", torch.float32)
     assert ours().shape == theirs().shape == (1, 8, 49152)
     torch.testing.assert_close(ours(), theirs(), rtol=1e-3, atol=1e-3)
+
+
+# -- the cache's error paths (issue 42, item 8) ----------------------------------------------
+
+
+def _no_preparation(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("prepared before the cache was checked")
+
+    monkeypatch.setattr(models, "_prepare", refused)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", " yes ", "on"])
+def test_bik_offline_reads_the_usual_true_values(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(models.OFFLINE_ENV, value)
+    _no_preparation(monkeypatch)
+    with pytest.raises(models.ModelOfflineError):
+        models.path("smollm2")
+
+
+def test_bik_offline_refuses_a_value_it_cannot_read(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(models.OFFLINE_ENV, "maybe")
+    _no_preparation(monkeypatch)
+    with pytest.raises(models.ModelUnavailableError, match=r"^BIK_OFFLINE='maybe': expected"):
+        models.path("smollm2")
+
+
+def test_a_file_where_the_cache_needs_a_directory_is_refused_first(tmp_path, monkeypatch):
+    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)
+    _no_preparation(monkeypatch)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "file"))
+    with pytest.raises(models.ModelUnavailableError, match="is a file where the model cache"):
+        models.path("smollm2")
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    (tmp_path / "cache" / "models" / "smollm2").write_text("")
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(models.ModelUnavailableError, match=r"smollm2 is a file where"):
+        models.path("smollm2")
+
+
+def test_a_cache_that_cannot_be_written_is_named(monkeypatch):
+    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)
+    monkeypatch.setenv(models.CACHE_ENV, "/proc/bik-cache")  # not writable, even by root
+    with pytest.raises(models.ModelUnavailableError, match=r"^cannot prepare smollm2 in /proc"):
+        models.path("smollm2")
+
+
+def test_an_abandoned_scratch_folder_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(models.OFFLINE_ENV, raising=False)
+    folder = tmp_path / "models"
+    dead = folder / ".smollm2-999999999-abcd"  # a pid no process has
+    alive = folder / f".smollm2-{os.getpid()}-efgh"  # a preparation still running
+    for scratch in (dead, alive):
+        scratch.mkdir(parents=True)
+        (scratch / "model.gguf").write_bytes(b"x" * 1000)
+
+    def stop(spec, work):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_fetch_gguf", stop)
+    with pytest.raises(KeyboardInterrupt):
+        models.path("smollm2")
+    assert sorted(p.name for p in folder.iterdir()) == [alive.name]
+
+
+def _cached_copy(smollm2, tmp_path, monkeypatch):
+    """The prepared model under a cache of its own: every file copied, the weights linked."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    target = tmp_path / "models" / "smollm2"
+    target.mkdir(parents=True)
+    for file in pathlib.Path(smollm2).iterdir():
+        if file.name == "model.safetensors":
+            (target / file.name).symlink_to(file)
+        elif file.is_file():
+            shutil.copy(file, target / file.name)
+    return target
+
+
+@pytest.mark.parametrize(
+    ("damage", "changed"),
+    [
+        (lambda t: (t / "config.json").write_text('{"hidden_size": 64}'), "config.json"),
+        (lambda t: (t / "config.json").write_text('{"hidden'), "config.json"),
+        (lambda t: (t / "tokenizer.json").write_bytes(b"\x00garbled"), "tokenizer.json"),
+    ],
+    ids=["edited config", "truncated config", "garbled tokenizer"],
+)
+def test_a_changed_config_or_tokenizer_is_refused(smollm2, tmp_path, monkeypatch, damage, changed):
+    target = _cached_copy(smollm2, tmp_path, monkeypatch)
+    assert models.path("smollm2") == target
+    damage(target)
+    with pytest.raises(models.ModelUnavailableError, match=f"model's {changed} changed since"):
+        models.path("smollm2")
+    (target / models.MANIFEST).unlink()  # prepared before manifests: JSON that does not parse
+    if changed == "config.json" and "hidden_size" in (target / changed).read_text():
+        return  # valid JSON: taken as prepared (the weights are still checked)
+    with pytest.raises(models.ModelUnavailableError, match=f"model's {changed} changed since"):
+        models.path("smollm2")
+
+
+def test_a_truncated_weights_file_is_refused(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    target = tmp_path / "models" / "smollm2"
+    target.mkdir(parents=True)
+    for name in models.REQUIRED_FILES:
+        (target / name).write_text("{}")
+    save_file({"w": torch.zeros(1000)}, str(target / "model.safetensors"))
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(models.ModelUnavailableError, match=r"digest \(damaged.*unreadable"):
+        models.path("smollm2")
+
+
+def test_verify_offline_without_the_model_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(models.OFFLINE_ENV, "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--model", "smollm2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "smollm2 is not prepared" in err[-1] and "Traceback" not in "\n".join(err)
