@@ -157,11 +157,12 @@ def readable(weight: torch.Tensor) -> bool:
     )
 
 
-def prepacked_linear(
+def _prepacked_linear(
     x_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """``x_rows [M, K] @ weight.T (+ bias)`` from ``weight``'s packed copy, or None when the
-    weight is not marked or the backend has no packed kernel (the caller runs matmul)."""
+    weight is not marked or the backend has no packed kernel (the caller runs matmul).
+    Private: bik.linear's accelerator, on operands bik.linear has validated."""
     packed = getattr(weight, _ATTRIBUTE, None)
     if packed is None:
         return None

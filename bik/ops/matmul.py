@@ -57,7 +57,7 @@ def _prepacked(x, weight, bias):
     rows, n = as_rows(x), weight.shape[0]
     if rows.shape[0] == 0 or n == 0:
         return None
-    out = packed_weights.prepacked_linear(rows, weight, bias)
+    out = packed_weights._prepacked_linear(rows, weight, bias)
     return None if out is None else shaped(out, (*x.shape[:-1], n))
 
 
