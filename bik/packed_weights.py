@@ -62,6 +62,11 @@ class _Packed:
         return (_Packed, ())
 
     def of(self, weight: torch.Tensor, pack) -> torch.Tensor | None:
+        """The copy of ``weight`` as it is now, or None: packed per call instead. Called
+        outside graph tracing only (Dynamo cannot trace ``is_inference``)."""
+        if weight.is_inference():  # no version counter: a write would go unseen
+            self.clear()
+            return None
         storage = weight.untyped_storage()
         if torch._C._storage_Use_Count(storage._cdata) > _LONE_USES:
             self.clear()  # shared storage: writes through the other tensor are unseen
@@ -145,14 +150,12 @@ def is_marked(weight: torch.Tensor) -> bool:
 def readable(weight: torch.Tensor) -> bool:
     """Whether the packed kernel may read ``weight`` through its data pointer: no graph to
     record (no grad needed), and real storage: not meta, not a subclass with a dispatch hook of
-    its own (DTensor, fake tensors), not an inference tensor (no version counter to tell a
-    write). Plain ``Parameter`` subclasses qualify: vLLM keeps its linear weights in one
-    (``ModelWeightParameter``), which bik's other calls route through the custom op like any
-    subclass."""
+    its own (DTensor, fake tensors). Plain ``Parameter`` subclasses qualify: vLLM keeps its
+    linear weights in one (``ModelWeightParameter``), which bik's other calls route through
+    the custom op like any subclass."""
     return (
         not (weight.requires_grad and torch.is_grad_enabled())
         and not weight.is_meta
-        and not weight.is_inference()
         and type(weight).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
     )
 
