@@ -12,17 +12,16 @@ Kernel layouts (``OPS``):
   rms_norm(x [R, D], weight [D], eps) -> [R, D] in x's dtype
   log_softmax(x [R, V], temperature, out_dtype) -> [R, V] in out_dtype
   token_logprobs(logits [R, V], tokens [R], temperature) -> fp32 [R]
-  attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], causal, scale, kv_start int32 [B],
-            split_size, softcap (float | None), window (int | None, only when causal)
-            [, sinks=fp32 [Hq]: passed only when set, to backends declaring attention_sinks])
-            -> [B, Hq, Tq, D]
+  attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], kv_start int32 [B],
+            options (AttentionOptions), sinks (fp32 [Hq] | None: set only for backends
+            declaring attention_sinks)) -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
 
 Optional accelerator of attention (None: bik.ops.paged_attention gathers each sequence's
 keys into contiguous order and runs attention):
   paged_attention(query [T, Hq, D], key_cache, value_cache [num_blocks, Hkv, block_size, D]
                   (any strides), block_table int32 [>= S, W], query_start int32 [S + 1],
-                  seq_lens int32 [S], scale, split_size, softcap, window[, sinks fp32 [Hq]])
+                  seq_lens int32 [S], options (AttentionOptions, causal), sinks (as above))
       -> [T, Hq, D]: each query row in attention's order over its sequence's keys, read
       through the block table (docs/vllm.md, "Paged attention")
 
@@ -42,6 +41,7 @@ Optional accelerator of matmul (None: grouped_linear runs matmul once per group 
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +49,23 @@ import torch
 
 OPS = ("matmul", "rms_norm", "log_softmax", "token_logprobs", "attention")
 Kernel = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What an attention kernel computes besides its tensors: one record, built once by
+    validation (bik.ops.attention.validate_options), taken by every backend's attention and
+    paged attention. The order these options run in is the contract's (docs/design.md)."""
+
+    causal: bool
+    scale: float
+    split_size: int  # keys per split (a multiple of contract.KEY_BLOCK)
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap); None: off
+    window: int | None = None  # causal sliding window: keys in (p - window, p]; None: off
+
+    def keywords(self) -> dict[str, object]:
+        """The options as bik.attention's keyword arguments."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +109,19 @@ class Backend:
     def kernel(self, op: str) -> Kernel:
         """The kernel of ``op``; NotImplementedError when this backend has none."""
         kernel = getattr(self, op) if self.implements(op) else None
+        if kernel is None:
+            raise NotImplementedError(f"op {op} is not implemented on backend {self.name!r}")
+        return kernel
+
+    def attention_kernel(self, sinks: torch.Tensor | None, op: str = "attention") -> Kernel:
+        """The kernel of ``op`` (attention or paged_attention) for a call with or without
+        ``sinks``: the one place the sinks capability is checked."""
+        if sinks is not None and not self.attention_sinks:
+            raise NotImplementedError(
+                f"sinks: the {self.name} backend has no attention sinks; select one that has "
+                "(python -m bik backends lists them)"
+            )
+        kernel = getattr(self, op)
         if kernel is None:
             raise NotImplementedError(f"op {op} is not implemented on backend {self.name!r}")
         return kernel

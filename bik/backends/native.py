@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from ..contract import DTYPE_CODES
-from .base import Backend
+from .base import AttentionOptions, Backend
 
 
 def _inner_contiguous(t):
@@ -154,9 +154,7 @@ class _NativeKernels:
         )
         return out
 
-    def attention(
-        self, q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, sinks=None
-    ):
+    def attention(self, q, k, v, kv_start, options: AttentionOptions, sinks=None):
         """Split-KV attention; the kernels take ``softcap`` 0, ``window`` 0 and ``sinks``
         (a pointer to fp32 [Hq]) 0 for "off"."""
         q, k, v = (_inner_contiguous(t) for t in (q, k, v))
@@ -167,7 +165,7 @@ class _NativeKernels:
         workspace, extra = (
             (None, ())
             if self.attention_scratch is None
-            else self.attention_scratch(q, k.shape[2], split_size)
+            else self.attention_scratch(q, k.shape[2], options.split_size)
         )
         self.lib.attention(
             DTYPE_CODES[q.dtype],
@@ -176,14 +174,13 @@ class _NativeKernels:
             v.data_ptr(),
             kv_start.data_ptr(),
             out.data_ptr(),
-            (batch, hq, k.shape[1], tq, k.shape[2], d, split_size),
+            (batch, hq, k.shape[1], tq, k.shape[2], d, options.split_size),
             q.stride()[:3],
             k.stride()[:3],
             v.stride()[:3],
-            scale,
-            causal,
-            0.0 if softcap is None else softcap,
-            0 if window is None else window,
+            options.scale,
+            options.causal,
+            *_flat_options(options),
             *((0 if sinks is None else sinks.data_ptr(),) if self.attention_sinks else ()),
             *extra,
             *self.launch_args(q.device),
@@ -199,10 +196,7 @@ class _NativeKernels:
         block_table,
         query_start,
         seq_lens,
-        scale,
-        split_size,
-        softcap=None,
-        window=None,
+        options: AttentionOptions,
         sinks=None,
     ):
         """Packed queries over a paged cache, one launch (cpu only); ``softcap`` 0,
@@ -228,18 +222,25 @@ class _NativeKernels:
                 key_cache.shape[1],
                 d,
                 key_cache.shape[2],
-                split_size,
+                options.split_size,
                 block_table.stride(0),
             ),
             query.stride()[:2],
             key_cache.stride()[:3],
             value_cache.stride()[:3],
-            scale,
-            0.0 if softcap is None else softcap,
-            0 if window is None else window,
+            options.scale,
+            *_flat_options(options),
             0 if sinks is None else sinks.data_ptr(),
         )
         return out
+
+
+def _flat_options(options: AttentionOptions) -> tuple[float, int]:
+    """``softcap`` and ``window`` as the compiled kernels take them: 0 for "off"."""
+    return (
+        0.0 if options.softcap is None else options.softcap,
+        0 if options.window is None else options.window,
+    )
 
 
 def native_backend(

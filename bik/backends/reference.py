@@ -7,7 +7,7 @@ orders by shape. Kernel signatures match every other backend (see bik.backends.b
 
 import torch
 
-from .base import Backend
+from .base import AttentionOptions, Backend
 
 
 def _at_least_fp32(t):
@@ -53,21 +53,21 @@ def attention_mask(tq, tk, kv_start, causal, window=None):
     return visible.unsqueeze(1)
 
 
-def attention(q, k, v, causal, scale, kv_start, split_size, softcap=None, window=None, sinks=None):
+def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None):
     """Softmax attention, GQA by head groups; queries with no visible key give zeros.
 
-    ``softcap``: scores ``s`` become ``softcap * tanh(s / softcap)`` before masking (None:
-    off). ``window``: a causal sliding window, query at position p sees keys in
-    ``(p - window, p]`` (None: off). ``sinks [Hq]``: one more logit per head in the softmax,
-    attending no value (gpt-oss; None: off). ``split_size`` is ignored: plain torch has no
-    fixed split structure.
+    ``options.softcap``: scores ``s`` become ``softcap * tanh(s / softcap)`` before masking.
+    ``options.window``: a causal sliding window, query at position p sees keys in
+    ``(p - window, p]``. ``sinks [Hq]``: one more logit per head in the softmax, attending no
+    value (gpt-oss; None: off). ``options.split_size`` is ignored: plain torch has no fixed
+    split structure.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
-    visible = attention_mask(q.shape[2], k.shape[2], kv_start, causal, window)
-    scores = _at_least_fp32(torch.matmul(q, k.transpose(-1, -2))) * scale
-    if softcap is not None:  # transformers' Gemma 2 order: divide, tanh, multiply
-        scores = torch.tanh(scores / softcap) * softcap
+    visible = attention_mask(q.shape[2], k.shape[2], kv_start, options.causal, options.window)
+    scores = _at_least_fp32(torch.matmul(q, k.transpose(-1, -2))) * options.scale
+    if options.softcap is not None:  # transformers' Gemma 2 order: divide, tanh, multiply
+        scores = torch.tanh(scores / options.softcap) * options.softcap
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)

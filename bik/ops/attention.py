@@ -24,6 +24,7 @@ import torch
 
 from .. import _checks, backends, contract
 from ..backends import reference
+from ..backends.base import AttentionOptions
 from . import _recompute, custom_op, run
 
 
@@ -61,25 +62,11 @@ def attention(
     nor masked). A query that sees no key still returns zeros. Differentiable in ``sinks``.
     """
     _validate_qkv(q, k, v)
-    causal = _checks.flag("causal", causal)
     kv_start = _validate_kv_start(kv_start, q.shape[0], k.shape[2], q.device)
-    scale, split_size, softcap, window = validate_options(
-        q, causal, scale, split_size, softcap, window, sinks
-    )
-    return run(
-        _attention_op,
-        _attention,
-        q,
-        k,
-        v,
-        causal,
-        scale,
-        kv_start,
-        split_size,
-        softcap,
-        window,
-        sinks,
-    )
+    o = validate_options(q, causal, scale, split_size, softcap, window, sinks)
+    # the custom op's schema is flat (torch.library); _attention rebuilds the record
+    args = (o.causal, o.scale, kv_start, o.split_size, o.softcap, o.window, sinks)
+    return run(_attention_op, _attention, q, k, v, *args)
 
 
 _WIDEST_WINDOW = 2**31 - 1
@@ -93,10 +80,11 @@ def validate_options(
     softcap: float | None,
     window: int | None,
     sinks: torch.Tensor | None,
-) -> tuple[float, int, float | None, int | None]:
-    """The checked ``scale`` (default 1/sqrt(D)), ``split_size``, ``softcap`` and ``window``
-    of attention over queries ``q [..., Hq, ..., D]`` (heads at dim 1, as in the packed
-    ``[T, Hq, D]`` of paged attention); ``sinks`` is checked, not returned."""
+) -> AttentionOptions:
+    """The options record of attention over queries ``q [..., Hq, ..., D]`` (heads at dim 1,
+    as in the packed ``[T, Hq, D]`` of paged attention), each checked, ``scale`` defaulting
+    to 1/sqrt(D); ``sinks`` is checked, not recorded (a tensor operand of the kernels)."""
+    causal = _checks.flag("causal", causal)
     dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(dim) if dim else 1.0  # D = 0: an empty result, scale unused
@@ -114,7 +102,7 @@ def validate_options(
         window = min(window, _WIDEST_WINDOW)
     if sinks is not None:
         _validate_sinks(sinks, q)
-    return scale, split_size, softcap, window
+    return AttentionOptions(causal, scale, split_size, softcap, window)
 
 
 def _validate_qkv(q, k, v):
@@ -177,16 +165,14 @@ def _attention(
 ) -> torch.Tensor:
     if q.numel() == 0:
         return q.new_empty(q.shape)
-    backend = backends.resolve(q.device, "attention")
-    args = (q, k, v, causal, scale, kv_start, split_size, softcap, window)
-    if sinks is None:  # (backends without sinks keep their signature)
-        return backend.kernel("attention")(*args)
-    if not backend.attention_sinks:
-        raise NotImplementedError(
-            f"sinks: the {backend.name} backend has no attention sinks; select one that has "
-            "(python -m bik backends lists them)"
-        )
-    return backend.kernel("attention")(*args, sinks=sinks.float().contiguous())
+    options = AttentionOptions(causal, scale, split_size, softcap, window)
+    kernel = backends.resolve(q.device, "attention").attention_kernel(sinks)
+    return kernel(q, k, v, kv_start, options, fp32_sinks(sinks))
+
+
+def fp32_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sinks as every kernel reads them: fp32, contiguous."""
+    return None if sinks is None else sinks.float().contiguous()
 
 
 _attention_op = custom_op("bik::attention", _attention)
@@ -198,7 +184,8 @@ def _(q, k, v, causal, scale, kv_start, split_size, softcap, window, sinks):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.scale, kv_start, _, ctx.softcap, ctx.window, sinks = inputs
+    q, k, v, causal, scale, kv_start, split_size, softcap, window, sinks = inputs
+    ctx.options = AttentionOptions(causal, scale, split_size, softcap, window)
     ctx.save_for_backward(q, k, v, kv_start, *([] if sinks is None else [sinks]))
 
 
@@ -206,9 +193,7 @@ def _backward(ctx, grad):
     q, k, v, kv_start, *sinks = ctx.saved_tensors
 
     def formula(q_, k_, v_, *sinks_):
-        return reference.attention(
-            q_, k_, v_, ctx.causal, ctx.scale, kv_start, None, ctx.softcap, ctx.window, *sinks_
-        )
+        return reference.attention(q_, k_, v_, kv_start, ctx.options, *sinks_)
 
     needs = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[9:] if sinks else ())
     q_grad, k_grad, v_grad, *sinks_grad = _recompute.grads(formula, (q, k, v, *sinks), needs, grad)

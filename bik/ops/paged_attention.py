@@ -19,7 +19,7 @@ import torch
 
 from .. import _checks, backends
 from . import _needs_custom_op
-from .attention import attention, validate_options
+from .attention import attention, fp32_sinks, validate_options
 
 
 def write_kv_cache(
@@ -77,27 +77,16 @@ def paged_attention(
         query.device, query_start, seq_lens, pages
     )
     _check_listed_blocks(key_cache, block_table, pages, pages_on_device)
-    scale, split_size, softcap, window = validate_options(
-        query, True, scale, split_size, softcap, window, sinks
-    )
-    options = dict(scale=scale, split_size=split_size, softcap=softcap, window=window)
+    options = validate_options(query, True, scale, split_size, softcap, window, sinks)
     if query.numel() == 0:
         return query.new_zeros(query.shape)
-    kernel = backends.resolve(query.device, "attention").paged_attention
-    if kernel is not None and not _needs_custom_op((query, key_cache, value_cache, sinks)):
-        return kernel(
-            query,
-            key_cache,
-            value_cache,
-            _rows_of_ids(block_table),
-            starts_on_device,
-            lens_on_device,
-            scale,
-            split_size,
-            softcap,
-            window,
-            None if sinks is None else sinks.float().contiguous(),
-        )
+    backend = backends.resolve(query.device, "attention")
+    if backend.paged_attention is not None and not _needs_custom_op(
+        (query, key_cache, value_cache, sinks)
+    ):
+        kernel = backend.attention_kernel(sinks, "paged_attention")
+        paging = (_rows_of_ids(block_table), starts_on_device, lens_on_device)
+        return kernel(query, key_cache, value_cache, *paging, options, fp32_sinks(sinks))
     return _gathered(
         query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks
     )
@@ -113,7 +102,7 @@ def _rows_of_ids(block_table: torch.Tensor) -> torch.Tensor:
 
 def _gathered(query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks):
     """The step through bik.attention on keys gathered into contiguous order."""
-    options = dict(options, sinks=sinks)
+    options = dict(options.keywords(), sinks=sinks)
     out = query.new_zeros(query.shape)
     decodes = []
     for i, seq_len in enumerate(seq_lens):
@@ -123,7 +112,7 @@ def _gathered(query, key_cache, value_cache, block_table, query_start, seq_lens,
             continue
         keys, values = _gather(key_cache, value_cache, block_table[i], seq_len, seq_len)
         q = query[start:end].transpose(0, 1).unsqueeze(0)
-        o = attention(q, keys, values, causal=True, **options)
+        o = attention(q, keys, values, **options)
         out[start:end] = o[0].transpose(0, 1)
     if decodes:
         _decode_batch(
@@ -152,7 +141,7 @@ def _decode_batch(
     kv_start = torch.tensor([longest - seq_lens[i] for i in rows], device=query.device)
     tokens = torch.tensor([query_start[i] for i in rows], device=query.device)
     q = query[tokens].unsqueeze(2)  # [B, H, 1, D]
-    o = attention(q, keys, values, causal=True, kv_start=kv_start, **options)
+    o = attention(q, keys, values, kv_start=kv_start, **options)
     out[tokens] = o[:, :, 0]
 
 

@@ -19,6 +19,7 @@ from helpers import DTYPES, assert_bitwise, assert_close_to_reference
 from helpers import randn as device_randn
 
 from bik.backends import load
+from bik.backends.base import AttentionOptions
 from bik.backends.native import native_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +138,7 @@ def test_attention_matches_the_portable_build(backends, dtype, softcap, window, 
         randn((2, 2, 75, 40), dtype, 9),
     )
     kv_start = torch.tensor([0, 11], dtype=torch.int32)
-    args = (q, k, v, True, 40**-0.5, kv_start, 32, softcap, window)
+    args = (q, k, v, kv_start, AttentionOptions(True, 40**-0.5, 32, softcap, window))
     if sinks:
         args += (torch.linspace(-2.0, 3.0, 4),)
     assert_bitwise(native.attention(*args), portable.attention(*args), "attention")

@@ -16,6 +16,8 @@ The launches are described here with meta tensors and compiled by ``bik.tools.sm
 import pytest
 import torch
 
+from bik.backends.base import AttentionOptions
+
 sm90 = pytest.importorskip("bik.tools.sm90")
 
 pytestmark = pytest.mark.skipif(
@@ -55,7 +57,7 @@ def launches(tq, tk, dtype):
     q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
     k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
     kv_start = sm90.meta(1, dtype=torch.int32)
-    return attention_launches(q, k, v, kv_start, out, True, DIM**-0.5, 256)
+    return attention_launches(q, k, v, kv_start, out, AttentionOptions(True, DIM**-0.5, 256))
 
 
 def paged_launches(tokens, sequences, dtype):
@@ -83,9 +85,7 @@ def paged_launches(tokens, sequences, dtype):
         v,
         first_keys,
         out,
-        True,
-        DIM**-0.5,
-        256,
+        AttentionOptions(True, DIM**-0.5, 256),
         pages=(table, None if decode else starts, lens),
     )
 

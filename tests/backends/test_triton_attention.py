@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bik.backends import reference
+from bik.backends.base import AttentionOptions
 from bik.backends.triton.attention import (
     BLOCK_M,
     _use_split_parallel,
@@ -35,7 +36,7 @@ def inputs(batch, hkv, groups, tq, tk, dim, dtype, seed):
 
 
 def both_paths(q, k, v, causal, scale, kv_start, split, softcap=None, window=None, sinks=None):
-    args = (q, k, v, causal, scale, kv_start, split, softcap, window, sinks)
+    args = (q, k, v, kv_start, AttentionOptions(causal, scale, split, softcap, window), sinks)
     return attention(*args, split_parallel=False), attention(*args, split_parallel=True)
 
 
@@ -78,7 +79,7 @@ def test_wide_heads_run_in_value_chunks_on_both_paths(dim):
     in_registers, split_parallel = both_paths(q, k, v, True, 0.1, kv_start, 32, 30.0, 40)
     assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
     wide = [t.double() for t in (q, k, v)]
-    expected = reference.attention(*wide, True, 0.1, kv_start, None, 30.0, 40)
+    expected = reference.attention(*wide, kv_start, AttentionOptions(True, 0.1, 32, 30.0, 40))
     assert_close_to_reference(in_registers, expected, torch.bfloat16, "wide head")
 
 
@@ -87,12 +88,12 @@ def test_gqa_packed_decode_equals_prefill_and_each_head_alone(groups):
     batch, hkv, length, split = 2, 2, 75, 32
     q, k, v = inputs(batch, hkv, groups, length, length, 16, torch.bfloat16, seed=groups)
     kv_start = torch.tensor([0, 11], dtype=torch.int32, device=q.device)
-    options = (True, 0.25, kv_start, split)
+    options = (kv_start, AttentionOptions(True, 0.25, split))
     full = attention(q, k, v, *options)
     for t in range(length - 12, length):
         qt, kt, vt = q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1]
         out = torch.empty_like(qt)
-        launches = attention_launches(qt, kt, vt, kv_start, out, True, 0.25, split)
+        launches = attention_launches(qt, kt, vt, kv_start, out, options[1])
         # Split-parallel decode: one 64-row tile holds a kv head's whole query group, so a
         # program per (batch, kv head, split) reads each key block once for G query heads.
         assert len(launches) == 2 and launches[0].grid == (1, batch * hkv, t // split + 1)
@@ -120,7 +121,7 @@ def test_strided_views_give_the_bits_of_contiguous_tensors(dtype, dim):
     k, v = cache_k[:, :, :tk], cache_v[:, :, :tk]
     kv_start = torch.tensor([0, 7], dtype=torch.int32, device=q.device)
     for split_parallel in (False, True):
-        args = (True, 0.3, kv_start, 32, None, None)
+        args = (kv_start, AttentionOptions(True, 0.3, 32))
         strided = attention(q, k, v, *args, split_parallel=split_parallel)
         dense = attention(
             *(t.contiguous() for t in (q, k, v)), *args, split_parallel=split_parallel
@@ -139,7 +140,7 @@ def test_prefill_has_no_workspace(length):
     q, out = _meta(1, 32, length, 128), _meta(1, 32, length, 128)
     k, v = _meta(1, 8, length, 128), _meta(1, 8, length, 128)
     kv_start = _meta(1, dtype=torch.int32)
-    (launch,) = attention_launches(q, k, v, kv_start, out, True, 0.088, 256)
+    (launch,) = attention_launches(q, k, v, kv_start, out, AttentionOptions(True, 0.088, 256))
     tensors = [a for a in launch.args.values() if isinstance(a, torch.Tensor)]
     assert all(any(t is x for x in (q, k, v, kv_start, out)) for t in tensors)
 
@@ -148,7 +149,8 @@ def test_decode_workspace_is_one_state_per_split_and_query_row():
     batch, hq, hkv, tq, tk, dim = 3, 32, 8, 2, 8192, 128
     q, out = _meta(batch, hq, tq, dim), _meta(batch, hq, tq, dim)
     k, v = _meta(batch, hkv, tk, dim), _meta(batch, hkv, tk, dim)
-    launches = attention_launches(q, k, v, _meta(batch, dtype=torch.int32), out, True, 0.1, 256)
+    kv_start = _meta(batch, dtype=torch.int32)
+    launches = attention_launches(q, k, v, kv_start, out, AttentionOptions(True, 0.1, 256))
     assert len(launches) == 2  # split-parallel, then the combine
     args = launches[0].args
     rows, splits = tq * hq // hkv, tk // 256
@@ -172,7 +174,8 @@ def test_long_prefill_in_registers_equals_split_parallel_and_float64(dtype):
     assert not _use_split_parallel(1, 1, length, length // 32 + 1, 16)
     in_registers, split_parallel = both_paths(q, k, v, True, 0.25, kv_start, 32)
     assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
-    expected = reference.attention(q.double(), k.double(), v.double(), True, 0.25, kv_start, None)
+    wide = [t.double() for t in (q, k, v)]
+    expected = reference.attention(*wide, kv_start, AttentionOptions(True, 0.25, 32))
     assert_close_to_reference(in_registers, expected, dtype, "long prefill")
 
 
@@ -184,8 +187,8 @@ def test_long_prefill_in_registers_equals_split_parallel_and_float64(dtype):
 def test_both_paths_accurate_against_float64(dtype, split_parallel, causal, softcap, window):
     q, k, v = inputs(2, 2, 3, 50, 90, 40, dtype, seed=9)
     kv_start = torch.tensor([0, 13], dtype=torch.int32, device=q.device)
-    args = (causal, 0.3, kv_start, 32, softcap, window)
+    args = (kv_start, AttentionOptions(causal, 0.3, 32, softcap, window))
     out = attention(q, k, v, *args, split_parallel=split_parallel)
     wide = [t.double() for t in (q, k, v)]
-    expected = reference.attention(*wide, causal, 0.3, kv_start, None, softcap, window)
+    expected = reference.attention(*wide, *args)
     assert_close_to_reference(out, expected, dtype, "attention")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import bik
 from bik.backends import reference
+from bik.backends.base import AttentionOptions
 
 SPLITS = st.sampled_from([32, 64, bik.DEFAULT_SPLIT_SIZE])
 # Soft-capping off, strong (most scores on tanh's flat part) and mild (Gemma's scale).
@@ -125,7 +126,8 @@ def test_accuracy_against_float64(backend, dtype, causal, tq):
     q = q[:, :, 70 - tq :]
     kv_start = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
     out = bik.attention(q, k, v, causal=causal, kv_start=kv_start, split_size=32, scale=0.3)
-    expected = reference.attention(q.double(), k.double(), v.double(), causal, 0.3, kv_start, None)
+    wide = [t.double() for t in (q, k, v)]
+    expected = reference.attention(*wide, kv_start, AttentionOptions(causal, 0.3, 32))
     assert out.dtype == dtype and out.shape == q.shape
     assert_close_to_reference(out, expected, dtype, "attention")
     if not causal:  # cross-check the oracle itself against torch's SDPA
@@ -164,13 +166,13 @@ def test_softcap_and_window_accuracy_against_float64(backend, dtype, softcap, wi
     q, k, v = qkv(2, 2, 2, 70, 24, dtype, seed=11)
     q = q[:, :, 70 - tq :]
     kv_start = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
-    options = dict(scale=0.5, softcap=softcap, window=window)
-    out = bik.attention(q, k, v, kv_start=kv_start, split_size=32, **options)
+    options = AttentionOptions(True, 0.5, 32, softcap, window)
+    out = bik.attention(q, k, v, kv_start=kv_start, **options.keywords())
     wide = [t.double() for t in (q, k, v)]
-    expected = reference.attention(*wide, True, 0.5, kv_start, None, softcap, window)
+    expected = reference.attention(*wide, kv_start, options)
     assert_close_to_reference(out, expected, dtype, "attention")
     # The oracle itself against transformers' formula and mask (row 0: no left padding).
-    eager = transformers_eager_attention(*(t[:1] for t in wide), **options)
+    eager = transformers_eager_attention(*(t[:1] for t in wide), 0.5, softcap, window)
     torch.testing.assert_close(expected[:1], eager, rtol=1e-12, atol=1e-12)
 
 
@@ -203,10 +205,10 @@ def test_sinks_accuracy_against_float64(sinks_backend, dtype, tq, softcap, windo
     q = q[:, :, 70 - tq :]
     sinks = sink_logits(4, 31)
     kv_start = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
-    options = dict(scale=0.5, softcap=softcap, window=window)
-    out = bik.attention(q, k, v, kv_start=kv_start, split_size=32, sinks=sinks, **options)
+    options = AttentionOptions(True, 0.5, 32, softcap, window)
+    out = bik.attention(q, k, v, kv_start=kv_start, sinks=sinks, **options.keywords())
     wide = [t.double() for t in (q, k, v)]
-    args = (True, 0.5, kv_start, None, softcap, window)
+    args = (kv_start, options)
     expected = reference.attention(*wide, *args, sinks.double())
     assert_close_to_reference(out, expected, dtype, "attention with sinks")
     # The sinks matter (here by far more than the tolerance), and the oracle itself agrees
@@ -259,7 +261,8 @@ def test_sinks_backward_matches_float64(sinks_backend, dtype):
     *qkv_leaves, sink_leaf = leaves
     bik.attention(*qkv_leaves, kv_start=kv_start, window=6, sinks=sink_leaf).backward(grad)
     ref = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    out = reference.attention(*ref[:3], True, 0.25, kv_start, None, None, 6, ref[3])
+    options = AttentionOptions(True, 0.25, 256, window=6)
+    out = reference.attention(*ref[:3], kv_start, options, ref[3])
     out.backward(grad.double())
     for got, want, name in zip(leaves, ref, ["q", "k", "v", "sinks"]):
         assert got.grad.dtype == got.dtype
@@ -322,7 +325,8 @@ def test_backward_matches_float64(backend, dtype, softcap, window):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     bik.attention(*leaves, kv_start=kv_start, softcap=softcap, window=window).backward(grad)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
-    reference.attention(*ref, True, 0.25, kv_start, None, softcap, window).backward(grad.double())
+    options = AttentionOptions(True, 0.25, 256, softcap, window)
+    reference.attention(*ref, kv_start, options).backward(grad.double())
     for got, want, name in zip(leaves, ref, "qkv"):
         assert_close_to_reference(got.grad, want.grad, dtype, f"grad {name}")
 
@@ -495,7 +499,7 @@ def test_negative_control_plain_torch_softcap_window_decode_differs_from_prefill
     for length in (64, 100, 200, 333):
         q, k, v = qkv(1, 4, 1, length, 64, torch.float32, seed=length)
         kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
-        args = (True, 0.125, kv_start, None, 30.0, 40)
+        args = (kv_start, AttentionOptions(True, 0.125, 256, 30.0, 40))
         full = reference.attention(q, k, v, *args)[:, :, -1:]
         differs.append(not torch.equal(full, reference.attention(q[:, :, -1:], k, v, *args)))
     assert any(differs)

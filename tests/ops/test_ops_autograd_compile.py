@@ -8,6 +8,7 @@ from helpers import DEVICE, assert_bitwise, randn
 
 import bik
 from bik.backends import reference
+from bik.backends.base import AttentionOptions
 
 
 def _linear(x, w, b):
@@ -20,7 +21,8 @@ def _attention(q, k, v):
 
 def _reference_attention(q, k, v, softcap=None, window=None):
     kv_start = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-    return reference.attention(q, k, v, True, q.shape[-1] ** -0.5, kv_start, None, softcap, window)
+    options = AttentionOptions(True, q.shape[-1] ** -0.5, 256, softcap, window)
+    return reference.attention(q, k, v, kv_start, options)
 
 
 TOKENS = torch.tensor([3, 0, 7, 5, 1], device=DEVICE)

@@ -185,7 +185,7 @@ def test_paged_kernel_equals_the_gathered_path(
     sinks = torch.linspace(-1, 1, hkv * groups, device=query.device) if seed % 2 else None
     options = dict(scale=0.3, split_size=split_size, softcap=softcap, window=window)
     out = paged_attention(query, kc, vc, table, starts, seq_lens, **options, sinks=sinks)
-    checked = dict(options, split_size=split_size or bik.contract.DEFAULT_SPLIT_SIZE)
+    checked = paged_module.validate_options(query, True, **options, sinks=sinks)
     gathered = paged_module._gathered(query, kc, vc, table, starts, seq_lens, checked, sinks)
     assert_bitwise(out, gathered, f"{seq_lens=} {query_lens=}")
 

@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from ...contract import KEY_BLOCK
+from ..base import AttentionOptions
 from ._common import Launch, aligned, dot_acc, upcast_dot_operands
 
 BLOCK_M = 64
@@ -393,10 +394,19 @@ def _attention_kernel(
         k_base = k_ptr + kv_head * (skh * UNIT)
         v_base = v_ptr + kv_head * (svh * UNIT)
     out_mask = ok[:, None] & _in_head(vdims, D, BLOCK_D)
+    # One loop over the splits, ascending: the in-register path runs the tile's splits and
+    # merges each as soon as it is complete; the split-parallel path runs the program's one
+    # split (a split outside the tile's range is computed, never stored) and stores its state
+    # for the combine kernel. Only where the state goes differs.
+    split_first, split_last = split_lo, split_hi
     if SPLIT_PARALLEL:
-        # One split per program. A split outside the tile's range is never read: not stored.
-        split = tl.program_id(2)
-        row_max, row_sum, acc = _split_state(
+        split_first = tl.program_id(2)
+        split_last = split_first + 1
+    row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for split in range(split_first, split_last):
+        part_max, part_sum, part_acc = _split_state(
             q,
             k_base,
             v_base,
@@ -429,11 +439,16 @@ def _attention_kernel(
             BLOCK_D,
             BLOCK_DV,
         )
+        if SPLIT_PARALLEL:  # the split's own state, unmerged (the combine kernel merges)
+            row_max, row_sum, acc = part_max, part_sum, part_acc
+        else:
+            row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
+    if SPLIT_PARALLEL:
         # (masks from comparisons only: the interpreter mishandles tensor & scalar bool)
-        in_range = (split >= split_lo) & (split < split_hi)
+        in_range = (split_first >= split_lo) & (split_first < split_hi)
         keep = t < tl.where(in_range, Tq, 0)
         keep_stats = t < tl.where(in_range & (chunk == 0), Tq, 0)  # one chunk writes them
-        part = (bh * n_splits + split) * (Tq * GROUPS) + rows
+        part = (bh * n_splits + split_first) * (Tq * GROUPS) + rows
         tl.store(ws_max_ptr + part, row_max, mask=keep_stats)
         tl.store(ws_sum_ptr + part, row_sum, mask=keep_stats)
         tl.store(
@@ -442,45 +457,6 @@ def _attention_kernel(
             mask=keep[:, None] & _in_head(vdims, D, BLOCK_D),
         )
     else:
-        row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
-        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-        # The tile's splits in ascending order, each merged as soon as it is complete.
-        for split in range(split_lo, split_hi):
-            part_max, part_sum, part_acc = _split_state(
-                q,
-                k_base,
-                v_base,
-                skt * UNIT,
-                skd,
-                svt * UNIT,
-                svd,
-                vdims,
-                split,
-                first_key,
-                block_lo,
-                key_hi,
-                pos,
-                Tk,
-                D,
-                split_size,
-                scale,
-                softcap,
-                window,
-                pages_ptr,
-                skb * UNIT,
-                svb * UNIT,
-                CAUSAL,
-                SOFTCAP,
-                WINDOW,
-                UPCAST,
-                PAGE_SIZE,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                BLOCK_DV,
-            )
-            row_max, row_sum, acc = _merge(row_max, row_sum, acc, part_max, part_sum, part_acc)
         if SINKS:
             row_max, row_sum, acc = _with_sink(row_max, row_sum, acc, sinks_ptr, heads, ok)
         out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
@@ -590,11 +566,7 @@ def attention_launches(
     v,
     kv_start,
     out,
-    causal,
-    scale,
-    split_size,
-    softcap=None,
-    window=None,
+    options: AttentionOptions,
     sinks=None,
     *,
     split_parallel=None,
@@ -614,6 +586,7 @@ def attention_launches(
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
     rows = tq * groups
+    split_size, window, softcap = options.split_size, options.window, options.softcap
     n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
     block_m = _block_m(q.dtype)
     if pages is not None:
@@ -639,7 +612,7 @@ def attention_launches(
         n_splits=n_splits,
         split_size=split_size,
         window=0 if window is None else window,
-        CAUSAL=causal,
+        CAUSAL=options.causal,
         WINDOW=window is not None,
         sinks_ptr=out if sinks is None else sinks,  # (unused without sinks)
         SINKS=sinks is not None,
@@ -683,7 +656,7 @@ def attention_launches(
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
                 ws_sum_ptr=ws_sum,
-                scale=scale,
+                scale=options.scale,
                 softcap=1.0 if softcap is None else softcap,
                 **strides,
                 SOFTCAP=softcap is not None,
@@ -715,40 +688,15 @@ def attention_launches(
     return launches
 
 
-def attention(
-    q,
-    k,
-    v,
-    causal,
-    scale,
-    kv_start,
-    split_size,
-    softcap=None,
-    window=None,
-    sinks=None,
-    *,
-    split_parallel=None,
-):
+def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, *, split_parallel=None):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``softcap`` / ``window`` / ``sinks`` (fp32 ``[Hq]``) None: off.
-    ``split_parallel``: see :func:`attention_launches` (the bits are the same either way)."""
+    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``split_parallel``: see
+    :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
-    if sinks is not None:
-        sinks = aligned(sinks)
+    sinks = None if sinks is None else aligned(sinks)
     for launch in attention_launches(
-        q,
-        k,
-        v,
-        kv_start,
-        out,
-        causal,
-        scale,
-        split_size,
-        softcap,
-        window,
-        sinks,
-        split_parallel=split_parallel,
+        q, k, v, kv_start, out, options, sinks, split_parallel=split_parallel
     ):
         launch()
     return out
@@ -761,10 +709,7 @@ def paged_attention(
     block_table,
     query_start,
     seq_lens,
-    scale,
-    split_size,
-    softcap=None,
-    window=None,
+    options: AttentionOptions,
     sinks=None,
 ):
     """See bik.ops.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
@@ -790,11 +735,7 @@ def paged_attention(
         aligned(value_cache),
         torch.zeros_like(seq_lens),  # every sequence's keys start at 0
         o,
-        True,
-        scale,
-        split_size,
-        softcap,
-        window,
+        options,
         None if sinks is None else aligned(sinks),
         pages=(block_table, starts, seq_lens),
     ):
