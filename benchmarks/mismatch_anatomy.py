@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bik import hf, models
-from bik.tools import demo, vllm_engine
+from bik.testing import sample_prompts
+from bik.tools import demo
 from bik.tools.cli import positive_int
-from bik.tools.verify_vllm import sample_prompts
+from bik.vllm import engine as vllm_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -35,11 +35,11 @@ import torch
 import bik
 from bik.contract import TP_CHUNKS
 from bik.distributed import chunked_linear, per_chunk_partial
-from bik.tools import vllm_engine
+from bik.testing import sample_prompts
 from bik.tools.bench.cases import qwen3_config
 from bik.tools.bench.machine import device_name
 from bik.tools.bench.vllm_throughput import save_model
-from bik.tools.verify_vllm import sample_prompts
+from bik.vllm import engine as vllm_engine
 
 LINEARS = {"o_proj 576->576": (576, 576), "down_proj 1536->576": (1536, 576)}
 ROWS = (1, 128)

@@ -1,5 +1,4 @@
-"""Command line: ``python -m bik demo|verify|bench|backends|model ...`` (``python -m
-bik.bench`` is an alias of ``python -m bik bench``)."""
+"""Command line: ``python -m bik demo|verify|bench|backends|model ...``."""
 
 import argparse
 import sys

@@ -45,7 +45,7 @@ import torch
 
 import bik
 import bik.vllm
-from bik.tools.vllm_engine import cpu_binding
+from bik.vllm.engine import cpu_binding
 
 from .batch import Rollout
 from .errors import ConfigError
@@ -261,7 +261,7 @@ def _seed_worker(worker: Any, seed: int) -> None:
 @contextlib.contextmanager
 def _worker_binding(tensor_parallel: int) -> Iterator[None]:
     """While the engine starts: the CPU binding its worker processes need at TP > 1 (a core
-    per rank, ``bik.tools.vllm_engine.cpu_binding``, which is empty when the user set one);
+    per rank, ``bik.vllm.engine.cpu_binding``, which is empty when the user set one);
     removed again after."""
     binding = cpu_binding(tensor_parallel)
     os.environ.update(binding)

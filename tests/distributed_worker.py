@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bik
-from bik.tools import verify
+from bik import testing
 
 MODEL = "tiny-qwen3"
 PAD = 0
@@ -49,7 +49,7 @@ def single_process_model(dtype: torch.dtype) -> torch.nn.Module:
     """The unsharded single-process model, patched. For bf16 only the parameters are cast, as
     FSDP's MixedPrecisionPolicy does; buffers (RoPE's inv_freq) stay fp32. ``model.to(bf16)``
     would also round inv_freq, and that changes the bits."""
-    model = verify.load_model(MODEL)
+    model = testing.load_model(MODEL)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     bik.patch_model(model)
@@ -201,7 +201,7 @@ def load_checkpoint(path: str) -> torch.nn.Module:
     """A fresh single-process fp32 model holding the checkpoint saved at any world size."""
     import torch.distributed.checkpoint as dcp
 
-    model = verify.load_model(MODEL)
+    model = testing.load_model(MODEL)
     state = model.state_dict()
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
-    from . import vllm_engine
+    from ..vllm import engine as vllm_engine
 
     transformers_logging.disable_progress_bar()  # three loads: their bars would bury the steps
     with_vllm = not args.no_vllm and vllm_engine.vllm_problem() is None

@@ -26,39 +26,13 @@ import torch
 
 from .. import hf, models
 from ..contract import DTYPE_NAMES, TP_CHUNKS
-from ..families import FAMILIES
 from ..ops.log_softmax import token_logprobs
+from ..testing import PRESETS, load_model
 from .cli import UsageError, check_device, positive_int
 from .cli import seed as seed_type
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-PRESETS = {f"tiny-{family}": family for family in FAMILIES}
-
-
-def load_model(
-    name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-) -> PreTrainedModel:
-    """A preset (random-init tiny config, no download), a real model of :mod:`bik.models`
-    (prepared on first use) or a local model directory."""
-    from transformers import AutoModelForCausalLM
-
-    if name in models.MODELS:
-        model = AutoModelForCausalLM.from_pretrained(models.path(name))
-    elif name in PRESETS:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(FAMILIES[PRESETS[name]].tiny_config())
-    elif Path(name).is_dir():
-        model = AutoModelForCausalLM.from_pretrained(name)
-    else:
-        raise ValueError(
-            f"model: expected a preset ({', '.join(PRESETS)}), a real model "
-            f"({', '.join(models.MODELS)}) or a local model directory, got {name!r}"
-        )
-    # transformers types .to through a decorator that drops its signature
-    return model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]
-
 
 # -- batches -------------------------------------------------------------------------------
 
@@ -432,7 +406,7 @@ def check(args: argparse.Namespace) -> None:
             if getattr(args, option) is not None:
                 raise UsageError(f"--{option}", "applies to --engine vllm only")
         return
-    from . import vllm_engine
+    from ..vllm import engine as vllm_engine
 
     problem = vllm_engine.vllm_problem()
     if problem:

@@ -1,6 +1,6 @@
 """``python -m bik verify --engine vllm``: vLLM's rollout log-probs against the trainer's.
 
-Native vLLM and vLLM with bik (each in its own process, :mod:`bik.tools.vllm_engine`) sample
+Native vLLM and vLLM with bik (each in its own process, :mod:`bik.vllm.engine`) sample
 the same prompts (random token ids of mixed lengths from a seeded generator, half of them
 behind one shared prefix) in batches that exercise continuous batching (fewer sequence slots
 than requests), chunked prefill (a small token budget per step), prefix caching and ``n > 1``
@@ -11,7 +11,6 @@ directory, one full forward over each finished sequence) scores every sampled to
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,33 +18,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import hf
-from . import vllm_engine
+from ..testing import sample_prompts
+from ..vllm import engine as vllm_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-SHARED_PREFIX = 40  # tokens: more than one 32-token KV block, so the prefix cache is hit
-MAX_PROMPT = 48
 MAX_SEQS = 8  # sequence slots per engine step (the requests outnumber them)
 STEP_TOKENS = 32  # token budget per engine step: longer prompts are prefilled in chunks
 TRAINER_BATCH = 8
 KERNELS = {"native": "native vLLM", "bik": "vLLM + bik"}
-
-
-def sample_prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
-    """``count`` prompts of random token ids (2 to 48 tokens, ids >= 3 to avoid the usual
-    special ids); every other prompt starts with one shared 40-token prefix."""
-    rng = random.Random(f"{seed}-vllm-prompts")
-    low = 3 if vocab > 3 else 0
-    shared = [rng.randrange(low, vocab) for _ in range(SHARED_PREFIX)]
-    prompts = []
-    for index in range(count):
-        if index % 2:
-            tail = [rng.randrange(low, vocab) for _ in range(rng.randrange(1, 9))]
-            prompts.append(shared + tail)
-        else:
-            prompts.append([rng.randrange(low, vocab) for _ in range(rng.randrange(2, MAX_PROMPT))])
-    return prompts
 
 
 def engine_settings(requests: int, longest: int) -> dict:

@@ -82,7 +82,7 @@ def test_fsdp_gathers_the_master_weights_exactly(runs, wrapper, dtype):
     """The weights bik's kernels read inside the FSDP forward are a plain ``.to(dtype)`` of
     the fp32 master weights (the unsharded model's)."""
     results = runs.results(wrapper, dtype)
-    master = dict(worker.verify.load_model(worker.MODEL).named_parameters())
+    master = dict(worker.testing.load_model(worker.MODEL).named_parameters())
     for rank, result in enumerate(results):
         seen = result["weights"]
         assert seen.keys() == master.keys()  # every weight was read by some forward
@@ -132,7 +132,7 @@ def test_sharded_step_equals_single_process_emulation(runs, wrapper, dtype):
     """AdamW on the FSDP shards (fp32 master weights) gives the weights that AdamW on the
     unsharded model gives from the emulated data-parallel gradient."""
     saved = worker.load_checkpoint(runs.checkpoint(wrapper, dtype)).state_dict()
-    model = worker.verify.load_model(worker.MODEL)
+    model = worker.testing.load_model(worker.MODEL)
     grads = _emulated(dtype, torch.float32)
     for name, p in model.named_parameters():
         p.grad = grads[name].clone()

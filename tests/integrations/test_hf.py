@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bik
+from bik import testing
 from bik.__main__ import main
 from bik.families import FAMILIES
 from bik.tools import verify
@@ -17,7 +18,7 @@ PRESETS = [f"tiny-{family}" for family in FAMILIES]  # verify's presets
 
 
 def tiny(preset, dtype=torch.float32):
-    return verify.load_model(preset, dtype=dtype)
+    return testing.load_model(preset, dtype=dtype)
 
 
 def _sampled(model, seed, **kwargs):
@@ -285,7 +286,7 @@ def test_errors():
     with pytest.raises(ValueError, match="not patched"):
         bik.unpatch_model(tiny("tiny-llama"))
     with pytest.raises(ValueError, match="model: expected a preset"):
-        verify.load_model("no-such-preset")
+        testing.load_model("no-such-preset")
     with pytest.raises(ValueError, match="response_mask: expected shape"):
         ids = torch.ones(2, 5, dtype=torch.long)
         bik.sequence_logprobs(model, ids, ids, ids[:, :3])

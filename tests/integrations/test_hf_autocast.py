@@ -7,6 +7,7 @@ import torch
 import bik
 
 pytest.importorskip("transformers")
+from bik import testing
 from bik.tools import verify
 
 
@@ -32,7 +33,7 @@ def _output_dtypes(model, ids):
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_dtypes_match_the_unpatched_model(preset, dtype):
-    model = verify.load_model(preset)  # fp32 weights
+    model = testing.load_model(preset)  # fp32 weights
     ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=dtype):
         plain, plain_logits = _output_dtypes(model, ids)
@@ -46,7 +47,7 @@ def test_autocast_dtypes_match_the_unpatched_model(preset, dtype):
 
 
 def test_autocast_outputs_stay_batch_invariant():
-    model = verify.load_model("tiny-qwen3")
+    model = testing.load_model("tiny-qwen3")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = verify.run_checks(model)
         assert not all(ok for ok, _ in plain.values()), "negative control: plain torch differs"
@@ -56,7 +57,7 @@ def test_autocast_outputs_stay_batch_invariant():
 
 
 def test_autocast_row_alone_equals_row_in_batch_bitwise():
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 256, (n,), generator=gen) for n in (9, 4, 12)]
@@ -70,7 +71,7 @@ def test_autocast_row_alone_equals_row_in_batch_bitwise():
 
 
 def test_autocast_training_step_gives_fp32_grads_on_fp32_weights():
-    model = verify.load_model("tiny-qwen3").train()
+    model = testing.load_model("tiny-qwen3").train()
     bik.patch_model(model)
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):

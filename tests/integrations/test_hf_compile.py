@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import bik
+from bik import testing
 from bik.hf import generation_position_ids
-from bik.tools import verify
 
 pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ def _logits(model, ids, mask):
 
 
 def test_compiled_patched_model_equals_eager_bitwise_and_plain_torch_differs():
-    model = verify.load_model("tiny-qwen3")
+    model = testing.load_model("tiny-qwen3")
     ids, mask = _left_padded_batch()
     torch._dynamo.reset()
     plain_eager, plain_compiled = (
@@ -53,7 +53,7 @@ def test_compiled_patched_model_equals_eager_bitwise_and_plain_torch_differs():
 
 def test_a_per_module_backend_is_honoured_under_compile():
     """patch_model(backend=...) must not be silently replaced by the global selection."""
-    model = verify.load_model("tiny-qwen3")
+    model = testing.load_model("tiny-qwen3")
     ids, mask = _left_padded_batch()
     default = copy.deepcopy(model)
     bik.patch_model(model, backend="reference")

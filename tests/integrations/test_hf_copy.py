@@ -12,7 +12,7 @@ import bik
 from bik import hf
 
 pytest.importorskip("transformers")
-from bik.tools import verify
+from bik import testing
 
 IDS = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(0))
 
@@ -49,7 +49,7 @@ COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dum
 
 @pytest.mark.parametrize("how", list(COPIES))
 def test_a_copy_keeps_backend_and_split_size(calls, how):
-    model = verify.load_model("tiny-qwen3")
+    model = testing.load_model("tiny-qwen3")
     report = bik.patch_model(model, backend="reference", split_size=64)
     want = _logits(model)
     assert {c[1] for c in calls} == {"reference"}
@@ -69,7 +69,7 @@ def test_a_copy_keeps_backend_and_split_size(calls, how):
 
 @pytest.mark.slow  # test_a_copy_keeps_backend_and_split_size[pickle] checks the same settings
 def test_a_pickled_patched_model_runs_in_a_fresh_process(tmp_path):
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     bik.patch_model(model, backend="reference", split_size=32)
     torch.save({"model": model, "logits": _logits(model)}, tmp_path / "patched.pt")
     script = (

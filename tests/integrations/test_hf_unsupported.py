@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from bik.tools import verify
+from bik import testing
 
 _SMALL = dict(
     vocab_size=64,
@@ -37,7 +37,7 @@ def _gpt2():
 
 @pytest.fixture(scope="module")
 def patched_llama():
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     bik.patch_model(model)
     return model
 
@@ -135,7 +135,7 @@ def test_active_sliding_window_raises_and_an_inactive_one_runs():
 
 
 def test_training_mode_attention_dropout_raises():
-    model = verify.load_model("tiny-qwen3")
+    model = testing.load_model("tiny-qwen3")
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     bik.patch_model(model)
@@ -183,12 +183,12 @@ class _Scale(torch.nn.Module):
 
 
 def test_strict_accepts_unknown_elementwise_modules_and_rejects_unknown_weighted_ones():
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     for layer in model.model.layers:
         layer.mlp.act_fn = _Squash()
     report = bik.patch_model(model)
     assert report.unpatched == []
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     model.model.layers[1].mlp.act_fn = _Scale()
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.act_fn \(_Scale\).*strict=False"):
         bik.patch_model(model)

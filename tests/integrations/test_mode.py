@@ -88,9 +88,9 @@ def test_mode_bmm_entry_does_not_depend_on_the_batch():
 def test_mode_makes_a_transformers_moe_block_invariant():
     """Qwen2-MoE's block, unmodified: router softmax, experts (torch._grouped_mm or per-expert
     F.linear), SiLU and the shared expert's sigmoid gate all run through bik in the mode."""
-    from bik.tools import verify
+    from bik import testing
 
-    block = verify.load_model("tiny-qwen2_moe").model.layers[0].mlp
+    block = testing.load_model("tiny-qwen2_moe").model.layers[0].mlp
     torch.manual_seed(3)
     x = torch.randn(1, 300, 128)
 

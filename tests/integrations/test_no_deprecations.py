@@ -22,10 +22,11 @@ SCRIPT = textwrap.dedent(
     warnings.simplefilter("error", FutureWarning)
 
     import bik
+    from bik import testing
     from bik.tools import verify
     from rl_harness import config, runner
 
-    model = verify.load_model("tiny-llama")
+    model = testing.load_model("tiny-llama")
     model.save_pretrained(DIRECTORY)
     bik.patch_model(model)
     verify.run_checks(model)  # generate, chunked prefill over a DynamicCache, full forwards

@@ -6,7 +6,7 @@ degree above 1 is refused before any engine starts, and the engine settings whos
 bik cannot order under TP are refused when it starts.
 
 TP 1 runs in this process; TP 2 needs vLLM's multiprocessing executor (one worker process per
-rank, each bound to its own core) and runs in a child process (``bik.tools.vllm_engine``).
+rank, each bound to its own core) and runs in a child process (``bik.vllm.engine``).
 The fp32 TP 2 case and the native negative control (native vLLM at TP 2 differs from the
 trainer) are ``python -m bik verify --engine vllm --tp 2``, in tests/tools/test_verify_vllm.py.
 """
@@ -23,8 +23,10 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-v
 
 import bik  # noqa: E402
 import bik.vllm  # noqa: E402
+from bik import testing  # noqa: E402
 from bik.contract import DTYPE_NAMES  # noqa: E402
-from bik.tools import verify_vllm, vllm_engine  # noqa: E402
+from bik.tools import verify_vllm  # noqa: E402
+from bik.vllm import engine as vllm_engine  # noqa: E402
 from bik.vllm.config import check_engine  # noqa: E402
 
 PROMPTS, TOKENS, SAMPLES = 8, 8, 2
@@ -53,7 +55,7 @@ def model_dir(tmp_path_factory):
 
 
 def _request(model_dir: str, dtype: str, tensor_parallel: int) -> dict:
-    prompts = verify_vllm.sample_prompts(0, PROMPTS, 512)
+    prompts = testing.sample_prompts(0, PROMPTS, 512)
     settings = verify_vllm.engine_settings(PROMPTS * SAMPLES, max(map(len, prompts)) + TOKENS)
     settings.update(tensor_parallel_size=tensor_parallel, disable_custom_all_reduce=True)
     return {

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bik
+from bik import testing
 from bik.ops.grouped_linear import grouped_linear
 from bik.ops.moe import expert_mlp, route
-from bik.tools import verify
 
 # The interpreted Triton kernel runs a 64x64 tile per program: keep the cases few and small.
 CASES = settings(max_examples=min(10, settings.default.max_examples))
@@ -148,7 +148,7 @@ def test_expert_mlp_accuracy(backend, dtype):
 def test_negative_control_transformers_experts_depend_on_the_other_tokens():
     """transformers' own experts (one F.linear per expert over the tokens that chose it):
     a token's output changes with how many other tokens chose its experts."""
-    model = verify.load_model("tiny-qwen3_moe").to(DEVICE)
+    model = testing.load_model("tiny-qwen3_moe").to(DEVICE)
     block = model.model.layers[0].mlp
     x = randn((1, 300, 128), torch.float32, 5)
     with torch.no_grad():
@@ -170,7 +170,7 @@ def test_route_errors():
 
 
 def test_moe_report_and_router_jitter_refused_in_training():
-    model = verify.load_model("tiny-mixtral")
+    model = testing.load_model("tiny-mixtral")
     model.config.router_jitter_noise = 0.1
     for layer in model.model.layers:
         layer.mlp.jitter_noise = 0.1

@@ -12,8 +12,9 @@ from test_cli import _never, usage_error
 pytest.importorskip("vllm")
 
 from bik.__main__ import main
-from bik.tools import bench, vllm_engine
+from bik.tools import bench
 from bik.tools.bench import vllm_throughput
+from bik.vllm import engine as vllm_engine
 
 
 def test_quick_vllm_bench_reports_both_engines_and_the_ratio(tmp_path, capsys):

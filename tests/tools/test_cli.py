@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bik import hf
+from bik import hf, testing
 from bik.__main__ import TOOLS, main
 from bik.tools import bench, demo, verify
 
@@ -101,7 +101,7 @@ def test_verify_translates_patch_model_refusing_the_family(capsys, monkeypatch):
 
 
 def test_verify_translates_patch_model_refusing_a_module(capsys, monkeypatch):
-    llama = verify.load_model("tiny-llama")
+    llama = testing.load_model("tiny-llama")
     llama.model.norm = torch.nn.LayerNorm(llama.config.hidden_size)  # reduces; bik cannot patch
     monkeypatch.setattr(verify, "load_model", lambda *args: llama)
     monkeypatch.setattr(verify, "run_checks", _never("verify.run_checks"))
@@ -147,12 +147,6 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False
     )
-
-
-def test_bench_alias_help():
-    done = _run("-m", "bik.bench", "--help")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m bik bench") and "--min-time" in done.stdout
 
 
 def test_bad_argument_in_a_process_is_one_line_without_traceback():

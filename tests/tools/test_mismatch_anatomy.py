@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bik.tools.verify import load_model
+from bik.testing import load_model
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "mismatch_anatomy.py"
 PATHS = ["hf_fp32", "hf_bf16", "trainer_bf16", "bik_hf_fp32", "bik_hf_bf16", "bik_trainer_fp32"]

@@ -15,7 +15,9 @@ from test_cli import _never, usage_error
 
 pytest.importorskip("vllm")
 
-from bik.tools import verify, verify_vllm, vllm_engine
+from bik import testing
+from bik.tools import verify, verify_vllm
+from bik.vllm import engine as vllm_engine
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +120,10 @@ def test_compare_names_the_first_difference_in_request_order():
 
 
 def test_prompts_are_seeded_mixed_and_share_a_prefix():
-    prompts = verify_vllm.sample_prompts(0, 8, 512)
-    assert prompts == verify_vllm.sample_prompts(0, 8, 512) != verify_vllm.sample_prompts(1, 8, 512)
+    prompts = testing.sample_prompts(0, 8, 512)
+    assert prompts == testing.sample_prompts(0, 8, 512) != testing.sample_prompts(1, 8, 512)
     assert len({len(p) for p in prompts}) > 2 and all(3 <= t < 512 for p in prompts for t in p)
-    shared = verify_vllm.SHARED_PREFIX
+    shared = testing.SHARED_PREFIX
     assert prompts[1][:shared] == prompts[3][:shared]
 
 

@@ -34,7 +34,9 @@ import torch
 
 from ... import backends, models
 from ...contract import DTYPE_NAMES
-from .. import verify, vllm_engine
+from ...testing import PRESETS
+from ...vllm import engine as vllm_engine
+from .. import verify
 from ..cli import (
     AllOf,
     UsageError,
@@ -492,7 +494,7 @@ def _check_vllm(args):
     for option in ("ops", "min_time"):
         if getattr(args, option) is not None:
             raise UsageError(f"--{option.replace('_', '-')}", "times the kernels; not with --vllm")
-    if args.model is not None and (args.model == "all" or args.model in verify.PRESETS):
+    if args.model is not None and (args.model == "all" or args.model in PRESETS):
         raise UsageError("--model", f"expected a local model directory, got {args.model!r}")
     problem = None if args.model is None else vllm_engine.model_problem(args.model)
     if problem:

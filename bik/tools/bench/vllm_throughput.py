@@ -2,7 +2,7 @@
 
 Both engines run the same model, prompts and settings (eager mode, block size 32, prefix
 caching off, since every timed run repeats the prompts) in a process of their own
-(:mod:`bik.tools.vllm_engine`), one after the other: one ``generate`` call as the warm-up,
+(:mod:`bik.vllm.engine`), one after the other: one ``generate`` call as the warm-up,
 then ``runs`` timed calls. Sampling is a rollout's: temperature 1, the sampled tokens'
 log-probs returned, ``tokens`` new tokens per prompt (end-of-sequence ignored).
 ``ratio = bik tokens/s / native tokens/s`` (= native ms / bik ms, the kernel bench's ratio).
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...contract import DTYPE_NAMES
-from .. import vllm_engine
+from ...vllm import engine as vllm_engine
 from ..verify_vllm import sample_prompts
 from .cases import qwen3_config
 from .machine import device_name

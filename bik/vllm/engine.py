@@ -2,7 +2,7 @@
 
 bik is switched on in vLLM per process, and stays on (:func:`bik.vllm.enable`), so a tool
 that compares the two engines never builds both in one process: :func:`run_engine` starts
-``python -m bik.tools.vllm_engine REQUEST.json RESULT.json`` with ``BIK_VLLM`` removed from
+``python -m bik.vllm.engine REQUEST.json RESULT.json`` with ``BIK_VLLM`` removed from
 the environment; the child builds one engine (``vllm.LLM``, or ``bik.vllm.LLM``), generates
 from token-id prompts (no tokenizer), and writes what it sampled, the log-probs vLLM returned,
 the prompt tokens read from the prefix cache and the seconds of each timed run as JSON.
@@ -182,11 +182,11 @@ def _push_weights(llm: Any, model_dir: str, dtype: str) -> None:
     """``model_dir``'s weights (cast to the engine's dtype) into the running engine."""
     from transformers import AutoModelForCausalLM
 
-    from .. import vllm as bik_vllm
     from ..contract import DTYPE_NAMES
+    from . import update_weights
 
     source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPE_NAMES[dtype])
-    bik_vllm.update_weights(llm, source.named_parameters())
+    update_weights(llm, source.named_parameters())
 
 
 def serve(request: dict) -> dict:
@@ -232,7 +232,7 @@ def serve(request: dict) -> dict:
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m bik.tools.vllm_engine REQUEST.json RESULT.json", file=sys.stderr)
+        print("usage: python -m bik.vllm.engine REQUEST.json RESULT.json", file=sys.stderr)
         return 2
     request = json.loads(Path(argv[0]).read_text())
     result = serve(request)

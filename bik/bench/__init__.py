@@ -1,1 +1,0 @@
-"""``python -m bik.bench``: an alias of ``python -m bik bench`` (see bik.tools.bench)."""
