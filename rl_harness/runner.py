@@ -37,6 +37,7 @@ from . import (
 from .batch import Batch, Rollout, Tokens
 from .config import Config
 from .distributed import World
+from .engines import ENGINES, Engine
 from .errors import ConfigError, RunDirError
 from .evaluate import Heldout, due
 from .logits import LogitsProcessor
@@ -44,7 +45,7 @@ from .metrics import mismatch_metrics
 from .schedule import LRSchedule
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    pass
 
 read_metrics = rundir.read_metrics
 
@@ -57,11 +58,7 @@ def check_world(cfg: Config, world: World) -> None:
             f"rollout.prompts: expected at least the number of processes ({world.size}), "
             f"got {cfg.rollout.prompts}"
         )
-    if cfg.rollout.engine == "vllm" and world.size > 1:
-        raise ConfigError(
-            f"rollout.engine=vllm: runs in one process, not {world.size} (use rollout.engine=hf "
-            "for data parallelism)"
-        )
+    ENGINES[cfg.rollout.engine].check(cfg, world)
     if cfg.train.mini_batches > 1 and world.size > 1:
         raise ConfigError(
             f"train.mini_batches={cfg.train.mini_batches}: PPO mini-batches run in one process, "
@@ -70,8 +67,8 @@ def check_world(cfg: Config, world: World) -> None:
 
 
 class Run:
-    """The state of one run: fp32 master, the two working copies (with rollout.engine=vllm a
-    vLLM engine in place of the rollout copy), optimiser, LR schedule and collapse detector;
+    """The state of one run: fp32 master, the trainer's working copy, the rollout engine
+    (rl_harness.engines: rollout.engine's), optimiser, LR schedule and collapse detector;
     ``state`` is a checkpoint to continue from (None: warm up, step 0). ``world``: the
     data-parallel processes (default: the current process group, if any). ``model_dir``:
     where a vLLM engine's policy is saved (default: a temporary directory); :meth:`close`
@@ -90,14 +87,8 @@ class Run:
         check_world(cfg, self.world)
         self.master = policy.build_master(cfg.model, policy.warmup_seed(cfg))
         policy.check_positions(cfg, self.master.config.max_position_embeddings)
-        self.engine: vllm_rollout.VllmRollout | None = None
-        if cfg.rollout.engine == "vllm":  # refuse before the warm-up what cannot run here
-            if routing.routers(self.master):
-                raise ConfigError(
-                    "rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
-                    f"({type(self.master).__name__}); use rollout.engine=hf"
-                )
-            vllm_rollout.check_available(cfg, vllm_rollout.head_dim(self.master.config))
+        engine = ENGINES[cfg.rollout.engine]
+        engine.check(cfg, self.world, self.master)  # before the warm-up: what cannot run here
         self.batch: Batch | None = None  # the last step's whole batch, for inspection
         self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
@@ -115,14 +106,6 @@ class Run:
         self.reference = self._reference(state)
         # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
         self.moe = bool(routing.routers(self.train_model))
-        self.rollout_model: PreTrainedModel | None = None
-        if cfg.rollout.engine == "hf":
-            self.rollout_model = policy.working_copy(
-                self.master,
-                self.precision.rollout_dtype,
-                cfg.rollout.kernels,
-                cfg.rollout.split_size,
-            )
         self.processor = LogitsProcessor.of(cfg.rollout)
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
@@ -140,10 +123,8 @@ class Run:
             self.start = state["step"] + 1
         drift_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
-        if cfg.rollout.engine == "vllm":  # built from the warmed-up or restored weights
-            self.engine = vllm_rollout.VllmRollout(
-                self.master, cfg, self.precision.rollout_dtype, model_dir
-            )
+        # built from the warmed-up or restored weights
+        self.rollout: Engine = engine(self.master, cfg, self.drift, model_dir)
 
     def _reference(self, state: dict[str, Any] | None) -> torch.nn.Module | None:
         """The KL reference of train.kl_coef > 0 (None otherwise: no cost): the warmed-up
@@ -163,10 +144,10 @@ class Run:
         return reference.requires_grad_(False)
 
     def close(self) -> None:
-        """Shut down the vLLM engine, if any (and remove its saved policy)."""
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        """Release the rollout engine (a vLLM engine and its saved policy); idempotent."""
+        engine = self.__dict__.pop("rollout", None)
+        if engine is not None:
+            engine.close()
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, world = self.cfg, self.world
@@ -174,15 +155,7 @@ class Run:
         prompts, examples = tasks.prompt_batch(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.train_model, self.master)
-        if self.engine is not None:  # holds the master's weights (pushed after every update)
-            share = self.engine.sample(prompts, seed)
-        else:
-            assert self.rollout_model is not None
-            policy.refresh(self.rollout_model, self.master, cfg.rollout.weight_round_bits)
-            generator = torch.Generator().manual_seed(seed)
-            share = rollout.sample(
-                self.rollout_model, prompts, cfg.rollout, self.drift, generator, rows
-            )
+        share = self.rollout.sample(prompts, seed, rows)
         share = rollout.pad_responses(share, world.max(share.sequences.shape[1]))
         recorder = routing.Recorder(self.train_model)
         with recorder if self.moe else contextlib.nullcontext():
@@ -396,8 +369,7 @@ class Run:
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm, 0
         self.optimizer.step()
-        if self.engine is not None:
-            self.engine.update(self.master)
+        self.rollout.update(self.master)
         return grad_norm, 1
 
     def state_dict(self, step: int) -> dict[str, Any]:

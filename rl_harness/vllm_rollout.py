@@ -47,6 +47,7 @@ import bik
 import bik.vllm
 from bik.vllm.engine import cpu_binding
 
+from . import routing
 from .batch import Rollout
 from .errors import ConfigError
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .config import Config
+    from .distributed import World
 
 MODEL_DIR = "vllm_model"
 """The run directory's subdirectory holding the policy vLLM loads (removed at the end)."""
@@ -140,12 +142,36 @@ def _import_vllm() -> Any:
 
 class VllmRollout:
     """An in-process vLLM engine serving the rollout copy of ``master`` (fp32 weights), in
-    ``dtype``, loaded from ``model_dir`` (written here; a temporary directory when None)."""
+    the rollout's dtype, loaded from ``model_dir`` (written here; a temporary directory when
+    None). ``drift`` is unused: the synthetic perturbations are the hf engine's."""
+
+    @staticmethod
+    def check(cfg: Config, world: World, master: PreTrainedModel | None = None) -> None:
+        """Refuse a run on several processes and, once the policy is built, a
+        mixture-of-experts policy and what this process cannot run (check_available)."""
+        if world.size > 1:
+            raise ConfigError(
+                f"rollout.engine=vllm: runs in one process, not {world.size} (use "
+                "rollout.engine=hf for data parallelism)"
+            )
+        if master is None:
+            return
+        if routing.routers(master):
+            raise ConfigError(
+                "rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
+                f"({type(master).__name__}); use rollout.engine=hf"
+            )
+        check_available(cfg, head_dim(master.config))
 
     def __init__(
-        self, master: PreTrainedModel, cfg: Config, dtype: str, model_dir: str | Path | None
+        self,
+        master: PreTrainedModel,
+        cfg: Config,
+        drift: torch.Tensor,
+        model_dir: str | Path | None = None,
     ) -> None:
         check_available(cfg, head_dim(master.config))
+        dtype = cfg.precision.rollout_dtype
         self.cfg = cfg
         self.pad, self.eos = master.config.pad_token_id, master.config.eos_token_id
         self.vllm = _import_vllm()
@@ -202,14 +228,17 @@ class VllmRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
-    def sample(self, prompts: list[list[int]], seed: int) -> Rollout:
+    def sample(self, prompts: list[list[int]], seed: int, rows: slice) -> Rollout:
         """Sample ``rollout.samples_per_prompt`` responses for each group of that many equal,
-        consecutive ``prompts`` (tasks.prompt_batch's layout); ``seed``: the step's.
+        consecutive ``prompts`` (tasks.prompt_batch's layout); ``seed``: the step's; ``rows``:
+        every row (the engine runs in one process, see :meth:`check`).
 
         Returns the record :func:`rl_harness.rollout.sample` returns (no ``routing``); row
         ``i * n + j`` is sample ``j`` of prompt ``i``."""
         r = self.cfg.rollout
         n = r.samples_per_prompt
+        if rows.indices(len(prompts)) != (0, len(prompts), 1):
+            raise ValueError(f"rows: the vLLM engine samples the whole batch, got {rows}")
         unique = prompts[::n]
         if [p for p in unique for _ in range(n)] != prompts:
             raise ValueError("prompts: expected groups of samples_per_prompt equal prompts")
