@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from . import _checks, backends
 from .contract import TP_CHUNKS
-from .ops import _needs_custom_op
+from .ops._dispatch import needs_custom_op
 from .ops.matmul import linear
 
 if TYPE_CHECKING:  # what __getattr__ imports on first use
@@ -170,7 +170,7 @@ def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Te
     a bik.linear of the fp32 casts, tree-summed here: the same bits."""
     _check_chunked_operands(x, weight, chunks)
     kernel = backends.resolve(x.device, "matmul").chunked_matmul
-    if kernel is not None and x.dtype == weight.dtype and not _needs_custom_op((x, weight)):
+    if kernel is not None and x.dtype == weight.dtype and not needs_custom_op((x, weight)):
         out = kernel(x.reshape(-1, x.shape[-1]), weight.t(), chunks)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return per_chunk_partial(x, weight, chunks)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 from .. import _checks
-from . import _recompute, custom_op, run
+from . import _recompute
+from ._dispatch import custom_op, run
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 from .. import _checks, backends, contract
 from ..backends import reference
 from ..backends.base import AttentionOptions
-from . import _recompute, custom_op, run
+from . import _recompute
+from ._dispatch import custom_op, run
 
 
 def attention(

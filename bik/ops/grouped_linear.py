@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from .. import _checks, backends
-from . import custom_op, run
+from ._dispatch import custom_op, run
 from .matmul import matmul
 
 

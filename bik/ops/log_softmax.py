@@ -11,7 +11,8 @@ import torch
 
 from .. import _checks, backends
 from ..backends import reference
-from . import _recompute, as_rows, custom_op, run, shaped
+from . import _recompute
+from ._dispatch import as_rows, custom_op, run, shaped
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ other rows share the call. Bias is added in fp32 before the single final roundin
 import torch
 
 from .. import _checks, backends, packed_weights
-from . import _needs_custom_op, as_rows, custom_op, run, shaped
+from ._dispatch import as_rows, custom_op, needs_custom_op, run, shaped
 
 
 def _validate(a_name, a, b_name, b, bias):
@@ -51,7 +51,7 @@ def _prepacked(x, weight, bias):
     if (
         not packed_weights.is_marked(weight)
         or not packed_weights.readable(weight)
-        or _needs_custom_op((x, bias))
+        or needs_custom_op((x, bias))
     ):
         return None
     rows, n = as_rows(x), weight.shape[0]

@@ -18,7 +18,7 @@ on its own. Both paths give the same bits (tests/ops/test_paged_attention.py).
 import torch
 
 from .. import _checks, backends
-from . import _needs_custom_op
+from ._dispatch import needs_custom_op
 from .attention import attention, fp32_sinks, validate_options
 
 
@@ -81,7 +81,7 @@ def paged_attention(
     if query.numel() == 0:
         return query.new_zeros(query.shape)
     backend = backends.resolve(query.device, "attention")
-    if backend.paged_attention is not None and not _needs_custom_op(
+    if backend.paged_attention is not None and not needs_custom_op(
         (query, key_cache, value_cache, sinks)
     ):
         kernel = backend.attention_kernel(sinks, "paged_attention")

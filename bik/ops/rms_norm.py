@@ -8,7 +8,8 @@ import torch
 
 from .. import _checks, backends
 from ..backends import reference
-from . import _recompute, as_rows, custom_op, run, shaped
+from . import _recompute
+from ._dispatch import as_rows, custom_op, run, shaped
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
