@@ -12,11 +12,11 @@ import torch
 
 from .. import packed_weights
 from ..distributed import chunked_linear
+from ..distributed.sharded import local_weight, row_parallel_shard, tp_group
 from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from ..ops.rotary import rotary_cos_sin
-from ..tensor_parallel import local_weight, row_parallel_shard, tp_group
 from .autocast import autocast_inputs, run
 
 

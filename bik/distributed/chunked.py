@@ -22,33 +22,19 @@ unless a caller fixes another. ``bik.patch_model(model, tp_invariant=True)`` run
 ``combine_partials`` in vLLM's. See docs/design.md, "Across processes", for what this costs.
 
 ``row_parallel_linear`` is forward only: the gather is not differentiated. The sharded
-trainer, ``tensor_parallel(model, mesh)`` (bik/tensor_parallel.py, imported on first use),
-runs ``rank_partial`` and ``combine_partials`` in a model's row-parallel layers, forward and
-backward.
+trainer, ``tensor_parallel(model, mesh)`` (bik/distributed/sharded.py), runs ``rank_partial``
+and ``combine_partials`` in a model's row-parallel layers, forward and backward.
 """
 
 import hashlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from . import _checks, backends
-from .contract import TP_CHUNKS
-from .ops._dispatch import needs_custom_op
-from .ops.matmul import linear
-
-if TYPE_CHECKING:  # what __getattr__ imports on first use
-    from .tensor_parallel import tensor_parallel as tensor_parallel
-else:
-
-    def __getattr__(name: str) -> object:
-        # bik.tensor_parallel builds on this module, so it is imported on first use.
-        if name == "tensor_parallel":
-            from .tensor_parallel import tensor_parallel
-
-            return tensor_parallel
-        raise AttributeError(f"module 'bik.distributed' has no attribute {name!r}")
+from .. import _checks, backends
+from ..contract import TP_CHUNKS
+from ..ops._dispatch import needs_custom_op
+from ..ops.matmul import linear
 
 
 def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:

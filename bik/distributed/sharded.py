@@ -40,9 +40,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from .contract import TP_CHUNKS
-from .distributed import _all_gather, _tree_sum, combine_partials, rank_partial
-from .families import COLUMN_PARALLEL_NAMES, FAMILIES, ROW_PARALLEL_NAMES
+from ..contract import TP_CHUNKS
+from ..families import COLUMN_PARALLEL_NAMES, FAMILIES, ROW_PARALLEL_NAMES
+from .chunked import _all_gather, _tree_sum, combine_partials, rank_partial
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
