@@ -49,6 +49,14 @@ import torch
 
 OPS = ("matmul", "rms_norm", "log_softmax", "token_logprobs", "attention")
 Kernel = Callable[..., torch.Tensor]
+# The optional accelerators (Backend fields, layouts above): each serves one base op, with the
+# same bits as what bik composes from the base kernels when a backend lacks it.
+ACCELERATORS: dict[str, tuple[str, str]] = {  # field: (base op, the composition without it)
+    "paged_attention": ("attention", "each sequence's keys gathered in order, then attention"),
+    "grouped_matmul": ("matmul", "matmul once per non-empty group"),
+    "chunked_matmul": ("matmul", "one matmul per chunk on fp32 casts, tree-summed"),
+    "prepacked_matmul": ("matmul", "matmul, packing the weight on every call"),
+}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import textwrap
 import torch
 
 from .. import backends
-from ..backends.base import OPS
+from ..backends.base import ACCELERATORS, OPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,12 +45,8 @@ def table() -> str:
     names = [name for name in backends.available_backends() if name != "auto"]
     loaded = {name: _status(name) for name in names}
     # capabilities beyond the ops: the Backend field each row reads
-    extras = {
-        "attention sinks": "attention_sinks",
-        "paged attention": "paged_attention",
-        "grouped matmul": "grouped_matmul",
-        "chunked matmul": "chunked_matmul",
-    }
+    extras = {"attention sinks": "attention_sinks"}
+    extras.update({f"{field} ({ACCELERATORS[field][0]})": field for field in ACCELERATORS})
     rows = (*OPS, *extras)
     width = max(len(row) for row in rows)
     lines = [" " * width + "  " + "  ".join(names)]
@@ -66,11 +62,10 @@ def table() -> str:
                 mark = "x" if backend.implements(op) else "-"
             cells.append(mark.center(len(name)))
         lines.append(op.ljust(width) + "  " + "  ".join(cells))
-    lines.append(
-        "(x: implemented, -: not, ?: the backend cannot load here; without a paged attention, "
-        "grouped matmul or chunked matmul kernel bik composes the op from the others, with "
-        "the same bits)\n"
-    )
+    lines.append("(x: implemented, -: not, ?: the backend cannot load here)")
+    lines.append("Without an accelerator bik composes its op from the base kernels, same bits:")
+    lines += [f"  {field}: {then}" for field, (_, then) in ACCELERATORS.items()]
+    lines.append("")
     for name in names:
         backend, status = loaded[name]
         invariant = "" if backend is None or backend.invariant else " [NOT batch-invariant]"
