@@ -8,7 +8,7 @@ import torch
 
 import bik
 from bik import backends
-from bik.backends.base import Backend
+from bik.backends.base import ACCELERATORS, Backend
 
 CUDA = torch.device("cuda")  # a device descriptor only: nothing runs on it here
 
@@ -108,4 +108,7 @@ def test_the_backends_command_prints_the_op_by_backend_matrix(capsys):
     assert header.split() == [name for name in bik.available_backends() if name != "auto"]
     for op in backends.OPS:
         assert any(row.split()[:1] == [op] for row in rows), op
+    for field, (op, _) in ACCELERATORS.items():  # each accelerator, with the op it serves
+        assert any(row.split()[:2] == [field, f"({op})"] for row in rows), field
+        assert f"  {field}: " in out  # and what runs without it
     assert "reference [NOT batch-invariant]" in out and "cpu: runs here on cpu" in out
