@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh env                 versions, GPU, nvcc (seconds)
 #   bash benchmarks/gpu_run.sh build               install bik with its C++ and CUDA backends
 #   bash benchmarks/gpu_run.sh test [PART] [-- PYTEST ARGS]
-#        PART: all (default; the whole suite), kernels (tests/ops, tests/backends), models
+#        PART: all (default; the whole suite), kernels (tests/ops, layers, backends), models
 #        (tests/integrations: hf, mode, vllm, distributed), rl (tests/rl, tests/tools);
 #        after `--`, pytest arguments: with a PART, added to its files
 #        (`test kernels -- -m "not slow"`), without one, in place of them
@@ -242,8 +242,8 @@ ensure_built() { # build unless this tree, as it is now, is already installed
 test_files() { # the test files of a part, by folder (tests/README.md maps them)
   local part=$1 dirs
   case "$part" in
-  all) dirs="ops backends integrations tools rl" ;;
-  kernels) dirs="ops backends" ;;
+  all) dirs="ops layers backends integrations tools rl" ;;
+  kernels) dirs="ops layers backends" ;;
   models) dirs="integrations" ;;
   rl) dirs="rl tools" ;;
   esac

@@ -17,7 +17,7 @@ Kernel layouts (``OPS``):
             declaring attention_sinks)) -> [B, Hq, Tq, D]
 The innermost dim of every operand may be assumed contiguous except b of matmul (any strides).
 
-Optional accelerator of attention (None: bik.ops.paged_attention gathers each sequence's
+Optional accelerator of attention (None: bik.layers.paged_attention gathers each sequence's
 keys into contiguous order and runs attention):
   paged_attention(query [T, Hq, D], key_cache, value_cache [num_blocks, Hkv, block_size, D]
                   (any strides), block_table int32 [>= S, W], query_start int32 [S + 1],
@@ -92,7 +92,7 @@ class Backend:
     token_logprobs: Kernel | None = None
     attention: Kernel | None = None
     paged_attention: Kernel | None = None
-    """Attention that reads a paged KV cache through its block table (bik.ops.paged_attention)."""
+    """Attention reading a paged KV cache through its block table (bik.layers.paged_attention)."""
     grouped_matmul: Kernel | None = None
     """One launch for every group of a mixture-of-experts matmul (bik.ops.grouped_linear)."""
     chunked_matmul: Kernel | None = None

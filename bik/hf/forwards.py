@@ -13,10 +13,10 @@ import torch
 from .. import packed_weights
 from ..distributed import chunked_linear
 from ..distributed.sharded import local_weight, row_parallel_shard, tp_group
+from ..layers.rotary import rotary_cos_sin
 from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
-from ..ops.rotary import rotary_cos_sin
 from .autocast import autocast_inputs, run
 
 
@@ -64,7 +64,7 @@ class EagerRotary:
     rollouts and eager training agree. Costs one graph break per forward.
 
     In the families bik supports, RoPE with fixed frequencies takes its cos/sin from
-    bik.ops.rotary, the formula bik's vLLM layer uses too; dynamic variants (recomputed per
+    bik.layers.rotary, the formula bik's vLLM layer uses too; dynamic variants (recomputed per
     length) and other families run transformers' code."""
 
     def __init__(self, module: torch.nn.Module, bik_formula: bool):

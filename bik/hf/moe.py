@@ -6,14 +6,14 @@ from typing import Any
 import torch
 
 from ..families import Family
+from ..layers.moe import expert_mlp, route
 from ..ops.activations import sigmoid
 from ..ops.matmul import linear
-from ..ops.moe import expert_mlp, route
 from .autocast import autocast_inputs, run
 
 
 class Router:
-    """A top-k router's forward: logits through bik.linear, then bik.ops.moe.route (softmax,
+    """A top-k router's forward: logits through bik.linear, then bik.layers.moe.route (softmax,
     top-k with ties to the lower expert index, renormalisation in rank order)."""
 
     def __init__(self, module: torch.nn.Module, backend: str, family: Family):
@@ -35,7 +35,7 @@ class Router:
 
 
 class Experts:
-    """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.ops.moe's
+    """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.layers.moe's
     expert_mlp, whose rows do not depend on which other tokens chose the same expert."""
 
     def __init__(self, module: torch.nn.Module, backend: str):

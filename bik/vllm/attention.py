@@ -2,7 +2,7 @@
 
 The KV cache keeps vLLM's CPU layout (per layer ``[num_blocks, Hkv, block_size, 2 * D]``,
 each block holding its keys, then its values); queries arrive packed. Both go to
-:func:`bik.ops.paged_attention.paged_attention`, which runs bik.attention's per-query order,
+:func:`bik.layers.paged_attention.paged_attention`, which runs bik.attention's per-query order,
 so vLLM's prefill, chunked prefill and decode steps give the bits of the trainer's full
 forward.
 """
@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from ..ops.paged_attention import paged_attention, write_kv_cache
+from ..layers.paged_attention import paged_attention, write_kv_cache
 from .config import check_engine
 
 if TYPE_CHECKING:

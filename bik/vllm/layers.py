@@ -34,10 +34,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from ..contract import TP_CHUNKS
 from ..distributed import combine_partials, rank_partial
+from ..layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 from ..ops.activations import silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm_like_transformers
-from ..ops.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 
 
 class BikRMSNorm(RMSNorm):

@@ -11,8 +11,8 @@ from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bik.layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 from bik.ops.activations import gelu_tanh, sigmoid, silu, silu_and_mul
-from bik.ops.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 
 # bik's activation -> torch's own (the accuracy oracle, and the negative control).
 ACTIVATIONS = {

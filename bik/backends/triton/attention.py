@@ -712,7 +712,7 @@ def paged_attention(
     options: AttentionOptions,
     sinks=None,
 ):
-    """See bik.ops.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
+    """See bik.layers.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
     ``query_start`` (int32 ``[S + 1]``) over the caches ``[num_blocks, Hkv, block_size, D]``
     through ``block_table`` (int32 ``[S, pages]``), ``seq_lens`` (int32 ``[S]``) keys each.
     Every sequence runs :func:`attention`'s tiles, key blocks and splits from its first key,

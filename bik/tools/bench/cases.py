@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import bik
 from bik.families import FAMILIES
-from bik.ops.paged_attention import paged_attention
+from bik.layers.paged_attention import paged_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import bik
 from bik import testing
+from bik.layers.moe import expert_mlp, route
 from bik.ops.grouped_linear import grouped_linear
-from bik.ops.moe import expert_mlp, route
 
 # The interpreted Triton kernel runs a 64x64 tile per program: keep the cases few and small.
 CASES = settings(max_examples=min(10, settings.default.max_examples))

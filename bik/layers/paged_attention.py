@@ -12,14 +12,14 @@ through the block table itself. Otherwise, and whenever a graph is recorded or t
 path of bik.attention's autograd and fake kernels), each sequence's keys are gathered into
 contiguous order and handed to bik.attention: decode queries (one new token per sequence) as
 one left-padded batch, which bik.attention's ``kv_start`` makes exact, every other sequence
-on its own. Both paths give the same bits (tests/ops/test_paged_attention.py).
+on its own. Both paths give the same bits (tests/layers/test_paged_attention.py).
 """
 
 import torch
 
 from .. import _checks, backends
-from ._dispatch import needs_custom_op
-from .attention import attention, fp32_sinks, validate_options
+from ..ops._dispatch import needs_custom_op
+from ..ops.attention import attention, fp32_sinks, validate_options
 
 
 def write_kv_cache(

@@ -18,9 +18,9 @@ tensor's layout (see bik.ops.activations), so the whole path is a function of th
 import torch
 
 from .. import _checks
-from .activations import silu_and_mul
-from .grouped_linear import grouped_linear
-from .log_softmax import log_softmax
+from ..ops.activations import silu_and_mul
+from ..ops.grouped_linear import grouped_linear
+from ..ops.log_softmax import log_softmax
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

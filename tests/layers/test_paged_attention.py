@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import bik
 from bik import backends
-from bik.ops import paged_attention as paged_module
-from bik.ops.paged_attention import paged_attention, write_kv_cache
+from bik.layers import paged_attention as paged_module
+from bik.layers.paged_attention import paged_attention, write_kv_cache
 
 
 def make_step(seq_lens, query_lens, hkv, groups, dim, block_size, dtype, seed):
