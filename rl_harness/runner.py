@@ -9,6 +9,7 @@ alone touches the run directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -245,22 +246,26 @@ class Run:
             model, rows, self.processor, t.micro_batch_size, t.autocast, t.entropy_coef > 0
         )
 
-    def _terms(self, share: Rollout, batch: Batch, rewards: torch.Tensor) -> dict[str, float]:
-        """Adds to ``batch`` what the loss's optional terms need (trainer.policy_loss) and
-        returns their step metrics: with train.filter_groups, ``kept`` (trainer.kept_rows)
-        and ``train/groups_kept_frac``; with train.kl_coef > 0, ``ref_logp`` (the
-        reference's forward of this rank's rows ``share``, gathered) and ``train/kl``
-        (trainer.mean_kl, at pi_old)."""
-        t, stats = self.cfg.train, {}
+    def _terms(
+        self, share: Rollout, batch: Batch, rewards: torch.Tensor
+    ) -> tuple[Batch, dict[str, float]]:
+        """``batch`` with what the loss's optional terms need (trainer.prepare), and their
+        step metrics: with train.filter_groups, ``kept`` (trainer.kept_rows) and
+        ``train/groups_kept_frac``; with train.kl_coef > 0, ``ref_logp`` (the reference's
+        forward of this rank's rows ``share``, gathered) and ``train/kl`` (trainer.mean_kl,
+        at pi_old)."""
+        t, stats, terms = self.cfg.train, {}, {}
         if t.filter_groups:
-            batch.kept = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
-            stats["train/groups_kept_frac"] = float(batch.kept.mean())
+            terms["kept"] = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
+            stats["train/groups_kept_frac"] = float(terms["kept"].mean())
         if self.reference is not None:
             with torch.no_grad():
                 ref_logp, _ = self._forward(self.reference, share)
-            batch.ref_logp = self.world.gather_rows({"ref": ref_logp})["ref"]
+            terms["ref_logp"] = self.world.gather_rows({"ref": ref_logp})["ref"]
+        batch = dataclasses.replace(batch, **terms)
+        if self.reference is not None:
             stats["train/kl"] = trainer.mean_kl(batch, t.kl_estimator)
-        return stats
+        return batch, stats
 
     def _ppo(
         self,
@@ -283,8 +288,10 @@ class Run:
         ``update_skipped`` (how many a non-finite gradient skipped: :meth:`_update`)
         and the optional terms' metrics (:meth:`_terms`); the per-update stats are kept in
         ``self.updates``."""
-        cfg, t = self.cfg, self.cfg.train
-        terms = self._terms(share, batch, rewards)
+        t = self.cfg.train
+        batch, terms = self._terms(share, batch, rewards)
+        self.batch = batch
+        prepared = trainer.prepare(batch, adv, self.cfg)
         size = batch.sequences.shape[0] // t.mini_batches
         parts = (
             [None]
@@ -295,11 +302,13 @@ class Run:
         stale = False  # the trainer copy lags the master
         for epoch in range(t.ppo_epochs):
             for select in parts:
-                if batch.kept is not None and not bool(batch.kept[select or slice(None)].any()):
-                    self.updates.append(self._filtered_out(batch, adv, select))
+                rows_of = select or slice(None)
+                if not bool(prepared.kept[rows_of].any()):
+                    part = prepared.take(select)
+                    self.updates.append(self._filtered_out(part, batch.entropy[rows_of]))
                     continue
                 if epoch == 0 and select is None:
-                    (logp, entropy), current, here = forward, None, rows
+                    (logp, entropy), part, here = forward, prepared, rows
                 else:
                     if stale:
                         policy.refresh(self.train_model, self.master)
@@ -308,16 +317,15 @@ class Run:
                     sub: Tokens = share if select is None else batch.take(select)
                     logp, entropy = self._forward(self.train_model, sub)
                     current = self.world.gather_rows({"logp": logp.detach()})["logp"]
+                    part = prepared.take(select, current)
                     here = rows if select is None else slice(None)
-                loss, stats = trainer.policy_loss(
-                    logp, batch, adv, cfg, here, select, current, entropy
-                )
+                loss, stats = trainer.policy_loss(logp, part, self.cfg, here, entropy)
                 stats["grad_norm"], stats["update_applied"] = self._update(loss)
                 stats["update_skipped"] = 1 - stats["update_applied"]
                 stale = stale or bool(stats["update_applied"])
                 self.updates.append(stats)
         n = len(self.updates)
-        out = dict(self.updates[0])  # the remedy stats: the whole batch's, the same at every update
+        out = {**prepared.remedy_stats, **self.updates[0]}  # the remedy's: the whole batch's
         for key in ("loss", "ppo/clip_frac", "grad_norm"):  # one update: its value, bit for bit
             first, *rest = (u[key] for u in self.updates)
             out[key] = sum(rest, first) / n
@@ -328,24 +336,12 @@ class Run:
         out["update_skipped"] = sum(u["update_skipped"] for u in self.updates)
         return {**out, **terms}
 
-    def _filtered_out(
-        self, batch: Batch, adv: torch.Tensor, select: slice | None
-    ) -> dict[str, Any]:
-        """The stats of an update whose mini-batch train.filter_groups emptied: policy_loss's
-        at pi_old over no token (loss 0, ratio 1, no clipping), grad norm 0, not applied (an
-        AdamW step on zero gradients would still move the weights)."""
-        part = select or slice(None)
+    def _filtered_out(self, part: trainer.Prepared, entropy: torch.Tensor) -> dict[str, Any]:
+        """The stats of an update whose mini-batch ``part`` train.filter_groups emptied:
+        policy_loss's at pi_old over no token (loss 0, ratio 1, no clipping), grad norm 0,
+        not applied (an AdamW step on zero gradients would still move the weights)."""
         with torch.no_grad():
-            _, stats = trainer.policy_loss(
-                batch.train_logp[part],
-                batch,
-                adv,
-                self.cfg,
-                None,
-                select,
-                None,
-                batch.entropy[part],
-            )
+            _, stats = trainer.policy_loss(part.current, part, self.cfg, entropy=entropy)
         return {**stats, "grad_norm": 0.0, "update_applied": 0, "update_skipped": 0}
 
     def _update(self, loss: torch.Tensor) -> tuple[float, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -148,52 +149,81 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {how!r}")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What every update of a step reads, computed once from the whole batch (:func:`prepare`),
+    or the rows of one mini-batch of it (:meth:`take`). All ``[B, L]`` but ``kept``."""
+
+    old: torch.Tensor  # pi_old: the trainer's log-probs before any update (remedy.bypass: the
+    # rollout's)
+    adv: torch.Tensor  # each row's advantage, at every position
+    weights: torch.Tensor  # the remedy's token weights (over the whole batch)
+    mask: torch.Tensor  # float: the response tokens of the rows train.filter_groups keeps
+    kept: torch.Tensor  # [B] float: 1 for a kept row
+    ref: torch.Tensor | None  # the reference's log-probs (train.kl_coef > 0), else None
+    current: torch.Tensor  # the policy's log-probs now, detached (before any update: pi_old)
+    remedy_stats: dict[str, float]  # the remedy's metrics, the whole batch's
+
+    def take(self, select: slice | None, current: torch.Tensor | None = None) -> Prepared:
+        """The rows ``select`` (None: all), at the current policy's log-probs of those rows
+        (None: no update yet, pi_old)."""
+        rows = select or slice(None)
+        cut = {
+            name: getattr(self, name)[rows]
+            for name in ("old", "adv", "weights", "mask", "kept", "current")
+        }
+        if current is not None:
+            cut["current"] = current
+        ref = None if self.ref is None else self.ref[rows]
+        return Prepared(**cut, ref=ref, remedy_stats=self.remedy_stats)
+
+
+def prepare(batch: Batch, adv: torch.Tensor, cfg: Config) -> Prepared:
+    """The step's :class:`Prepared` record: pi_old, the advantages, the remedy's weights and
+    stats (a whole-batch quantity: once per step, not once per update), the mask of the kept
+    rows (``batch.kept``, train.filter_groups) and the reference's log-probs
+    (``batch.ref_logp``, needed when train.kl_coef > 0)."""
+    mask = batch.response_mask.float()
+    pi_old = batch.train_logp
+    weights, _, stats = remedies.weights(cfg.remedy, pi_old, batch.rollout_logp, mask)
+    kept = torch.ones(mask.shape[0]) if batch.kept is None else batch.kept
+    return Prepared(
+        old=batch.rollout_logp if cfg.remedy.bypass else pi_old,
+        adv=adv[:, None].expand_as(pi_old),
+        weights=weights,
+        mask=mask * kept[:, None],
+        kept=kept,
+        ref=_ref_logp(batch) if cfg.train.kl_coef else None,
+        current=pi_old,
+        remedy_stats=stats,
+    )
+
+
 def policy_loss(
     train_logp: torch.Tensor,
-    batch: Batch,
-    adv: torch.Tensor,
+    part: Prepared,
     cfg: Config,
     rows: slice | None = None,
-    select: slice | None = None,
-    current: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one update and its stats. PPO-clip (asymmetric) or REINFORCE, weighted by
-    the remedy, plus train.kl_coef x the KL to the reference and minus train.entropy_coef x
-    the entropy (each term only when its coefficient is > 0), each aggregated by
-    train.loss_agg (:func:`aggregate`); ``remedy.bypass`` uses the rollout log-probs as pi_old.
+    """The loss of one update over the mini-batch ``part`` (:meth:`Prepared.take`) and its
+    stats. PPO-clip (asymmetric) or REINFORCE, weighted by the remedy, plus train.kl_coef x
+    the KL to the reference and minus train.entropy_coef x the entropy (each term only when
+    its coefficient is > 0), each aggregated by train.loss_agg (:func:`aggregate`) over the
+    kept rows' tokens.
 
-    ``batch`` (``train_logp``: pi_old, the trainer log-probs before the step's first
-    update, detached; ``ref_logp``, the reference's, when train.kl_coef > 0; ``kept``, the
-    :func:`kept_rows` of train.filter_groups, when it is on: the other rows are left out of
-    every term and of the sequence and token counts) and ``adv`` are the whole batch;
-    ``select`` is the update's mini-batch (rows of the batch; default all of it),
-    ``current`` the current policy's detached log-probs of its rows (default
-    ``batch.train_logp``: no update yet). ``train_logp`` and ``entropy`` (the per-position
-    entropy, needed when train.entropy_coef > 0) are the mini-batch's rows ``rows`` (default
-    all) with grad: a data-parallel rank's share. The loss returned is that share's part of
-    the mini-batch's loss (the shares' losses add up to the mini-batch's); remedy weights are
-    the whole batch's, over all its rows; the stats (``loss``: the mini-batch's
-    policy-gradient term; ``ppo/clip_frac``, ``ppo/ratio_max``, ``ppo/ratio_min``: over its
-    kept response tokens) are the mini-batch's, the remedy's the whole batch's."""
+    ``train_logp`` and ``entropy`` (the per-position entropy, needed when
+    train.entropy_coef > 0) are the rows ``rows`` of the mini-batch (default all) with grad:
+    a data-parallel rank's share; the loss returned is that share's part of the mini-batch's
+    loss (the shares' losses add up to the mini-batch's). The stats (``loss``: the
+    mini-batch's policy-gradient term; ``ppo/clip_frac``, ``ppo/ratio_max``,
+    ``ppo/ratio_min``: over its kept response tokens, at ``part.current``) are the
+    mini-batch's."""
     t = cfg.train
     rows = rows or slice(None)
-    mask = batch.response_mask.float()
-    rollout_logp, batch_logp = batch.rollout_logp, batch.train_logp
-    old = rollout_logp if cfg.remedy.bypass else batch_logp
-    w, _, stats = remedies.weights(cfg.remedy, batch_logp, rollout_logp, mask)
-    kept = torch.ones(mask.shape[0]) if batch.kept is None else batch.kept
-    mask = mask * kept[:, None]
-    ref = _ref_logp(batch) if t.kl_coef else batch_logp  # batch_logp: a stand-in, unused
-    a = adv[:, None].expand_as(batch_logp)
-    if select is not None:
-        mask, old, w, a, batch_logp, ref, kept = (
-            x[select] for x in (mask, old, w, a, batch_logp, ref, kept)
-        )
-    if current is None:
-        current = batch_logp
+    mask, old, a, w = part.mask, part.old, part.adv, part.weights
     how, horizon = t.loss_agg, cfg.rollout.max_new_tokens
-    sequences = max(int(kept.sum()), 1)  # the mini-batch's kept sequences
+    sequences = max(int(part.kept.sum()), 1)  # the mini-batch's kept sequences
     tokens = mask.sum().clamp(min=1)  # token_mean: the mini-batch's, whichever rows a rank holds
 
     def share_of(per_token: torch.Tensor) -> torch.Tensor:
@@ -202,22 +232,24 @@ def policy_loss(
             return (per_token * mask[rows]).sum() / tokens
         return aggregate(per_token, mask[rows], how, sequences, horizon)
 
+    stats: dict[str, float] = {}
     with torch.no_grad():
-        per_token, clipped = _per_token(current, old, a, cfg)
+        per_token, clipped = _per_token(part.current, old, a, cfg)
         stats["ppo/clip_frac"] = (
             0.0
             if clipped is None
             else float((clipped.float() * mask).sum() / mask.sum().clamp(min=1))
         )
         valid = mask.bool()
-        ratio = torch.exp(current - old)[valid]
+        ratio = torch.exp(part.current - old)[valid]
         stats["ppo/ratio_max"] = float(ratio.max()) if valid.any() else 1.0
         stats["ppo/ratio_min"] = float(ratio.min()) if valid.any() else 1.0
         stats["loss"] = float(aggregate(per_token * w, mask, how, sequences, horizon))
     share, _ = _per_token(train_logp, old[rows], a[rows], cfg)
     loss = share_of(share * w[rows])
     if t.kl_coef:
-        loss = loss + t.kl_coef * share_of(kl_per_token(train_logp, ref[rows], t.kl_estimator))
+        assert part.ref is not None  # prepare() refuses a KL term without the reference
+        loss = loss + t.kl_coef * share_of(kl_per_token(train_logp, part.ref[rows], t.kl_estimator))
     if t.entropy_coef:
         assert entropy is not None, "train.entropy_coef > 0 needs the entropy with grad"
         loss = loss - t.entropy_coef * share_of(entropy)

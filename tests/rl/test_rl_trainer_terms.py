@@ -79,12 +79,12 @@ def test_filtered_loss_is_the_loss_of_the_kept_rows_alone(how):
     kept = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     current = batch.train_logp + 0.1  # after an update: ratios away from 1
     filtered = dataclasses.replace(batch, kept=kept)
-    loss, stats = trainer.policy_loss(current, filtered, adv, cfg, None, None, current)
+    part = trainer.prepare(filtered, adv, cfg).take(None, current)
+    loss, stats = trainer.policy_loss(current, part, cfg)
     rows = kept.bool()
     alone = Batch(**{k: v[rows] for k, v in batch.tensors().items()})
-    expected, alone_stats = trainer.policy_loss(
-        current[rows], alone, adv[rows], cfg, None, None, current[rows]
-    )
+    alone_part = trainer.prepare(alone, adv[rows], cfg).take(None, current[rows])
+    expected, alone_stats = trainer.policy_loss(current[rows], alone_part, cfg)
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     for key in ("loss", "ppo/clip_frac", "ppo/ratio_max", "ppo/ratio_min"):
         assert stats[key] == pytest.approx(alone_stats[key], rel=1e-6), key
@@ -94,7 +94,7 @@ def test_a_kl_term_without_the_references_logprobs_is_refused():
     cfg = config.build({}, ["train.kl_coef=0.1"])
     batch = _batch(2)
     with pytest.raises(ValueError, match=r"batch\.ref_logp"):
-        trainer.policy_loss(batch.train_logp, batch, torch.zeros(2), cfg)
+        trainer.prepare(batch, torch.zeros(2), cfg)
 
 
 def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
@@ -180,7 +180,8 @@ def test_entropy_bonus_gradient_raises_the_entropy():
     def entropy_and_loss():
         logp, entropy = trainer.token_logprobs_and_entropy(model, batch, processor, 0, "none", True)
         full = loss_batch(batch.response_mask, logp.detach())
-        loss, _ = trainer.policy_loss(logp, full, torch.zeros(4), cfg, entropy=entropy)
+        part = trainer.prepare(full, torch.zeros(4), cfg)
+        loss, _ = trainer.policy_loss(logp, part, cfg, entropy=entropy)
         mask = batch.response_mask
         return float((entropy.detach() * mask).sum() / mask.sum()), loss
 

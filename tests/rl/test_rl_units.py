@@ -234,14 +234,16 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
     mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]])
     batch = loss_batch(mask, old)
     adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
-    _, stats = trainer.policy_loss(old, batch, adv, cfg)  # no update yet: ratio 1
+    prepared = trainer.prepare(batch, adv, cfg)
+    _, stats = trainer.policy_loss(old, prepared, cfg)  # no update yet: ratio 1
     assert stats["ppo/ratio_max"] == stats["ppo/ratio_min"] == 1.0
     assert stats["ppo/clip_frac"] == 0.0 and stats["loss"] == pytest.approx(-(2 - 1 + 4) / 7)
     # rows 2, 3 after an update: token (2, 1) at ratio 2 (clipped at 1.28), (3, 2) at 0.5
     current = torch.zeros(2, 3)
     current[0, 1], current[1, 2] = math.log(2.0), math.log(0.5)
     select = slice(2, 4)
-    loss, stats = trainer.policy_loss(current.clone(), batch, adv, cfg, None, select, current)
+    part = prepared.take(select, current)
+    loss, stats = trainer.policy_loss(current.clone(), part, cfg)
     assert stats["ppo/ratio_max"] == pytest.approx(2.0)
     assert stats["ppo/ratio_min"] == pytest.approx(0.5)
     assert stats["ppo/clip_frac"] == pytest.approx(2 / 4)
@@ -254,5 +256,5 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
         ("seq_mean_token_sum_norm", per_token / (2 * 4)),
     ):
         dr = cfg.replace(**{"train.loss_agg": how})
-        loss, stats = trainer.policy_loss(current.clone(), batch, adv, dr, None, select, current)
+        loss, stats = trainer.policy_loss(current.clone(), part, dr)
         assert float(loss) == pytest.approx(expected) and stats["loss"] == pytest.approx(expected)
