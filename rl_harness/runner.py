@@ -44,6 +44,7 @@ from .evaluate import Heldout, due
 from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
 from .schedule import LRSchedule
+from .tasks.base import Example
 
 if TYPE_CHECKING:
     pass
@@ -151,60 +152,20 @@ class Run:
             engine.close()
 
     def step(self, step: int) -> dict[str, Any]:
+        """One RL step: sample, score the trainer's side, measure the mismatch, update
+        (rl_harness.trainer.prepare, then :meth:`_ppo`), log; returns the step's metrics."""
         cfg, world = self.cfg, self.world
-        seed = cfg.seed * 1_000_003 + step
         prompts, examples = tasks.prompt_batch(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.train_model, self.master)
-        share = self.rollout.sample(prompts, seed, rows)
+        share = self.rollout.sample(prompts, cfg.seed * 1_000_003 + step, rows)
         share = rollout.pad_responses(share, world.max(share.sequences.shape[1]))
-        recorder = routing.Recorder(self.train_model)
-        with recorder if self.moe else contextlib.nullcontext():
-            train_logp, entropy = self._forward(self.train_model, share)
-        # Every rank's rows, in order: the single-process batch. Everything below but the
-        # backward of this rank's share is computed from it, identically on every rank.
-        gathered = Batch(
-            share.sequences,
-            share.attention_mask,
-            share.response_mask,
-            share.rollout_logp,
-            train_logp=train_logp.detach(),
-            entropy=entropy.detach(),
-        )
-        if self.moe:
-            gathered.rollout_routing = share.routing
-            rows_here = share.sequences.shape[0]
-            gathered.train_routing = recorder.pop(rows_here, calls_along="rows")
-        batch = Batch(**world.gather_rows(gathered.tensors()))
+        forward, batch = self._score(share)
         self.batch = batch
-        width = share.prompt_width
-        responses = batch.sequences[:, width:].tolist()
-        task, words, where = tasks.of(cfg.task), vocab.of(cfg.model), tasks.source(cfg.task)
-        rewards = torch.tensor(
-            [tasks.score(task, e, r, words, where) for e, r in zip(examples, responses)]
-        )
+        rewards = self._rewards(batch, examples, share.prompt_width)
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-        mask = batch.response_mask
-        metrics = mismatch_metrics(batch.train_logp, batch.rollout_logp, mask, cfg.remedy.clip)
-        if self.moe:
-            assert batch.rollout_routing is not None and batch.train_routing is not None
-            metrics.update(
-                routing.routing_metrics(batch.rollout_routing, batch.train_routing, mask)
-            )
-        if (
-            cfg.zero_mismatch
-            and cfg.assert_zero_mismatch
-            and (
-                metrics["mismatch/tokens_unequal_count"]
-                or metrics["mismatch/logprob_abs_diff_max"]
-                or metrics.get("mismatch/routing_flip_count", 0)
-            )
-        ):
-            where = f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
-            raise RuntimeError(
-                f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
-            )
-        stats = self._ppo(share, (train_logp, entropy), batch, adv, rewards, rows)
+        metrics = self._mismatch(batch, step)
+        stats = self._ppo(share, forward, batch, adv, rewards, rows)
         counts = ("grad_norm", "grad_norm_max", "update_applied", "update_skipped")
         updates = {k: stats.pop(k) for k in counts}
         batch_loss = stats.pop("loss")
@@ -215,6 +176,7 @@ class Run:
                 RuntimeWarning,
                 2,
             )
+        mask = batch.response_mask
         lengths = mask.sum(-1).float()
         metrics.update(stats)
         metrics.update(
@@ -234,6 +196,63 @@ class Run:
             group["lr"] = next_lr
         for flag, raised in self.detector.update(metrics).items():
             metrics[f"collapse/{flag}"] = int(raised)
+        return metrics
+
+    def _score(self, share: Rollout) -> tuple[tuple[torch.Tensor, torch.Tensor], Batch]:
+        """The trainer's forward of this rank's rows ``share`` (log-probs and entropy, with
+        grad where the loss needs it) and the step's whole :class:`Batch`: every rank's rows
+        in order, the single-process batch. Everything after but the backward of this rank's
+        share is computed from it, identically on every rank."""
+        recorder = routing.Recorder(self.train_model)
+        with recorder if self.moe else contextlib.nullcontext():
+            train_logp, entropy = self._forward(self.train_model, share)
+        gathered = Batch(
+            share.sequences,
+            share.attention_mask,
+            share.response_mask,
+            share.rollout_logp,
+            train_logp=train_logp.detach(),
+            entropy=entropy.detach(),
+        )
+        if self.moe:
+            gathered.rollout_routing = share.routing
+            rows_here = share.sequences.shape[0]
+            gathered.train_routing = recorder.pop(rows_here, calls_along="rows")
+        return (train_logp, entropy), Batch(**self.world.gather_rows(gathered.tensors()))
+
+    def _rewards(self, batch: Batch, examples: list[Example], width: int) -> torch.Tensor:
+        """The task's reward of each row's response (the tokens from column ``width``)."""
+        cfg = self.cfg
+        responses = batch.sequences[:, width:].tolist()
+        task, words, where = tasks.of(cfg.task), vocab.of(cfg.model), tasks.source(cfg.task)
+        return torch.tensor(
+            [tasks.score(task, e, r, words, where) for e, r in zip(examples, responses)]
+        )
+
+    def _mismatch(self, batch: Batch, step: int) -> dict[str, Any]:
+        """The step's mismatch metrics (and routing flips for MoE); a zero-mismatch run that
+        measures any mismatch stops here (config.assert_zero_mismatch)."""
+        cfg, mask = self.cfg, batch.response_mask
+        metrics = mismatch_metrics(batch.train_logp, batch.rollout_logp, mask, cfg.remedy.clip)
+        if self.moe:
+            assert batch.rollout_routing is not None and batch.train_routing is not None
+            metrics.update(
+                routing.routing_metrics(batch.rollout_routing, batch.train_routing, mask)
+            )
+        if (
+            cfg.zero_mismatch
+            and cfg.assert_zero_mismatch
+            and (
+                metrics["mismatch/tokens_unequal_count"]
+                or metrics["mismatch/logprob_abs_diff_max"]
+                or metrics.get("mismatch/routing_flip_count", 0)
+            )
+        ):
+            world = self.world
+            where = f" (rank {world.rank} of {world.size})" if world.size > 1 else ""
+            raise RuntimeError(
+                f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
+            )
         return metrics
 
     def _forward(self, model: torch.nn.Module, rows: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
