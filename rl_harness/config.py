@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 KERNELS = ("bik", "native")
-TASK_NAMES = ("addition", "sorting", "counting", "scratch_addition", "iterate", "chat_addition")
+TASK_NAMES = tuple(tasks.TASKS)  # the task registry's names (rl_harness.tasks.TASKS)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names

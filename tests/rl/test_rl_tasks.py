@@ -83,7 +83,12 @@ def test_direct_reward_is_exact_match_then_eos():
 
 
 def test_task_names_are_the_config_choices():
-    assert set(tasks.TASKS) == set(config.TASK_NAMES)
+    with pytest.raises(config.ConfigError, match=r"task\.name: expected one of \('addition'"):
+        config.build({}, ["task.name=subtraction"])
+    for name in tasks.TASKS:  # every registered task is a choice (chat_addition: a tokenizer)
+        assert name in config.TASK_NAMES
+        if name != "chat_addition":
+            assert config.build({}, [f"task.name={name}"]).task.name == name
 
 
 def test_scratch_addition_forms():
