@@ -1,9 +1,11 @@
 """Reports without matplotlib (issue 25, item 18): a finished run, a comparison or a sweep
 never fails on its plot; its metrics and tables are written first and a missing plotting
-library is a warning. The package declares matplotlib in its ``rl`` extra."""
+library is a warning. The package declares matplotlib in its ``rl`` extra. Also: unique
+comparison labels, and collapse flags read from the metrics."""
 
 import ast
 import contextlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from rl_helpers import TINY as RL_TINY
 
-from rl_harness import runner
+from rl_harness import config, report, runner
 from rl_harness.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +87,27 @@ def test_matplotlib_is_declared_in_the_rl_extra():
     keywords = _setup_keywords()
     assert "matplotlib" in keywords["extras_require"]["rl"]
     assert "matplotlib" not in keywords["install_requires"]  # the kernels do not need it
+
+
+def test_compare_labels_are_unique(tmp_path):
+    dirs = [tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c" / "other"]
+    assert report.unique_labels(dirs) == ["a/run", "b/run", "other"]
+    assert report.unique_labels([dirs[0], dirs[0]]) == ["run", "run#2"]
+
+
+def test_summary_and_compare_read_collapse_flags_from_the_metrics():
+    row = {
+        "reward/mean": 0.5,
+        "mismatch/k3_kl": 0.0,
+        "mismatch/tokens_unequal_frac": 0.0,
+        "mismatch/logprob_abs_diff_max": 0.0,
+    }
+    history = [dict(row, step=s, **{"collapse/k3_growth": int(s >= 1)}) for s in range(3)]
+    history[2]["collapse/reward_drop"] = 1
+    summary = report.summarize(history, config.build(), "x")
+    assert summary["first_flags"] == {"k3_growth": 1, "reward_drop": 2}
+    assert summary["collapse_step"] == 2
+    table = report.compare_markdown({"x": history, "empty": []})
+    assert "| x | 3 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 2 |" in table
+    assert "| empty | 0 |" in table
+    assert json.dumps(summary["first_flags"], sort_keys=True) in report.summary_markdown(summary)

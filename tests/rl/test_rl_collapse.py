@@ -1,5 +1,6 @@
 """rl_harness collapse detector: the smoothed grad-norm drop flag and its own factor, the
-blow-up flag's factor, and a deterministic resume through state_dict."""
+blow-up flag's factor, and a deterministic resume through state_dict; the length-surge LR
+schedule that reacts to the same signals."""
 
 import copy
 import json
@@ -8,7 +9,8 @@ import pytest
 
 from rl_harness import collapse, config
 from rl_harness.collapse import Detector, smoothed_grad_norm
-from rl_harness.config import CollapseConfig
+from rl_harness.config import CollapseConfig, LRScheduleConfig
+from rl_harness.schedule import LRSchedule
 
 
 def _step(grad_norm, reward=0.5, length=10.0, **extra):
@@ -99,3 +101,16 @@ def test_grad_norm_drop_factor_is_checked():
     )
     with pytest.raises(config.ConfigError, match=r"collapse\.grad_norm_drop_factor"):
         config.build({}, ["collapse.grad_norm_drop_factor=0.5"])
+
+
+def test_length_surge_lr_schedule():
+    cfg = LRScheduleConfig(name="length_surge", surge_window=2)
+    schedule = LRSchedule(cfg, 1.0)
+    lrs = [schedule.step(step, 3.0 if step < 10 else 9.0) for step in range(100)]
+    assert schedule.surge_step == 10  # the first window whose mean is >= 1.5 x the first one's
+    period = round(1.8 * 10)
+    assert lrs[period - 1] == 1.0 and lrs[period] == 0.5 and lrs[2 * period] == 0.25
+    assert min(lrs) == pytest.approx(0.1)  # floor: min_ratio x lr0
+    assert LRSchedule(LRScheduleConfig(), 1.0).step(40, 100.0) == 1.0
+    fixed = LRSchedule(LRScheduleConfig(name="length_surge", decay_period=5), 1.0)
+    assert [fixed.step(s, 3.0) for s in range(11)][4:] == [1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25]

@@ -1,5 +1,6 @@
-"""rl_harness remedies: sequence-level masked IS, the per-level clipped / masked fractions,
-bypass with an importance-sampling remedy, one-sided MIS (hand-computed values)."""
+"""rl_harness remedies: every remedy's weights, sequence-level masked IS, the per-level clipped /
+masked fractions, geometric rejection's length invariance, bypass with an importance-sampling
+remedy, one-sided MIS (hand-computed values)."""
 
 import math
 
@@ -134,3 +135,35 @@ def test_bypass_with_reinforce_takes_an_importance_sampling_remedy():
     # REINFORCE has no ratio to pi_old: the IS weight is the only correction
     cfg = config.build({}, ["remedy.bypass=true", "remedy.name=seq_tis", "train.loss=reinforce"])
     assert cfg.remedy.name == "seq_tis"
+
+
+def _remedy(name, **extra):
+    return RemedyConfig(name=name, **extra)
+
+
+def test_remedy_weights():
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[-math.log(3.0), 0.0, 0.0], [math.log(4.0), -1e-4, 0.0]])
+    mask = torch.ones(2, 3)
+    w, _, stats = remedies.weights(_remedy("token_tis"), old, rollout, mask)
+    assert w[0, 0] == pytest.approx(2.0) and w[1, 0] == pytest.approx(0.25)
+    assert stats["remedy/clipped_frac"] == pytest.approx(1 / 6)
+    w, keep, _ = remedies.weights(_remedy("token_mis"), old, rollout, mask)
+    assert keep[0, 0] == 0 and keep[1, 0] == 0 and w[0, 1] == 1
+    w, _, _ = remedies.weights(_remedy("seq_tis"), old, rollout, mask)
+    assert torch.allclose(w[0], torch.full((3,), 2.0)) and w[1, 0] < 0.26
+    _, keep, stats = remedies.weights(_remedy("token_veto", veto=0.5), old, rollout, mask)
+    assert keep[1].sum() == 0 and keep[0].sum() == 3 and stats["remedy/masked_frac"] == 0.5
+    w, _, _ = remedies.weights(_remedy("geo_is"), old, rollout, mask)
+    assert torch.allclose(w[0], torch.full((3,), 3.0 ** (1 / 3)), rtol=1e-5)
+    _, keep, _ = remedies.weights(_remedy("geo_rs"), old, rollout, mask)
+    assert keep.sum() == 0  # both sequences' geometric ratios leave [0.999, 1.001]
+    w, _, _ = remedies.weights(_remedy("token_tis", self_normalize=True), old, rollout, mask)
+    assert (w * mask).sum() / mask.sum() == pytest.approx(1.0)
+
+
+def test_geometric_rejection_is_length_invariant():
+    for length in (4, 400):
+        old, rollout = torch.zeros(1, length), torch.full((1, length), -0.0005)
+        _, keep, _ = remedies.weights(_remedy("geo_rs"), old, rollout, torch.ones(1, length))
+        assert keep.all()

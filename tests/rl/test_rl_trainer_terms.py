@@ -1,5 +1,7 @@
-"""The trainer's optional terms: group filtering, KL to a reference, entropy bonus, and the
-bf16-autocast trainer (rl_harness.trainer, rl_harness.runner.Run._ppo)."""
+"""The trainer (rl_harness.trainer, rl_harness.runner.Run._ppo): advantages, the loss
+aggregations and a mini-batch's policy loss against pi_old (hand-computed), the one logits
+formula rollout and trainer share, and the optional terms: group filtering, KL to a
+reference, entropy bonus, the bf16-autocast trainer."""
 
 import dataclasses
 import math
@@ -10,6 +12,7 @@ import torch
 from rl_helpers import TINY as RL_TINY
 from rl_helpers import loss_batch, resumed_equals_uninterrupted, run_metrics
 
+import bik
 from rl_harness import config, policy, runner, trainer
 from rl_harness.batch import Batch, Tokens
 from rl_harness.logits import LogitsProcessor
@@ -238,3 +241,72 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
     assert metrics[1]["train/kl"] == 0.0
     first = cast.updates[0]
     assert first["ppo/ratio_max"] == first["ppo/ratio_min"] == 1.0
+
+
+def test_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    assert torch.allclose(
+        trainer.advantages(rewards, 3, "rloo"), torch.tensor([1.0, -0.5, -0.5, -1.0, 0.5, 0.5])
+    )
+    grpo = trainer.advantages(rewards, 3, "grpo")
+    assert grpo[0] > 0 > grpo[1] and grpo[:3].sum().abs() < 1e-6
+
+
+def test_rollout_and_trainer_share_one_logits_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    tokens = torch.randint(0, 11, (3, 5))
+    processor = LogitsProcessor(temperature=0.7, top_k=6, top_p=0.8)
+    filtered = processor.filter(logits)
+    kept = torch.isfinite(filtered)
+    assert (kept.sum(-1) <= 6).all() and (kept.sum(-1) >= 1).all()
+    full = processor.log_probs(filtered)
+    picked = processor.token_logprobs(filtered, tokens)
+    assert torch.equal(picked, full.gather(-1, tokens[..., None])[..., 0])
+    assert torch.equal(full, bik.log_softmax(filtered / 0.7, dtype=torch.float32))
+    assert torch.equal(LogitsProcessor(1.0).filter(logits), logits)  # all off: unchanged
+
+
+def test_loss_aggregations_match_hand_computed_values():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    agg = trainer.aggregate
+    assert float(agg(loss, mask, "token_mean", 2, 4)) == pytest.approx(10 / 4)
+    assert float(agg(loss, mask, "seq_mean_token_mean", 2, 4)) == pytest.approx((2 + 4) / 2)
+    assert float(agg(loss, mask, "seq_mean_token_sum_norm", 2, 4)) == pytest.approx(10 / 8)
+    for how in ("seq_mean_token_mean", "seq_mean_token_sum_norm"):  # shares add up
+        whole = float(agg(loss, mask, how, 2, 4))
+        parts = sum(float(agg(loss[i : i + 1], mask[i : i + 1], how, 2, 4)) for i in (0, 1))
+        assert parts == pytest.approx(whole)
+
+
+def test_policy_loss_of_a_mini_batch_against_pi_old():
+    cfg = config.build({}, ["rollout.max_new_tokens=4"])
+    old = torch.zeros(4, 3)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]])
+    batch = loss_batch(mask, old)
+    adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
+    prepared = trainer.prepare(batch, adv, cfg)
+    _, stats = trainer.policy_loss(old, prepared, cfg)  # no update yet: ratio 1
+    assert stats["ppo/ratio_max"] == stats["ppo/ratio_min"] == 1.0
+    assert stats["ppo/clip_frac"] == 0.0 and stats["loss"] == pytest.approx(-(2 - 1 + 4) / 7)
+    # rows 2, 3 after an update: token (2, 1) at ratio 2 (clipped at 1.28), (3, 2) at 0.5
+    current = torch.zeros(2, 3)
+    current[0, 1], current[1, 2] = math.log(2.0), math.log(0.5)
+    select = slice(2, 4)
+    part = prepared.take(select, current)
+    loss, stats = trainer.policy_loss(current.clone(), part, cfg)
+    assert stats["ppo/ratio_max"] == pytest.approx(2.0)
+    assert stats["ppo/ratio_min"] == pytest.approx(0.5)
+    assert stats["ppo/clip_frac"] == pytest.approx(2 / 4)
+    per_token = -(1.28 * 2 + 1.0 * 2) - 0.0  # row 2's two tokens; row 3 has advantage 0
+    assert float(loss) == pytest.approx(per_token / 4) and stats["loss"] == pytest.approx(
+        per_token / 4
+    )
+    for how, expected in (
+        ("seq_mean_token_mean", (per_token / 2 + 0.0) / 2),
+        ("seq_mean_token_sum_norm", per_token / (2 * 4)),
+    ):
+        dr = cfg.replace(**{"train.loss_agg": how})
+        loss, stats = trainer.policy_loss(current.clone(), part, dr)
+        assert float(loss) == pytest.approx(expected) and stats["loss"] == pytest.approx(expected)

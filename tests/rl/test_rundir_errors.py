@@ -1,7 +1,8 @@
 """Run directories that must not be overwritten or trusted by accident (issue 25, items 1, 2
 and 17): ``--out`` and ``compare --out`` through a missing folder, ``--resume`` of a run whose
-task is a plug-in module, pickled code in checkpoints and warm-up caches, and the number of
-processes a run records."""
+task is a plug-in module, pickled code in checkpoints and warm-up caches, the number of
+processes a run records, atomic writes and torn metrics lines, and checkpoints that do not
+fit their run."""
 
 import json
 import pathlib
@@ -182,3 +183,32 @@ def test_resume_refuses_a_config_its_checkpoint_does_not_fit(tmp_path, cache, ca
     err = _error(capsys, ["run", "--resume", run_dir, "--cache-dir", cache, "--steps", "2"])
     assert f"{run_dir / rundir.CHECKPOINT} does not fit {run_dir / rundir.CONFIG}" in err, err
     assert "its master state does not fit (" in err
+
+
+def test_write_atomic_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "state.txt"
+    rundir.write_atomic(path, "old\n")
+
+    def half_then_crash(tmp):
+        tmp.write_text("ha")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rundir.write_atomic(path, half_then_crash)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["state.txt"]
+
+
+def _write_metrics(tmp_path, text):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    return tmp_path
+
+
+def test_read_metrics_drops_a_torn_last_line_with_a_warning(tmp_path):
+    rows = [{"step": 0, "x": 1.0}, {"step": 1, "x": 2.0}]
+    text = rundir.metrics_text(rows)
+    assert rundir.read_metrics(_write_metrics(tmp_path, text)) == rows
+    with pytest.warns(UserWarning, match="dropped a torn last line"):
+        got = rundir.read_metrics(_write_metrics(tmp_path, text + '{"step": 2, "x"'))
+    assert got == rows
+    with pytest.raises(RunDirError, match="line 2 is not a metrics record"):
+        rundir.read_metrics(_write_metrics(tmp_path, text.replace('{"step": 1', '{"step: 1')))
