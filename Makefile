@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed
 BUILT := $(VENV)/.built
 VLLM := $(VENV)/.vllm
 CSRC := $(shell find csrc -type f)
+CPP_SOURCES := $(filter %.cpp %.h %.cu %.cuh,$(CSRC))  # clang-format's (.clang-format)
 # The cpu backend must build and load: a compiler error fails the install, not a test skip.
 export BIK_REQUIRE_CPU := 1
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker (a file's
@@ -100,10 +101,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/clang-format --dry-run --Werror $(CPP_SOURCES)
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+	$(BIN)/clang-format -i $(CPP_SOURCES)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so

@@ -162,6 +162,7 @@ setup(
             "matplotlib",
             "ruff",
             "mypy",
+            "clang-format==23.1.5",  # make lint's C++ style check (pinned: styles drift)
             "pybind11>=2.10",
             "setuptools>=64",
         ],

@@ -36,7 +36,8 @@ struct Partial {  // unnormalised softmax state: sum_j exp(s_j - max) * v_j, sum
 inline void merge(Partial& run, const Partial& part) {
   const float new_max = part.max > run.max ? part.max : run.max;
   const float safe = new_max == NEG_INF ? 0.0f : new_max;
-  const float old_scale = exp_nonpositive(run.max - safe), part_scale = exp_nonpositive(part.max - safe);
+  const float old_scale = exp_nonpositive(run.max - safe),
+              part_scale = exp_nonpositive(part.max - safe);
   run.sum = run.sum * old_scale + part.sum * part_scale;
   for (size_t d = 0; d < run.acc.size(); ++d)
     run.acc[d] = run.acc[d] * old_scale + part.acc[d] * part_scale;
@@ -54,7 +55,7 @@ struct Strided {  // one [Tk, D] slice with a position stride: contiguous, padde
 };
 
 template <typename T>
-struct Paged {  // key j at slot j % block_size of page pages[j / block_size] (the block table)
+struct Paged {     // key j at slot j % block_size of page pages[j / block_size] (the block table)
   const T *k, *v;  // the kv head's base in each cache
   const int32_t* pages;
   int64_t block_size, k_block_stride, k_pos_stride, v_block_stride, v_pos_stride;
@@ -95,7 +96,8 @@ void split_partial(const float* q, const Rows& rows, int64_t D, float scale, flo
     const float new_max = block_max > part.max ? block_max : part.max;
     const float safe = new_max == NEG_INF ? 0.0f : new_max;
     const float rescale = exp_nonpositive(part.max - safe);
-    for (int64_t j = 0; j < KEY_BLOCK; ++j) probs[j] = j < count ? exp_nonpositive(scores[j] - safe) : 0.0f;
+    for (int64_t j = 0; j < KEY_BLOCK; ++j)
+      probs[j] = j < count ? exp_nonpositive(scores[j] - safe) : 0.0f;
     part.sum = part.sum * rescale + (lane_sum(probs) + lane_sum(probs + LANES));
     // acc[d] = acc[d] * rescale, then one fma per key in ascending order; LANES dims at a
     // time so the accumulator stays in a register across the block's keys.
@@ -165,7 +167,8 @@ void attention_impl(const AttentionArgs& p) {
   T* out = reinterpret_cast<T*>(p.out);
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
-#pragma omp parallel if (worth_a_team(rows, 2 * rows * p.Tk * p.D, PARALLEL_FMAS))  // q.k and p.v per key
+#pragma omp parallel if (worth_a_team(rows, 2 * rows * p.Tk * p.D, \
+                                          PARALLEL_FMAS))  // q.k and p.v per key
   {
     Scratch scratch(p.D);
 #pragma omp for schedule(static)
@@ -173,8 +176,8 @@ void attention_impl(const AttentionArgs& p) {
       const int64_t b = row / (p.Hq * p.Tq), h = (row / p.Tq) % p.Hq, i = row % p.Tq;
       const int64_t last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
       const Strided<T> keys{K + b * p.k_strides[0] + (h / groups) * p.k_strides[1],
-                            V + b * p.v_strides[0] + (h / groups) * p.v_strides[1],
-                            p.k_strides[2], p.v_strides[2]};
+                            V + b * p.v_strides[0] + (h / groups) * p.v_strides[1], p.k_strides[2],
+                            p.v_strides[2]};
       attend_row(scratch, options, Q + b * p.q_strides[0] + h * p.q_strides[1] + i * p.q_strides[2],
                  keys, starts[b], last, sinks == nullptr ? nullptr : sinks + h, out + row * p.D);
     }
@@ -200,7 +203,8 @@ void paged_attention_impl(const PagedAttentionArgs& p) {
     std::fill(sequence.begin() + query_start[s], sequence.begin() + query_start[s + 1], s);
   const int64_t groups = p.Hq / p.Hkv, rows = p.T * p.Hq;
   int64_t keys_read = 0;  // per query head: each query token reads its sequence's keys
-  for (int64_t s = 0; s < p.S; ++s) keys_read += (query_start[s + 1] - query_start[s]) * seq_lens[s];
+  for (int64_t s = 0; s < p.S; ++s)
+    keys_read += (query_start[s + 1] - query_start[s]) * seq_lens[s];
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
 #pragma omp parallel if (worth_a_team(rows, 2 * keys_read * p.Hq * p.D, PARALLEL_FMAS))
   {
@@ -208,9 +212,10 @@ void paged_attention_impl(const PagedAttentionArgs& p) {
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t t = row / p.Hq, h = row % p.Hq, s = sequence[t], g = h / groups;
-      const Paged<T> keys{K + g * p.k_strides[1], V + g * p.v_strides[1],
-                          table + s * p.table_stride, p.block_size, p.k_strides[0],
-                          p.k_strides[2], p.v_strides[0], p.v_strides[2]};
+      const Paged<T> keys{
+          K + g * p.k_strides[1], V + g * p.v_strides[1], table + s * p.table_stride,
+          p.block_size,           p.k_strides[0],         p.k_strides[2],
+          p.v_strides[0],         p.v_strides[2]};
       attend_row(scratch, options, Q + t * p.q_strides[0] + h * p.q_strides[1], keys, 0,
                  seq_lens[s] - query_start[s + 1] + t, sinks == nullptr ? nullptr : sinks + h,
                  out + row * p.D);

@@ -1,6 +1,6 @@
 // pybind11 bindings of the CPU kernels. No libtorch: tensors arrive as data pointers,
-// shapes and strides (bik/backends/native.py does the marshalling), so the module builds in seconds and
-// does not depend on the torch version. The GIL is released while a kernel runs.
+// shapes and strides (bik/backends/native.py does the marshalling), so the module builds in seconds
+// and does not depend on the torch version. The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -35,9 +35,9 @@ void matmul_prepacked(int dtype, uintptr_t a, uintptr_t packed, uintptr_t bias, 
 void chunked_matmul(int dtype, uintptr_t a, uintptr_t b, uintptr_t c, int64_t M, int64_t N,
                     int64_t K, int64_t a_row_stride, int64_t b_k_stride, int64_t b_n_stride,
                     int64_t chunks) {
-  bik::chunked_matmul(dtype, MatmulArgs{a, b, 0, c, 1, M, N, K, 0, a_row_stride, 0, b_k_stride,
-                                        b_n_stride},
-                      chunks);
+  bik::chunked_matmul(
+      dtype, MatmulArgs{a, b, 0, c, 1, M, N, K, 0, a_row_stride, 0, b_k_stride, b_n_stride},
+      chunks);
 }
 
 void attention(int dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t kv_start, uintptr_t out,
@@ -54,12 +54,28 @@ void paged_attention(int dtype, uintptr_t q, uintptr_t k_cache, uintptr_t v_cach
                      uintptr_t out, std::array<int64_t, 8> sizes, std::array<int64_t, 2> q_strides,
                      std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides,
                      float scale, float softcap, int64_t window, uintptr_t sinks) {
-  bik::PagedAttentionArgs args{q, k_cache, v_cache, block_table, query_start, seq_lens, out,
-                               sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5],
-                               sizes[6], sizes[7], {q_strides[0], q_strides[1]},
+  bik::PagedAttentionArgs args{q,
+                               k_cache,
+                               v_cache,
+                               block_table,
+                               query_start,
+                               seq_lens,
+                               out,
+                               sizes[0],
+                               sizes[1],
+                               sizes[2],
+                               sizes[3],
+                               sizes[4],
+                               sizes[5],
+                               sizes[6],
+                               sizes[7],
+                               {q_strides[0], q_strides[1]},
                                {k_strides[0], k_strides[1], k_strides[2]},
-                               {v_strides[0], v_strides[1], v_strides[2]}, scale, softcap,
-                               window, sinks};
+                               {v_strides[0], v_strides[1], v_strides[2]},
+                               scale,
+                               softcap,
+                               window,
+                               sinks};
   bik::paged_attention(dtype, args);
 }
 

@@ -32,13 +32,15 @@ constexpr int LANES = CPU_LANES;
 // Calls with less work than these run on one thread: waking an OpenMP team costs
 // microseconds on a quiet machine and a scheduler time slice on a busy one. Threads decide
 // who computes a row, never how: the bits do not change.
-constexpr int64_t PARALLEL_FMAS = int64_t{1} << 20;     // matmul, attention: multiply-adds
+constexpr int64_t PARALLEL_FMAS = int64_t{1} << 20;      // matmul, attention: multiply-adds
 constexpr int64_t PARALLEL_ELEMENTS = int64_t{1} << 16;  // row ops: elements read
 inline bool worth_a_team(int64_t rows, int64_t work, int64_t threshold) {
   return rows > 1 && work >= threshold;
 }
 
-struct bf16 { uint16_t bits; };
+struct bf16 {
+  uint16_t bits;
+};
 using f16 = _Float16;
 
 // The element type of each dtype code, for dispatch_dtype.
@@ -57,10 +59,18 @@ inline float to_float(bf16 x) {
   return f;
 }
 
-template <typename T> inline T from_float(float x);
-template <> inline float from_float<float>(float x) { return x; }
-template <> inline f16 from_float<f16>(float x) { return static_cast<f16>(x); }
-template <> inline bf16 from_float<bf16>(float x) {  // round to nearest even, like torch
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline f16 from_float<f16>(float x) {
+  return static_cast<f16>(x);
+}
+template <>
+inline bf16 from_float<bf16>(float x) {  // round to nearest even, like torch
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
@@ -80,7 +90,9 @@ inline float lane_sum(const float* lanes) {
 // registers, elsewhere a plain array; all do the same IEEE operation per lane (vfma is one
 // fused rounding in each), so the bits agree.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-struct Vec { __m512 v; };
+struct Vec {
+  __m512 v;
+};
 constexpr int VEC_REGISTERS = 1;  // of the 32 zmm
 inline Vec vzero() { return {_mm512_setzero_ps()}; }
 inline Vec vbroadcast(float x) { return {_mm512_set1_ps(x)}; }
@@ -90,7 +102,9 @@ inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 
 // The first n (<= LANES) elements at p, widened to fp32 (exact), zeros in the other lanes.
-inline __mmask16 first_lanes(int64_t n) { return n >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= LANES ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
 inline Vec vload_n(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first_lanes(n), p)}; }
 inline Vec vload_n(const bf16* p, int64_t n) {
   const __m256i bits = _mm256_maskz_loadu_epi16(first_lanes(n), p);
@@ -108,7 +122,9 @@ inline float vsum(Vec a) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct Vec { __m256 lo, hi; };  // lanes 0-7, 8-15
+struct Vec {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
 constexpr int VEC_REGISTERS = 2;  // of the 16 ymm
 inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec vbroadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -149,11 +165,21 @@ inline float vsum(Vec a) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 #else
-struct Vec { float v[LANES]; };
+struct Vec {
+  float v[LANES];
+};
 constexpr int VEC_REGISTERS = LANES;  // scalar registers: blocking cannot keep it in them
-inline Vec vbroadcast(float x) { Vec r; std::fill(r.v, r.v + LANES, x); return r; }
+inline Vec vbroadcast(float x) {
+  Vec r;
+  std::fill(r.v, r.v + LANES, x);
+  return r;
+}
 inline Vec vzero() { return vbroadcast(0.0f); }
-inline Vec vload(const float* p) { Vec r; std::copy(p, p + LANES, r.v); return r; }
+inline Vec vload(const float* p) {
+  Vec r;
+  std::copy(p, p + LANES, r.v);
+  return r;
+}
 inline void vstore(float* p, Vec a) { std::copy(a.v, a.v + LANES, p); }
 inline Vec vmul(Vec a, Vec b) {
   for (int l = 0; l < LANES; ++l) a.v[l] *= b.v[l];
@@ -188,10 +214,11 @@ inline float dot_lanes(const float* q, const T* k, int64_t n) {
 // bits (the same IEEE operations in the same order).
 inline float exp_nonpositive(float x) {
   constexpr float LOWEST = -87.0f;
-  constexpr float ROUNDER = 12582912.0f;  // 1.5 * 2^23: t = y + ROUNDER holds round(y) in its low bits
+  constexpr float ROUNDER =
+      12582912.0f;  // 1.5 * 2^23: t = y + ROUNDER holds round(y) in its low bits
   const float xc = x < LOWEST ? LOWEST : x;  // a comparison with NaN is false: NaN flows through
   const float t = std::fma(xc, 1.44269504088896341f, ROUNDER);
-  const float n = t - ROUNDER;  // round(x / ln2), exact
+  const float n = t - ROUNDER;                     // round(x / ln2), exact
   float r = std::fma(n, -0.693145751953125f, xc);  // ln2 split in two for an exact product
   r = std::fma(n, -1.428606765330187045e-06f, r);
   float p = 1.9875691500e-4f;

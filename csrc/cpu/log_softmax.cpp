@@ -16,17 +16,26 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-struct RowStats { float max, log_total; };
+struct RowStats {
+  float max, log_total;
+};
 
 // x / T as a type, so the loops compile without a branch inside. At T == 1 the division is
 // skipped, which is exact (x / 1 == x in IEEE arithmetic).
-struct Unscaled { float operator()(float x) const { return x; } };
-struct Scaled { float temperature; float operator()(float x) const { return x / temperature; } };
+struct Unscaled {
+  float operator()(float x) const { return x; }
+};
+struct Scaled {
+  float temperature;
+  float operator()(float x) const { return x / temperature; }
+};
 
 template <typename Body>
 void with_temperature(float temperature, Body&& body) {
-  if (temperature == 1.0f) body(Unscaled{});
-  else body(Scaled{temperature});
+  if (temperature == 1.0f)
+    body(Unscaled{});
+  else
+    body(Scaled{temperature});
 }
 
 template <typename T, typename Scale>
@@ -46,12 +55,15 @@ RowStats row_stats(const T* x, int64_t V, Scale scale) {
   float acc[LANES] = {0};
   for (int64_t i = 0; i < full; i += LANES)
     for (int l = 0; l < LANES; ++l) acc[l] += exp_nonpositive(scale(to_float(x[i + l])) - shift);
-  for (int64_t i = full; i < V; ++i) acc[i - full] += exp_nonpositive(scale(to_float(x[i])) - shift);
+  for (int64_t i = full; i < V; ++i)
+    acc[i - full] += exp_nonpositive(scale(to_float(x[i])) - shift);
   return {row_max, std::log(lane_sum(acc))};
 }
 
 template <typename Scale>
-inline float log_prob(float x, Scale scale, const RowStats& s) { return (scale(x) - s.max) - s.log_total; }
+inline float log_prob(float x, Scale scale, const RowStats& s) {
+  return (scale(x) - s.max) - s.log_total;
+}
 
 // A row as fp32: fp32 rows are read in place, 16-bit rows widened once into `buffer` (exact)
 // so the three passes over the row do not each convert it.
@@ -80,7 +92,8 @@ void for_each_row(const T* x, int64_t rows, int64_t V, int64_t stride, float tem
 }
 
 template <typename T, typename O>
-void log_softmax_impl(const T* x, O* y, int64_t rows, int64_t V, int64_t stride, float temperature) {
+void log_softmax_impl(const T* x, O* y, int64_t rows, int64_t V, int64_t stride,
+                      float temperature) {
   for_each_row(x, rows, V, stride, temperature, [&](int64_t r, const float* xr, auto scale) {
     const RowStats s = row_stats(xr, V, scale);
     O* yr = y + r * V;

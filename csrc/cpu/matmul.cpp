@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t ROW_CHUNK = 96;  // rows of A per task (a multiple of RB)
 constexpr int64_t PANEL = 64;      // output columns per task = VECS vectors of LANES
 constexpr int VECS = PANEL / LANES;
-constexpr int RB = 6;              // rows per register block
+constexpr int RB = 6;  // rows per register block
 // B vectors per pass over k: RB x GROUP accumulators, GROUP B vectors and a broadcast A value
 // must fit in the register file, or the inner loop spills to memory (AVX-512: 6 x 4 + 4 + 1
 // of 32 zmm; AVX2, two ymm per Vec: 6 x 1 x 2 + 2 + 1 of 16 ymm).
@@ -82,9 +82,12 @@ void transpose_tile<float>(const float* src, int64_t stride, float* dst) {
   }
   for (int i = 0; i < 16; i += 4) {
     r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
   }
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
@@ -158,7 +161,7 @@ struct FmaKernel {
   // B columns [col0, col0 + cols) -> [K][PANEL], zero past `cols`.
   static void pack_b(const T* b, int64_t k_stride, int64_t n_stride, int64_t cols, int64_t K,
                      float* dst) {
-    int64_t done = 0;  // k rows packed by the fast path
+    int64_t done = 0;                      // k rows packed by the fast path
     if (k_stride == 1 && cols == PANEL) {  // W^T: read 16-deep k tiles along W's rows
       constexpr int64_t TILE = 16;
       done = K / TILE * TILE;
@@ -249,8 +252,8 @@ struct PairKernel {
   // accumulators that start at 0 (`resume` false) or at the previous slice's sums in `out`.
   // A slice boundary falls between pairs (K_SLICE is even), so the pairs are the same.
   template <int R>
-  static void rows(const bf16* a0, int64_t row_stride, const uint32_t* b, int64_t K,
-                   bool resume, float out[][PANEL]) {
+  static void rows(const bf16* a0, int64_t row_stride, const uint32_t* b, int64_t K, bool resume,
+                   float out[][PANEL]) {
     __m512 acc[R][VECS];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < VECS; ++v)
@@ -260,7 +263,8 @@ struct PairKernel {
       for (int v = 0; v < VECS; ++v)
         bv[v] = (__m512bh)_mm512_loadu_si512(b + j * PANEL + v * LANES);
       for (int r = 0; r < R; ++r) {
-        const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair(a0 + r * row_stride)));
+        const __m512bh av =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair(a0 + r * row_stride)));
         for (int v = 0; v < VECS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
       }
     };
@@ -277,10 +281,19 @@ struct PairKernel {
       for (int v = 0; v < VECS; ++v) _mm512_storeu_ps(out[r] + v * LANES, acc[r][v]);
   }
 };
-template <typename T> struct KernelFor { using type = FmaKernel<T>; };
-template <> struct KernelFor<bf16> { using type = PairKernel; };
+template <typename T>
+struct KernelFor {
+  using type = FmaKernel<T>;
+};
+template <>
+struct KernelFor<bf16> {
+  using type = PairKernel;
+};
 #else
-template <typename T> struct KernelFor { using type = FmaKernel<T>; };
+template <typename T>
+struct KernelFor {
+  using type = FmaKernel<T>;
+};
 #endif
 
 // B's packed panels one after another: panel i holds columns [i * PANEL, (i + 1) * PANEL) as
@@ -321,8 +334,7 @@ void matmul_impl(const MatmulArgs& p, uintptr_t prepacked = 0) {
   const int64_t tasks = p.batch * panels * row_chunks;
   // Decode-shaped calls stream B in slices, their accumulators resumed from slice to slice.
   // (K = 0: one empty slice.)
-  const int64_t slice =
-      p.M <= STREAM_ROWS && !packed_b ? K_SLICE : std::max<int64_t>(p.K, 1);
+  const int64_t slice = p.M <= STREAM_ROWS && !packed_b ? K_SLICE : std::max<int64_t>(p.K, 1);
   const bool team = worth_a_team(tasks, matmul_work(p), PARALLEL_FMAS);
 #pragma omp parallel if (team)
   {
@@ -347,16 +359,18 @@ void matmul_impl(const MatmulArgs& p, uintptr_t prepacked = 0) {
       }
       for (int64_t k0 = 0; k0 < std::max<int64_t>(p.K, 1); k0 += slice) {
         const int64_t depth = std::min(slice, p.K - k0);
-        const Packed* b_slice = packed_b ? packed_b + panel * Kernel::depth(p.K) * PANEL : b_buf.data();
+        const Packed* b_slice =
+            packed_b ? packed_b + panel * Kernel::depth(p.K) * PANEL : b_buf.data();
         if (!packed_b && (slice < p.K || packed_panel != t / row_chunks)) {
-          Kernel::pack_b(b + k0 * p.b_k_stride, p.b_k_stride, p.b_n_stride, cols, depth, b_buf.data());
+          Kernel::pack_b(b + k0 * p.b_k_stride, p.b_k_stride, p.b_n_stride, cols, depth,
+                         b_buf.data());
           packed_panel = t / row_chunks;
         }
         for (int64_t r = 0; r < rows; r += RB) {
           const int n = static_cast<int>(std::min<int64_t>(RB, rows - r));
           if constexpr (Kernel::reads_a_in_place)
-            for_rows<Kernel>(n, a + r * p.a_row_stride + k0, p.a_row_stride, b_slice, depth,
-                             k0 > 0, out + r);
+            for_rows<Kernel>(n, a + r * p.a_row_stride + k0, p.a_row_stride, b_slice, depth, k0 > 0,
+                             out + r);
           else
             for_rows<Kernel>(n, a_buf.data(), r, p.K, k0, b_slice, depth, out + r);
         }
@@ -460,7 +474,8 @@ void matmul_prepacked(int dtype, const MatmulArgs& args, uintptr_t packed) {
 }
 
 void chunked_matmul(int dtype, const MatmulArgs& args, int64_t chunks) {
-  dispatch_dtype<CpuTypes>(dtype, [&](auto type) { chunked_matmul_impl<decltype(type)>(args, chunks); });
+  dispatch_dtype<CpuTypes>(dtype,
+                           [&](auto type) { chunked_matmul_impl<decltype(type)>(args, chunks); });
 }
 
 }  // namespace bik

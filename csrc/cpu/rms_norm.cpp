@@ -19,7 +19,8 @@ void rms_norm_impl(const T* x, const W* w, T* y, int64_t rows, int64_t D, int64_
     }
     const float inv_rms = 1.0f / std::sqrt(vsum(acc) / static_cast<float>(D) + eps);
     T* yr = y + r * D;
-    for (int64_t i = 0; i < D; ++i) yr[i] = from_float<T>(to_float(xr[i]) * inv_rms * to_float(w[i]));
+    for (int64_t i = 0; i < D; ++i)
+      yr[i] = from_float<T>(to_float(xr[i]) * inv_rms * to_float(w[i]));
   }
 }
 

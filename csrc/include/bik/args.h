@@ -8,13 +8,13 @@
 
 namespace bik {
 
-struct MatmulArgs {  // C[b] = A[b] . B[b] (+ bias); C contiguous [batch, M, N]
+struct MatmulArgs {         // C[b] = A[b] . B[b] (+ bias); C contiguous [batch, M, N]
   uintptr_t a, b, bias, c;  // bias may be 0; B may have any strides (e.g. W^T)
   int64_t batch, M, N, K;
   int64_t a_batch_stride, a_row_stride, b_batch_stride, b_k_stride, b_n_stride;
 };
 
-struct AttentionArgs {  // see bik/ops/attention.py for the semantics
+struct AttentionArgs {               // see bik/ops/attention.py for the semantics
   uintptr_t q, k, v, kv_start, out;  // kv_start: int32 [B]; out contiguous [B, Hq, Tq, D]
   int64_t B, Hq, Hkv, Tq, Tk, D, split_size;
   int64_t q_strides[3], k_strides[3], v_strides[3];  // batch, head, position
@@ -25,7 +25,7 @@ struct AttentionArgs {  // see bik/ops/attention.py for the semantics
   uintptr_t sinks = 0;  // fp32 [Hq]: attention sinks, one logit per query head (cpu); 0: off
 };
 
-struct PagedAttentionArgs {  // see bik/ops/paged_attention.py for the semantics
+struct PagedAttentionArgs {    // see bik/ops/paged_attention.py for the semantics
   uintptr_t q;                 // [T, Hq, D] packed queries of S sequences
   uintptr_t k_cache, v_cache;  // [num_blocks, Hkv, block_size, D] each
   uintptr_t block_table;       // int32 [>= S, table_stride]: each sequence's pages in order
@@ -34,9 +34,9 @@ struct PagedAttentionArgs {  // see bik/ops/paged_attention.py for the semantics
   uintptr_t out;               // contiguous [T, Hq, D]
   int64_t T, S, Hq, Hkv, D, block_size, split_size, table_stride;
   int64_t q_strides[2], k_strides[3], v_strides[3];  // q: token, head; caches: block, head, slot
-  float scale, softcap;  // softcap 0: off
-  int64_t window;        // > 0: the query at position p sees keys (p - window, p]; 0: off
-  uintptr_t sinks;       // fp32 [Hq] or 0: off
+  float scale, softcap;                              // softcap 0: off
+  int64_t window;   // > 0: the query at position p sees keys (p - window, p]; 0: off
+  uintptr_t sinks;  // fp32 [Hq] or 0: off
 };
 
 // AttentionArgs from the bindings' flat arguments: sizes = (B, Hq, Hkv, Tq, Tk, D, split_size),
@@ -48,8 +48,9 @@ inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintp
                                     const std::array<int64_t, 3>& v_strides, float scale,
                                     bool causal, float softcap, int64_t window,
                                     uintptr_t sinks = 0) {
-  AttentionArgs args{q, k, v, kv_start, out, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
-                     sizes[5], sizes[6], {}, {}, {}, scale, causal, softcap, window, sinks};
+  AttentionArgs args{q,        k,        v,        kv_start, out,      sizes[0], sizes[1],
+                     sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], {},       {},
+                     {},       scale,    causal,   softcap,  window,   sinks};
   for (int i = 0; i < 3; ++i) {
     args.q_strides[i] = q_strides[i];
     args.k_strides[i] = k_strides[i];
