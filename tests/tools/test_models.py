@@ -94,7 +94,9 @@ def test_an_interrupted_preparation_leaves_no_model(tmp_path, monkeypatch):
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_a_cached_model_with_other_weights_is_refused(tmp_path, monkeypatch):
+def _cache_of_other_weights(tmp_path, monkeypatch, elements):
+    """A cache whose smollm2 holds every required file: ``{}`` texts and a one-tensor
+    safetensors file of ``elements`` zeros; returns the weights file."""
     from safetensors.torch import save_file
 
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
@@ -102,7 +104,12 @@ def test_a_cached_model_with_other_weights_is_refused(tmp_path, monkeypatch):
     target.mkdir(parents=True)
     for name in models.REQUIRED_FILES:
         (target / name).write_text("{}")
-    save_file({"w": torch.zeros(2)}, str(target / "model.safetensors"))
+    save_file({"w": torch.zeros(elements)}, str(target / "model.safetensors"))
+    return target / "model.safetensors"
+
+
+def test_a_cached_model_with_other_weights_is_refused(tmp_path, monkeypatch):
+    _cache_of_other_weights(tmp_path, monkeypatch, 2)
     with pytest.raises(models.ModelUnavailableError, match="do not match their recorded digest"):
         models.path("smollm2")
 
@@ -245,16 +252,9 @@ def test_a_changed_config_or_tokenizer_is_refused(smollm2, tmp_path, monkeypatch
 
 
 def test_a_truncated_weights_file_is_refused(tmp_path, monkeypatch):
-    from safetensors.torch import save_file
-
-    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
-    target = tmp_path / "models" / "smollm2"
-    target.mkdir(parents=True)
-    for name in models.REQUIRED_FILES:
-        (target / name).write_text("{}")
-    save_file({"w": torch.zeros(1000)}, str(target / "model.safetensors"))
-    data = (target / "model.safetensors").read_bytes()
-    (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    weights = _cache_of_other_weights(tmp_path, monkeypatch, 1000)
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(models.ModelUnavailableError, match=r"digest \(damaged.*unreadable"):
         models.path("smollm2")
 
