@@ -44,7 +44,8 @@ class Engine(Protocol):
 class HfRollout:
     """Transformers' KV-cache sampling (rollout.sample) on the rollout working copy of the
     master (policy.working_copy: the rollout's kernels, dtype and split size), refreshed
-    from the master (with rollout.weight_round_bits) before each step samples."""
+    from the master (with rollout.weight_round_bits) before each step samples. ``model_dir``
+    is unused: it has nothing to save."""
 
     @staticmethod
     def check(cfg: Config, world: World, master: PreTrainedModel | None = None) -> None:
