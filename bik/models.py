@@ -42,8 +42,8 @@ from pathlib import Path
 
 CACHE_ENV = "BIK_CACHE"
 OFFLINE_ENV = "BIK_OFFLINE"  # 1 / true / yes / on: never reach for the registry
-_OFFLINE_VALUES = {"1": True, "true": True, "yes": True, "on": True}
-_ONLINE_VALUES = {"": False, "0": False, "false": False, "no": False, "off": False}
+_OFFLINE_VALUES = ("1", "true", "yes", "on")  # BIK_OFFLINE's values, any case
+_ONLINE_VALUES = ("", "0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,13 @@ def offline() -> bool:
     :class:`ModelUnavailableError` naming it for a value that is neither on (1, true, yes, on)
     nor off (unset, empty, 0, false, no, off)."""
     value = os.environ.get(OFFLINE_ENV, "")
-    answer = {**_OFFLINE_VALUES, **_ONLINE_VALUES}.get(value.strip().lower())
-    if answer is None:
+    word = value.strip().lower()
+    if word not in _OFFLINE_VALUES + _ONLINE_VALUES:
         raise ModelUnavailableError(
             f"{OFFLINE_ENV}={value!r}: expected one of {', '.join(_OFFLINE_VALUES)} (offline) "
             f"or {', '.join(v for v in _ONLINE_VALUES if v)} (online), or unset"
         )
-    return answer
+    return word in _OFFLINE_VALUES
 
 
 def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
