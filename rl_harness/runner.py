@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,9 +45,6 @@ from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
 from .schedule import LRSchedule
 from .tasks.base import Example
-
-if TYPE_CHECKING:
-    pass
 
 read_metrics = rundir.read_metrics
 
