@@ -76,7 +76,7 @@ build: $(BUILT)
 demo: $(BUILT)
 	$(BIN)/python -m bik demo
 	rm -rf runs/demo
-	$(BIN)/python -m rl_harness.demo --out runs/demo
+	$(BIN)/python -m rl_harness demo --out runs/demo
 
 test: $(BUILT)
 	$(BIN)/python $(PYTEST) tests

@@ -1,6 +1,6 @@
-"""python -m rl_harness run | sweep | recipes | compare | world-size | same  (see
-rl_harness/README.md). ``run`` under ``torchrun --nproc-per-node N`` runs data-parallel
-(rl_harness.distributed)."""
+"""python -m rl_harness run | sweep | recipes | compare | world-size | same | edge | compact |
+demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under ``torchrun
+--nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import distributed, recipes, report, rundir, runner, same, sweep, world_size
+from . import demo, distributed, edge, recipes, report, rundir, runner, same, sweep, world_size
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -102,10 +102,7 @@ def _recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rl_harness", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help=f"run a recipe (default: {recipes.DEFAULT})")
+def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--recipe", help=f"a recipe name (default {recipes.DEFAULT})")
     run.add_argument("--steps", type=int, help="number of RL steps (with --resume: the new total)")
     run.add_argument("--out", help="run directory, new or empty (default runs/<recipe>)")
@@ -118,34 +115,95 @@ def parser() -> argparse.ArgumentParser:
         "trust it to be imported (run); without it such a directory is refused",
     )
     run.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
-    arms = commands.add_parser(
-        "sweep", help="recipes on N seeds, each beside its zero-mismatch twin, with 95%% CIs"
-    )
+
+
+def _sweep_arguments(arms: argparse.ArgumentParser) -> None:
     arms.add_argument("--recipe", action="append", required=True, help="an arm (repeatable)")
     arms.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     arms.add_argument("--steps", type=int, help="number of RL steps of every run")
     arms.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every arm")
     arms.add_argument("--out", default="runs/sweep", help="sweep directory (default runs/sweep)")
     arms.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
-    commands.add_parser("recipes", help="list the recipes")
-    compare = commands.add_parser(
-        "compare",
-        help="plots and a markdown table of several runs; a sweep arm's directory (seed0/ "
-        "seed1/ ...) shows the mean over its seeds with a 95%% CI",
-    )
+
+
+def _compare_arguments(compare: argparse.ArgumentParser) -> None:
     compare.add_argument("dirs", nargs="+", help="run directories or sweep arm directories")
     compare.add_argument("--out", default="runs/compare")
-    world = commands.add_parser(
-        "world-size", help="a config at world size 1 and on W processes, compared step by step"
-    )
-    world_size.add_arguments(world)
-    same.add_arguments(
-        commands.add_parser(
-            "same",
-            help="whether two runs are the same bit for bit (metrics and last checkpoint); "
-            "exit 0 if so, 1 if not",
-        )
-    )
+
+
+def _compact_arguments(compact: argparse.ArgumentParser) -> None:
+    compact.add_argument("dirs", nargs="+", help="directories holding finished runs")
+
+
+def _compact(args: argparse.Namespace) -> int:
+    """Every finished run below ``args.dirs`` compacted (rundir.compact), every other PNG
+    shrunk; prints the bytes before and after."""
+    before = after = runs = 0
+    for top in map(Path, args.dirs):
+        if not top.is_dir():
+            raise RunDirError(f"compact: no directory at {top}")
+        files = [f for f in top.rglob("*") if f.is_file()]
+        before += sum(f.stat().st_size for f in files)
+        for summary in sorted(top.rglob(rundir.SUMMARY)):
+            if (summary.parent / rundir.CONFIG).is_file():
+                runs += rundir.compact(summary.parent)
+        for png in top.rglob("*.png"):
+            rundir.shrink_png(png)
+        after += sum(f.stat().st_size for f in top.rglob("*") if f.is_file())
+    print(f"compacted {runs} run(s): {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    return 0
+
+
+# name -> (help, add its arguments, run it)
+Tool = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+TOOLS: dict[str, Tool] = {
+    "run": (f"run a recipe (default: {recipes.DEFAULT})", _run_arguments, _run),
+    "sweep": (
+        "recipes on N seeds, each beside its zero-mismatch twin, with 95%% CIs",
+        _sweep_arguments,
+        _sweep,
+    ),
+    "recipes": ("list the recipes", lambda _: None, _recipes),
+    "compare": (
+        "plots and a markdown table of several runs; a sweep arm's directory (seed0/ seed1/ "
+        "...) shows the mean over its seeds with a 95%% CI",
+        _compare_arguments,
+        _compare,
+    ),
+    "world-size": (
+        "a config at world size 1 and on W processes, compared step by step",
+        world_size.add_arguments,
+        world_size.main,
+    ),
+    "same": (
+        "whether two runs are the same bit for bit (metrics and last checkpoint); exit 0 if "
+        "so, 1 if not",
+        same.add_arguments,
+        same.main,
+    ),
+    "edge": (
+        "the stability-edge grid: learning rates x mismatch doses x seeds, and its report",
+        edge.add_arguments,
+        edge.main,
+    ),
+    "compact": (
+        "store finished runs small: metrics gzipped, plots as palette PNGs",
+        _compact_arguments,
+        _compact,
+    ),
+    "demo": (
+        "the RL part of make demo: one PPO step on SmolLM2, bik vs native kernels",
+        demo.add_arguments,
+        demo.main,
+    ),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m rl_harness", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (summary, add_arguments, _) in TOOLS.items():
+        add_arguments(commands.add_parser(name, help=summary))
     return parser
 
 
@@ -156,14 +214,7 @@ def _warning_line(message: Warning | str, *args: object, **kwargs: object) -> st
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; a HarnessError ends it with a one-line message and status 2."""
     args = parser().parse_args(argv)
-    command = {
-        "run": _run,
-        "sweep": _sweep,
-        "recipes": _recipes,
-        "compare": _compare,
-        "world-size": world_size.main,
-        "same": same.main,
-    }[args.command]
+    command = TOOLS[args.command][2]
     formatwarning, warnings.formatwarning = warnings.formatwarning, _warning_line
     try:
         return command(args)

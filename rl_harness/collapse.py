@@ -26,6 +26,13 @@ greedy decoding, so neither sampling noise nor a lone grad-norm spike defines it
 training-signal flags are still recorded and reported, each with its first step). A run
 without evaluation keeps the training-signal criterion: the first ``reward_drop``,
 ``grad_norm_blowup`` or ``grad_norm_drop``.
+
+Read back after a run (:func:`persistent_collapse_step`, :func:`signature`, :func:`endpoint`;
+the stability-edge experiment, rl_harness.edge, registers these): a *persistent* collapse
+needs the drop to last, so that a dip the policy climbs out of is not counted: the held-out
+accuracy below half its running peak on :data:`PERSIST_EVALS` consecutive evaluations, or the
+training reward's ``reward_drop`` flag raised on :data:`PERSIST_STEPS` consecutive steps.
+Computed from the recorded flags, it applies to every run already recorded.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ EVAL_FLAGS = ("eval_drop",)  # raised at evaluation steps only (Detector.update_
 COLLAPSE_FLAGS = ("reward_drop", "grad_norm_blowup", "grad_norm_drop")
 EVAL_METRIC = "eval/accuracy"
 PEAK_FLOOR = 0.1  # a reward or accuracy peak must exceed this before a drop from it counts
+PERSIST_EVALS = 2  # consecutive evaluations below half the running peak: a persistent collapse
+PERSIST_STEPS = 10  # or consecutive steps with the training reward's drop flag raised
+ENDPOINT_EVALS = 3  # the evaluation endpoint: the mean of the last this many evaluations
+SIGNATURE_WINDOW = 10  # steps before a collapse that the signature flags look at
+SIGNATURE_FACTOR = 2.0  # a signature quantity must reach this x its first window's mean
 
 
 def smoothed_grad_norm(grad_norms: list[float], window: int, lag: int = 0) -> float | None:
@@ -139,3 +151,68 @@ def collapse_step(history: list[dict[str, Any]]) -> int | None:
     criterion = EVAL_FLAGS if evaluated(history) else COLLAPSE_FLAGS
     steps = [step for flag, step in first_steps(history).items() if flag in criterion]
     return min(steps) if steps else None
+
+
+def _first_streak(steps: list[int], raised: list[bool], length: int) -> int | None:
+    """The step that starts the first run of ``length`` consecutive raised entries."""
+    streak = 0
+    for i, up in enumerate(raised):
+        streak = streak + 1 if up else 0
+        if streak == length:
+            return steps[i - length + 1]
+    return None
+
+
+def persistent_collapse_step(history: list[dict[str, Any]]) -> int | None:
+    """The first step of a persistent collapse (see the module docstring), or None: the
+    earlier of the held-out streak's first evaluation step and the reward streak's first
+    step."""
+    evals = [m for m in history if "collapse/eval_drop" in m]
+    candidates = [
+        _first_streak(
+            [m["step"] for m in evals],
+            [bool(m["collapse/eval_drop"]) for m in evals],
+            PERSIST_EVALS,
+        ),
+        _first_streak(
+            [m["step"] for m in history],
+            [bool(m.get("collapse/reward_drop")) for m in history],
+            PERSIST_STEPS,
+        ),
+    ]
+    found = [step for step in candidates if step is not None]
+    return min(found) if found else None
+
+
+def endpoint(history: list[dict[str, Any]]) -> float | None:
+    """The mean held-out accuracy of the last :data:`ENDPOINT_EVALS` evaluations (None: the
+    run evaluated fewer times)."""
+    accuracies = [m[EVAL_METRIC] for m in history if EVAL_METRIC in m]
+    if len(accuracies) < ENDPOINT_EVALS:
+        return None
+    return statistics.fmean(accuracies[-ENDPOINT_EVALS:])
+
+
+SIGNATURES = {  # flag -> the metric whose rise it marks
+    "log_ppl_spike": "mismatch/log_ppl_abs_diff",  # the paper's eq. 8 (arXiv 2602.01826)
+    "k3_spike": "mismatch/k3_kl",
+    "grad_norm_rise": "grad_norm",
+}
+
+
+def signature(history: list[dict[str, Any]], step: int) -> dict[str, bool]:
+    """The papers' collapse signature before ``step``: each :data:`SIGNATURES` metric's mean
+    over the :data:`SIGNATURE_WINDOW` steps up to ``step`` at least :data:`SIGNATURE_FACTOR`
+    x its mean over the first window (and above 0), and ``length_surge`` (the recorded flag)
+    raised at or before ``step``."""
+    first = history[:SIGNATURE_WINDOW]
+    last = [m for m in history if step - SIGNATURE_WINDOW < m["step"] <= step] or first
+    flags = {}
+    for flag, key in SIGNATURES.items():
+        before = statistics.fmean(m.get(key, 0.0) for m in first)
+        now = statistics.fmean(m.get(key, 0.0) for m in last)
+        flags[flag] = now > 0 and now >= SIGNATURE_FACTOR * before
+    flags["length_surge"] = any(
+        m.get("collapse/length_surge") for m in history if m["step"] <= step
+    )
+    return flags

@@ -285,6 +285,9 @@ class RolloutConfig(_Section):
     # parallel K in bik.contract.TP_CHUNKS chunks), so TP 2 rollouts equal the one-process
     # trainer bit for bit.
     tensor_parallel: int = spec(1, ge=1)
+    # Log a 16-bit digest of every response each step (metric rollout/response_digests), so a
+    # paired analysis can say which rows an arm and its twin sampled alike (rl_harness.edge).
+    digests: bool = spec(False)
 
     def _validate(self) -> None:
         if self.split_size:

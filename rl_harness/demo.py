@@ -1,4 +1,4 @@
-"""``python -m rl_harness.demo``: the RL part of ``make demo``, on the real model.
+"""``python -m rl_harness demo``: the RL part of ``make demo``, on the real model.
 
 Two one-step runs (``--steps`` for more) of one setup on SmolLM2-135M-Instruct (recipe
 ``smollm2``: chat addition through its chat template, bf16 on both sides, PPO with pi_old :=
@@ -13,9 +13,7 @@ gradient) although nothing changed; with bik it is exactly 1 and nothing is clip
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from . import config, recipes, report, runner
@@ -67,8 +65,7 @@ def table(histories: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl_harness.demo", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="a new or empty directory")
     parser.add_argument(
         "--steps",
@@ -78,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "native bf16 step takes about 90 s on 2 CPU cores)",
     )
     parser.add_argument("--cache-dir", default=".cache/rl_harness")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     histories = {
         name: _run(name, out, args.steps, args.cache_dir, index)
@@ -101,7 +100,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         "clipped on-policy."
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

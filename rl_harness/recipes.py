@@ -69,6 +69,18 @@ _COLLAPSE_LONG = {
     "train.lr": 1.5e-3,
     "eval.at_start": True,
 }
+# The stability-edge experiment (RESULTS.md section 13; rl_harness.edge): section 9's task,
+# 150 steps, 128 held-out prompts, the trainer in bf16 so that a dose and its zero-mismatch
+# twin both sample at bf16 precision, and response digests for the pair's agreement. This is
+# the grid's "bf16" dose (native kernels in the rollout); rl_harness.edge.DOSES adds the others.
+_EDGE = {
+    **_COLLAPSE_LONG,
+    "steps": 150,
+    "train.dtype": "bfloat16",
+    "rollout.weight_round_bits": 0,
+    "eval.prompts": 128,
+    "rollout.digests": True,
+}
 COLLAPSE_ARMS = (
     "collapse_constant",
     "collapse_surge_decay",
@@ -185,6 +197,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "collapse_long_constant": (
         "collapse follow-up: iterate 10-20 steps, fp8-like native bf16 rollout, LR 1.5e-3",
         _COLLAPSE_LONG,
+    ),
+    "edge": (
+        "stability edge (rl_harness.edge): native bf16 rollout vs bik bf16 trainer, 150 steps",
+        _EDGE,
     ),
 }
 for _scale in (0.25, 0.5, 1.0, 2.0, 4.0):  # dose-response: injected biased drift

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import collapse
 from .config import DEFAULTS, flatten
-from .rundir import METRICS, PLOT, SUMMARY, read_metrics, write_atomic
+from .rundir import PLOT, SUMMARY, has_metrics, read_metrics, write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -88,9 +88,9 @@ def load(path: str | Path) -> History | Seeds:
     seeds = {
         int(match[1]): child
         for child in path.iterdir()
-        if (match := re.fullmatch(r"seed(\d+)", child.name)) and (child / METRICS).exists()
+        if (match := re.fullmatch(r"seed(\d+)", child.name)) and has_metrics(child)
     }
-    if (path / METRICS).exists() or not seeds:
+    if has_metrics(path) or not seeds:
         return read_metrics(path)  # a RunDirError names a directory that holds no run
     return Seeds([read_metrics(seeds[k]) for k in sorted(seeds)])
 

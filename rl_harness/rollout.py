@@ -4,12 +4,26 @@ Log-probs of the sampled tokens come from the run's :class:`~rl_harness.logits.L
 the same formula the trainer uses. Every mismatch source the config can inject lives on this
 side: the rollout copy's kernels, dtype and attention split size (see policy.working_copy),
 and synthetic perturbations of the rollout logits (:func:`rl_harness.logits.perturb`).
+
+Coupled sampling. A token is drawn as ``torch.multinomial`` draws one: an exponential race,
+the argmax of p / q with q ~ Exp(1) for every vocabulary entry, which is the Gumbel-max trick
+(-log q is Gumbel). The generator of a step is seeded by the run's seed and the step alone, and
+each position draws the whole batch's noise at once, so the noise of (seed, step, position,
+row) is one fixed number per vocabulary entry whatever the model computes. Two runs of the
+same seed (an arm and its zero-mismatch twin) therefore draw the same token wherever their
+distributions agree closely enough for the same entry to win the race: they part only where
+the mismatch (or a different policy) changes the winner, and a row that has parted goes on
+with another prefix. ``rollout.digests`` logs a digest of every response
+(:func:`response_digests`), from which rl_harness.edge measures the pair's agreement. A
+synthetic perturbation draws its own numbers from the same generator first, which shifts the
+race's noise: runs with ``rollout.logit_noise_*`` are not coupled to their twins.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,6 +138,21 @@ def _draw(probs: torch.Tensor, generator: torch.Generator, rows: slice, total: i
     whole = probs.new_ones(total, probs.shape[1])
     whole[rows] = probs
     return torch.multinomial(whole, 1, generator=generator)[rows, 0]
+
+
+DIGEST_HEX = 4  # hex digits per response: 16 bits, so two different responses collide 1 in 65536
+
+
+def response_digests(sequences: torch.Tensor, response_mask: torch.Tensor) -> str:
+    """One string of :data:`DIGEST_HEX` hex digits per row: a CRC-32 of the row's response
+    tokens (those of ``response_mask``), cut to 16 bits. Equal responses give equal digests,
+    so two runs' digests of a step say which rows sampled the same response."""
+    digests = []
+    for row, mask in zip(sequences.tolist(), response_mask.tolist()):
+        tokens = [t for t, m in zip(row, mask) if m]
+        crc = zlib.crc32(b"".join(t.to_bytes(4, "little") for t in tokens))
+        digests.append(f"{crc & 0xFFFF:0{DIGEST_HEX}x}")
+    return "".join(digests)
 
 
 def pad_responses(batch: Rollout, length: int) -> Rollout:

@@ -8,7 +8,10 @@ per step, appended and flushed every step), ``checkpoint.pt`` (the latest checkp
 run goes on (the policy the vLLM engine loaded; removed when the run ends). Every file but
 metrics.jsonl is replaced atomically (written beside, then renamed), so a crash leaves the old
 file or the new one, never half of one; a crash in the middle of a metrics line leaves a torn
-last line, which reading drops with a warning.
+last line, which reading drops with a warning. A finished run may be compacted
+(:func:`compact`, ``python -m rl_harness compact``): its metrics then live gzipped in
+``metrics.jsonl.gz`` and its plots as palette PNGs; every reader takes either form, and
+resuming such a run writes the plain file back.
 
 Trust: checkpoints load with ``torch.load(weights_only=True)`` (no pickled code), and a
 config.json naming a plug-in task (``task.module``) is loaded only when the caller names that
@@ -17,6 +20,7 @@ module again (:func:`load_config`), since loading it imports the module.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import warnings
@@ -28,6 +32,7 @@ from .errors import ConfigError, RunDirError
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
+METRICS_GZ = METRICS + ".gz"  # a compacted run's metrics (compact)
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 PLOT = "metrics.png"
@@ -55,17 +60,32 @@ def metrics_text(rows: Iterable[dict[str, Any]]) -> str:
     return "".join(json.dumps(m) + "\n" for m in rows)
 
 
+def metrics_path(run_dir: str | Path) -> Path:
+    """The file holding a run's metrics: ``metrics.jsonl``, or where only the compacted form
+    exists, ``metrics.jsonl.gz``."""
+    plain = Path(run_dir) / METRICS
+    packed = plain.with_name(METRICS_GZ)
+    return packed if packed.exists() and not plain.exists() else plain
+
+
+def has_metrics(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a run's metrics, plain or compacted."""
+    return metrics_path(run_dir).exists()
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-step metrics of a run. A torn last line (a crash in the middle of writing it)
-    is dropped with a warning; any other unreadable line is a RunDirError."""
-    path = Path(run_dir) / METRICS
+    """The per-step metrics of a run (plain or compacted). A torn last line (a crash in the
+    middle of writing it) is dropped with a warning; any other unreadable line is a
+    RunDirError."""
+    path = metrics_path(run_dir)
     if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
         raise RunDirError(f"{path}: not a regular file")
     try:
-        text = path.read_text()
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if path.name == METRICS_GZ else data).decode()
     except FileNotFoundError:
         raise RunDirError(f"{run_dir}: no {METRICS}; not an rl_harness run directory") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except (OSError, EOFError, UnicodeDecodeError) as error:
         raise RunDirError(f"{path}: cannot be read ({error})") from None
     lines = text.split("\n")
     rows = []
@@ -87,6 +107,41 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             raise RunDirError(f"{path}: line {number} is not a metrics record ({error})") from None
         rows.append(row)
     return rows
+
+
+def compact(run_dir: str | Path) -> bool:
+    """Store a finished run small: its metrics gzipped (``metrics.jsonl.gz``, byte-for-byte
+    the same lines; no time stamp inside, so the same metrics give the same file) and every
+    PNG below it as a palette image (:func:`shrink_png`). Returns whether the metrics were
+    compacted now (False: already compacted). A run still going on would append to the plain
+    file, so only a finished one (with its summary.md) is taken."""
+    run_dir = Path(run_dir)
+    if not (run_dir / SUMMARY).is_file():
+        raise RunDirError(f"compact: {run_dir} has no {SUMMARY}: not a finished run")
+    plain = run_dir / METRICS
+    done_now = plain.is_file()
+    if done_now:
+        read_metrics(run_dir)  # refuse to pack a file that does not read back
+        packed = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
+        write_atomic(run_dir / METRICS_GZ, packed)
+        plain.unlink()
+    for png in run_dir.glob("*.png"):
+        shrink_png(png)
+    return done_now
+
+
+def shrink_png(path: Path) -> None:
+    """Rewrite the PNG ``path`` with an adaptive palette of at most 256 colours (a line plot
+    has far fewer; a translucent band's shades are merged into the nearest ones): about a
+    third of the RGBA size. Already a palette image: left as it is."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        if image.mode == "P":
+            return
+        image.load()
+    small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    write_atomic(path, lambda tmp: small.save(tmp, format="PNG", optimize=True))
 
 
 def resolved(out: str | Path) -> Path:

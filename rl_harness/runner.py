@@ -176,6 +176,10 @@ class Run:
         mask = batch.response_mask
         lengths = mask.sum(-1).float()
         metrics.update(stats)
+        if cfg.rollout.digests:
+            metrics["rollout/response_digests"] = rollout.response_digests(
+                batch.sequences[:, share.prompt_width :], mask[:, share.prompt_width :]
+            )
         metrics.update(
             {
                 "step": step,
@@ -512,9 +516,10 @@ def _loop(
     heldout = Heldout(cfg) if main and cfg.eval.every else None  # rank 0 evaluates
     metrics_path = out / rundir.METRICS
     if main:
-        kept = read_metrics(out) if metrics_path.exists() else []
+        kept = read_metrics(out) if rundir.has_metrics(out) else []
         kept = [m for m in kept if m["step"] < job.start]
         rundir.write_atomic(metrics_path, rundir.metrics_text(kept))  # drop uncheckpointed steps
+        (out / rundir.METRICS_GZ).unlink(missing_ok=True)  # a compacted run goes on plain
     started = time.time()
     with (
         contextlib.closing(job),

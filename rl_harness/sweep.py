@@ -91,32 +91,51 @@ def run_seeds(
     say: Callable[[str], None] = print,
 ) -> list[History]:
     """Each seed of ``cfg`` into ``out/seed<k>``: kept when complete, resumed when cut."""
-    histories = []
-    for seed in range(seeds):
-        run_dir = out / f"seed{seed}"
-        seeded = dataclasses.replace(cfg, seed=seed)
-        done = len(rundir.read_metrics(run_dir)) if (run_dir / rundir.METRICS).exists() else 0
-        module = seeded.task.module  # named on this command line: trusted
-        if (run_dir / rundir.CONFIG).exists() and (
-            rundir.task_module(run_dir) != module or rundir.load_config(run_dir, module) != seeded
-        ):
-            raise HarnessError(
-                f"sweep: {run_dir} holds a run of another config; remove it or choose --out"
-            )
-        # complete: every step logged and the report written, which comes after the last
-        # checkpoint (a run cut between its last metrics line and that checkpoint is resumed)
-        if done >= cfg.steps and (run_dir / rundir.SUMMARY).exists():
-            say(f"{name} seed {seed}: complete, kept")
-        elif (run_dir / rundir.CONFIG).exists():
-            say(f"{name} seed {seed}: resuming at step {done}")
-            runner.resume(
-                run_dir, cache_dir=cache_dir, progress=progress, name=name, trust_task_module=module
-            )
-        else:
-            say(f"{name} seed {seed}: running {cfg.steps} steps")
-            runner.run(seeded, run_dir, cache_dir=cache_dir, progress=progress, name=name)
-        histories.append(rundir.read_metrics(run_dir))
-    return histories
+    return [
+        run_one(
+            dataclasses.replace(cfg, seed=seed), out / f"seed{seed}", cache_dir, progress, name, say
+        )
+        for seed in range(seeds)
+    ]
+
+
+def complete(cfg: Config, run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds ``cfg``'s run finished: every step logged and the report
+    written, which comes after the last checkpoint (a run cut between its last metrics line
+    and that checkpoint is resumed)."""
+    done = len(rundir.read_metrics(run_dir)) if rundir.has_metrics(run_dir) else 0
+    return done >= cfg.steps and (run_dir / rundir.SUMMARY).exists()
+
+
+def run_one(
+    cfg: Config,
+    run_dir: Path,
+    cache_dir: str | Path,
+    progress: bool,
+    name: str,
+    say: Callable[[str], None] = print,
+) -> History:
+    """``cfg`` into ``run_dir``: kept when complete, resumed when cut, run when new; a
+    directory holding another config's run is refused. Returns the run's metrics."""
+    module = cfg.task.module  # named on this command line: trusted
+    if (run_dir / rundir.CONFIG).exists() and (
+        rundir.task_module(run_dir) != module or rundir.load_config(run_dir, module) != cfg
+    ):
+        raise HarnessError(
+            f"sweep: {run_dir} holds a run of another config; remove it or choose --out"
+        )
+    if complete(cfg, run_dir):
+        say(f"{name} seed {cfg.seed}: complete, kept")
+    elif (run_dir / rundir.CONFIG).exists():
+        done = len(rundir.read_metrics(run_dir)) if rundir.has_metrics(run_dir) else 0
+        say(f"{name} seed {cfg.seed}: resuming at step {done}")
+        runner.resume(
+            run_dir, cache_dir=cache_dir, progress=progress, name=name, trust_task_module=module
+        )
+    else:
+        say(f"{name} seed {cfg.seed}: running {cfg.steps} steps")
+        runner.run(cfg, run_dir, cache_dir=cache_dir, progress=progress, name=name)
+    return rundir.read_metrics(run_dir)
 
 
 def _reward(history: History, first: bool) -> float:
