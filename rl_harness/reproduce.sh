@@ -141,3 +141,5 @@ for seed in 0 1 2; do
     if ((status > 1)); then echo "FAILED: smollm2_confirm same $a $b seed$seed"; fi
   done
 done
+# Committed runs are stored small: metrics gzipped, plots as palette PNGs (readers take both)
+$PY -m rl_harness compact "$OUT"
