@@ -1,6 +1,6 @@
-"""python -m rl_harness run | sweep | recipes | compare | world-size | same | edge | compact |
-demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under ``torchrun
---nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
+"""python -m rl_harness run | sweep | recipes | remedies | compare | world-size | same | edge |
+compact | demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under
+``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import config as config_lib
-from . import demo, distributed, edge, recipes, report, rundir, runner, same, sweep, world_size
+from . import (
+    demo,
+    distributed,
+    edge,
+    recipes,
+    remedies,
+    report,
+    rundir,
+    runner,
+    same,
+    sweep,
+    world_size,
+)
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -102,6 +114,11 @@ def _recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remedies(args: argparse.Namespace) -> int:
+    print(remedies.markdown())
+    return 0
+
+
 def _run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--recipe", help=f"a recipe name (default {recipes.DEFAULT})")
     run.add_argument("--steps", type=int, help="number of RL steps (with --resume: the new total)")
@@ -164,6 +181,7 @@ TOOLS: dict[str, Tool] = {
         _sweep,
     ),
     "recipes": ("list the recipes", lambda _: None, _recipes),
+    "remedies": ("list the mismatch remedies and their formulas", lambda _: None, _remedies),
     "compare": (
         "plots and a markdown table of several runs; a sweep arm's directory (seed0/ seed1/ "
         "...) shows the mean over its seeds with a 95%% CI",

@@ -133,13 +133,27 @@ def _token_veto(cfg: RemedyConfig, q: _Ratios) -> tuple:
     return None, (~vetoed).float().expand_as(q.rho), None
 
 
+# Each record's summary is the one statement of its formula: weights() and the README's list
+# (markdown(), checked by a test) read it from here.
 REMEDIES: dict[str, Remedy] = {
     remedy.name: remedy
     for remedy in (
         Remedy("none", None, False, None, "no remedy: every token weighs 1"),
         Remedy("token_tis", "token", True, _token_tis, "w_t = min(rho_t, clip)"),
-        Remedy("seq_tis", "sequence", True, _seq_tis, "every token gets min(exp(R), clip)"),
-        Remedy("geo_is", "sequence", True, _geo_is, "min(exp(mean_t r_t), clip) per sequence"),
+        Remedy(
+            "seq_tis",
+            "sequence",
+            True,
+            _seq_tis,
+            "every token of a sequence gets min(exp(R), clip)",
+        ),
+        Remedy(
+            "geo_is",
+            "sequence",
+            True,
+            _geo_is,
+            "min(exp(mean_t r_t), clip) for every token of a sequence (length-invariant)",
+        ),
         Remedy(
             "geo_rs",
             "sequence",
@@ -152,17 +166,22 @@ REMEDIES: dict[str, Remedy] = {
             "token",
             True,
             _token_mis,
-            "IcePop: w_t = rho_t inside [low, high], else the token is dropped",
+            "IcePop: w_t = rho_t when low <= rho_t <= high, else the token is dropped; low "
+            "near 0 (it must be > 0, e.g. 1e-9) keeps only the upper bound",
         ),
         Remedy(
             "seq_mis",
             "sequence",
             True,
             _seq_mis,
-            "keep a sequence only when exp(R) lies in [low, high], weighted by exp(R)",
+            "sequence-level masked IS (verl's rollout_is=sequence with lo_hi, TRL's "
+            "sequence_mask): a sequence is kept only when exp(R) lies in [low, high], its "
+            "tokens weighted by exp(R); beware the length trap: exp(R) grows with length",
         ),
-        Remedy("k1_rs", "sequence", False, _k1_rs, "drop a sequence whose mean |k1| > k_threshold"),
-        Remedy("k3_rs", "sequence", False, _k3_rs, "drop a sequence whose mean k3 > k_threshold"),
+        Remedy(
+            "k1_rs", "sequence", False, _k1_rs, "drop a sequence whose |mean_t k1| > k_threshold"
+        ),
+        Remedy("k3_rs", "sequence", False, _k3_rs, "drop a sequence whose mean_t k3 > k_threshold"),
         Remedy(
             "token_veto",
             "sequence",
@@ -170,9 +189,25 @@ REMEDIES: dict[str, Remedy] = {
             _token_veto,
             "drop a sequence holding a token with rho_t < veto",
         ),
-        Remedy("fp16", None, False, None, "both sides in float16 with a static loss scale"),
+        Remedy(
+            "fp16",
+            None,
+            False,
+            None,
+            "both sides in float16 with a static loss scale (FP16_LOSS_SCALE); weights nothing",
+        ),
     )
 }
+
+
+def markdown() -> str:
+    """The README's list of remedies, one line per record (``python -m rl_harness remedies``)."""
+    return "\n".join(
+        f"- `{r.name}`{'' if r.level is None else f' ({r.level})'}: {r.summary}"
+        for r in REMEDIES.values()
+    )
+
+
 # The groupings other modules and the tests use, derived from the records.
 TOKEN_REMEDIES = tuple(name for name, r in REMEDIES.items() if r.level == "token")
 SEQUENCE_REMEDIES = tuple(name for name, r in REMEDIES.items() if r.level == "sequence")
@@ -184,22 +219,8 @@ def weights(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(weights, keep, stats) for remedy ``cfg.name`` (its record in ``REMEDIES``).
 
-    Remedies (rho_t = exp(old_t - rollout_t) per valid token, R = sum_t (old_t - rollout_t)
-    per sequence):
-
-    - ``token_tis``: w_t = min(rho_t, clip).
-    - ``token_mis`` (IcePop): w_t = rho_t when low <= rho_t <= high, else the token is dropped.
-      One-sided MIS: ``remedy.low`` near 0 (it must be > 0, e.g. 1e-9) keeps only the
-      upper bound.
-    - ``seq_tis``: every token of a sequence gets min(exp(R), clip).
-    - ``seq_mis`` (sequence-level masked IS, verl's ``rollout_is=sequence`` with a
-      ``lo_hi`` threshold, TRL's ``sequence_mask``): a sequence is kept only when its IS
-      weight exp(R) lies in [low, high], and its tokens are weighted by exp(R); a sequence
-      outside is dropped whole. Beware the length trap: exp(R) grows with length.
-    - ``geo_is``: min(exp(mean_t r_t), clip) per sequence (length-invariant).
-    - ``geo_rs``: drop a sequence whose exp(mean_t r_t) leaves [geo_low, geo_high].
-    - ``k1_rs`` / ``k3_rs``: drop a sequence whose mean k1 (abs) / k3 exceeds k_threshold.
-    - ``token_veto``: drop a sequence holding a token with rho_t < veto.
+    rho_t = exp(old_t - rollout_t) per valid token, r_t = old_t - rollout_t, R = sum_t r_t
+    per sequence; each remedy's formula is its record's summary (``REMEDIES``).
 
     stats, each counted at the remedy's own level (token remedies: a fraction of the
     valid tokens; sequence remedies: a fraction of the sequences with at least one

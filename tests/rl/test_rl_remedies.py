@@ -3,11 +3,13 @@ masked fractions, geometric rejection's length invariance, bypass with an import
 remedy, one-sided MIS (hand-computed values)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rl_harness import config, remedies
+from rl_harness.__main__ import main
 from rl_harness.config import REMEDIES, RemedyConfig
 from rl_harness.errors import ConfigError
 
@@ -167,3 +169,12 @@ def test_geometric_rejection_is_length_invariant():
         old, rollout = torch.zeros(1, length), torch.full((1, length), -0.0005)
         _, keep, _ = remedies.weights(_remedy("geo_rs"), old, rollout, torch.ones(1, length))
         assert keep.all()
+
+
+def test_the_readme_lists_every_remedy_as_its_record_states_it(capsys):
+    """One home per formula: the README's list is the records' text, and the command prints it."""
+    readme = (Path(__file__).parents[2] / "rl_harness" / "README.md").read_text()
+    block = readme.split("<!-- remedies: begin -->\n")[1].split("\n<!-- remedies: end -->")[0]
+    assert block == remedies.markdown()
+    assert main(["remedies"]) == 0
+    assert capsys.readouterr().out == remedies.markdown() + "\n"
