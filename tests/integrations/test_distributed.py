@@ -1,6 +1,6 @@
 """A patched model under torch.distributed (gloo, 2 processes): FSDP2 and DDP, fp32 and bf16.
 
-One process group runs every configuration (tests/distributed_worker.py; ~15 s on 2 cores,
+One process group runs every configuration (tests/support/distributed_worker.py; ~15 s on 2 cores,
 mostly imports) and the tests below read its results:
   forward     each rank's rows == the same rows through the unsharded single-process model
   weights     what FSDP all-gathers into the patched modules == the master weights (cast)

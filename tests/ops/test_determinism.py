@@ -12,7 +12,8 @@ from conftest import invariant_backends
 import bik
 from bik import backends
 
-HERE = Path(__file__).resolve().parents[1]  # tests/, home of the shared helper scripts
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+SUPPORT = ROOT / "tests" / "support"  # the shared helper scripts
 
 
 def _fingerprints(backend, threads, extra_env=None):
@@ -21,11 +22,11 @@ def _fingerprints(backend, threads, extra_env=None):
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "OPENBLAS_NUM_THREADS": str(threads),
-        "PYTHONPATH": str(HERE.parent),
+        "PYTHONPATH": str(ROOT),
         **(extra_env or {}),
     }
     done = subprocess.run(
-        [sys.executable, str(HERE / "ops_fingerprint.py"), backend],
+        [sys.executable, str(SUPPORT / "ops_fingerprint.py"), backend],
         env=env,
         capture_output=True,
         text=True,
@@ -75,7 +76,7 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error():
         "except RuntimeError as e:\n    print(e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(HERE.parent)
+    env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     ).stdout
@@ -83,7 +84,7 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error():
 
 
 def test_bik_backend_environment_variable_selects_the_backend():
-    env = {**os.environ, "BIK_BACKEND": "reference", "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "BIK_BACKEND": "reference", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", "import bik; print(bik.get_backend())"],
         env=env,
@@ -106,7 +107,7 @@ def test_unbuilt_cpu_backend_says_how_to_build_it():
         "try:\n    bik.rms_norm(torch.ones(2, 2), torch.ones(2))\n"
         "except ImportError as e:\n    print(e)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     ).stdout

@@ -17,7 +17,7 @@ from rl_harness.__main__ import main
 from rl_harness.errors import RunDirError
 
 TINY = [*RL_TINY, "steps=1", "warmup.steps=0"]  # the runs here test files, not learning
-PLUGIN = "rl_plugin_task"  # tests/rl_plugin_task.py
+PLUGIN = "rl_plugin_task"  # tests/support/rl_plugin_task.py
 
 
 def _sets(sets):
