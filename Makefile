@@ -34,7 +34,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 	tests/layers/test_paged_attention.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
-.PHONY: install install-vllm build demo test test-fast test-gpu-image lint format clean
+.PHONY: install install-vllm build demo test test-fast test-gpu-image wheel wheel-check lint format clean
 
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,31 @@ $(GPU_BUILT): $(GPU_STAMP) $(CSRC)
 test-gpu-image: $(GPU_BUILT)
 	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python $(PYTEST) -m "not slow" $(GPU_TESTS)
 
+# A wheel (dist/), and a check that it installs in a fresh venv (torch first, as always) and
+# works from outside the source tree: the compiled cpu backend loads and an op runs.
+WHEEL_VENV := .venv-wheel
+wheel: $(STAMP)
+	rm -rf dist
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(WHEEL_VENV)/bin/pip install --quiet dist/bik-*.whl
+	cd /tmp && $(CURDIR)/$(WHEEL_VENV)/bin/python -c "$$WHEEL_SMOKE"
+
+define WHEEL_SMOKE
+import torch, bik, bik._cpu
+assert "site-packages" in bik.__file__, bik.__file__
+x = torch.randn(5, 64)
+bik.set_backend("cpu")
+y = bik.rms_norm(x, torch.ones(64))
+assert torch.equal(y[2:3], bik.rms_norm(x[2:3], torch.ones(64)))
+print("wheel ok: bik", bik.__version__, "from", bik.__file__)
+endef
+export WHEEL_SMOKE
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -109,4 +134,4 @@ format: $(STAMP)
 	$(BIN)/clang-format -i $(CPP_SOURCES)
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so
+	rm -rf $(VENV) $(GPU_VENV) $(WHEEL_VENV) dist build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so

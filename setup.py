@@ -25,6 +25,8 @@ with open("bik/__init__.py") as init_file:  # the one version source: bik.__vers
     VERSION = re.search(r'^__version__ = "([^"]+)"', init_file.read(), re.M).group(1)
 with open("bik/trl.py") as trl_file:  # the TRL versions bik.trl patches (its TESTED_TRL)
     TRL_SPEC = "trl" + re.search(r'^TESTED_TRL = "([^"]+)"', trl_file.read(), re.M).group(1)
+with open("README.md") as readme_file:
+    README = readme_file.read()
 with open("csrc/cpu/flags.txt") as flags_file:
     CPU_FLAGS = [line.strip() for line in flags_file if line.strip() and not line.startswith("#")]
 
@@ -149,6 +151,16 @@ setup(
     name="bik",
     version=VERSION,
     description="Deterministic, batch-invariant kernels for LLM inference and training",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    long_description=README,
+    long_description_content_type="text/markdown",
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     python_requires=">=3.10",
     packages=find_packages(include=["bik", "bik.*", "rl_harness", "rl_harness.*"]),
     install_requires=["torch", "triton", "numpy", "transformers>=5,<6"],
