@@ -13,6 +13,8 @@ import dataclasses
 import hashlib
 import json
 import random
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,13 +236,18 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
     return Path(cache_dir) / f"warmup-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
 
 
-def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Path:
+def warmup(
+    master: torch.nn.Module, config: Config, cache_dir: str | Path, progress: bool = False
+) -> Path:
     """Supervised warm-up on the task so RL starts from partial competence; cached (see
-    :func:`warmup_cache_path`), written atomically."""
+    :func:`warmup_cache_path`), written atomically. ``progress``: a line on stderr that says
+    whether the cache was used, and the training's step, loss and time left as it goes."""
     path = warmup_cache_path(config, cache_dir)
     if path.exists():
         try:
             master.load_state_dict(torch.load(path, weights_only=True))
+            if progress:
+                print(f"warm-up: the cached one ({path})", file=sys.stderr, flush=True)
             return path
         except Exception as error:  # a damaged cache entry is recomputed, not fatal
             warnings.warn(
@@ -248,7 +255,8 @@ def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Pa
             )
     rng = random.Random(f"warmup-{warmup_seed(config)}")
     opt = torch.optim.AdamW(master.parameters(), lr=config.warmup.lr)
-    for _ in range(config.warmup.steps):
+    started, total = time.time(), config.warmup.steps
+    for step in range(total):
         ids, attention, target = sft_batch(config, rng, config.warmup.batch_size)
         logits = master(
             input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
@@ -260,5 +268,14 @@ def warmup(master: torch.nn.Module, config: Config, cache_dir: str | Path) -> Pa
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if progress and ((step + 1) % 10 == 0 or step + 1 == total):
+            rate = (time.time() - started) / (step + 1)
+            print(
+                f"\rwarm-up [{step + 1}/{total}] loss {float(loss):.3f} | {rate:.2f} s/step, "
+                f"eta {rate * (total - step - 1):.0f} s ",
+                end="\n" if step + 1 == total else "",
+                file=sys.stderr,
+                flush=True,
+            )
     write_atomic(path, lambda tmp: torch.save(master.state_dict(), tmp))
     return path

@@ -80,6 +80,7 @@ class Run:
         state: dict[str, Any] | None = None,
         world: World | None = None,
         model_dir: str | Path | None = None,
+        progress: bool = False,
     ) -> None:
         self.cfg = cfg
         self.world = world or World.current()
@@ -91,7 +92,7 @@ class Run:
         self.batch: Batch | None = None  # the last step's whole batch, for inspection
         self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
-            self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir))
+            self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir, progress))
             self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
         else:
             _restore(self.master.load_state_dict, state, "master")
@@ -506,7 +507,7 @@ def _loop(
     name: str,
 ) -> dict[str, Any]:
     try:
-        job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR)
+        job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR, progress=progress)
     except CheckpointMismatch as error:
         raise RunDirError(
             f"--resume: {out / rundir.CHECKPOINT} does not fit {out / rundir.CONFIG}: {error}; "

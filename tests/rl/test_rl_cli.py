@@ -210,3 +210,15 @@ def test_the_demo_table_says_exactly_1_for_bik_and_the_range_for_native():
     assert text.splitlines()[-1] == (
         "| 0 | 0.25 / 0.25 | 0 % / 100 % | exactly 1 / 0.800 to 1.200 | 0.0 % / 10.0 % |"
     )
+
+
+def test_the_warm_up_shows_its_progress_and_says_when_it_is_cached(tmp_path, capsys):
+    """Issue 48, item 6: the first run was silent for minutes while the warm-up trained."""
+    from rl_harness import config, runner
+
+    cfg = config.build({}, TINY + ["steps=1"])
+    runner.run(cfg, tmp_path / "a", cache_dir=tmp_path / "cache", progress=True)
+    err = capsys.readouterr().err
+    assert "warm-up [10/20] loss " in err and "warm-up [20/20] loss " in err
+    runner.run(cfg, tmp_path / "b", cache_dir=tmp_path / "cache", progress=True)
+    assert "warm-up: the cached one" in capsys.readouterr().err
