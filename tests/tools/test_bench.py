@@ -269,18 +269,18 @@ def test_the_gpu_path_rotates_enough_copies_for_the_l2_size(monkeypatch):
         for _ in range(8):
             bik_fn(), base_fn()
         timed.append(min_time)
-        return 2.0, 1.0
+        return bench.Timing(2.0, 1.0, 0.01)
 
     monkeypatch.setattr(bench, "time_pair", fake_time_pair)
-    bik_ms, base_ms, copies, set_bytes = bench._time_case(
+    timing, copies, set_bytes = bench._time_case(
         _recording_case(seen), torch.device("cpu"), torch.float32, l2=100, min_time=0.5
     )
-    assert (bik_ms, base_ms, set_bytes, timed) == (2.0, 1.0, 16, [0.5])
+    assert (timing.bik_ms, timing.base_ms, set_bytes, timed) == (2.0, 1.0, 16, [0.5])
     assert copies == bench.rotation_copies(16, 100) == 13
     assert len({p for _, p, _ in seen}) == 13
     seen.clear()
     assert bench._time_case(_recording_case(seen), torch.device("cpu"), torch.float32, 0, 0.5)[
-        2:
+        1:
     ] == (1, 16)  # no L2 given (the CPU): one copy, as before
     assert len({p for _, p, _ in seen}) == 1
 
@@ -290,7 +290,9 @@ def test_the_cpu_bench_does_not_rotate(monkeypatch):
     monkeypatch.setattr(cases, "cases_for", lambda device_type, quick: [_recording_case(seen)])
     monkeypatch.setattr(bench, "measure_peaks", lambda device, dtype, quick: (1e12, 1e11))
     monkeypatch.setattr(
-        bench, "time_pair", lambda b, base, device, t: (b(), base(), b(), (1.0, 1.5))[-1]
+        bench,
+        "time_pair",
+        lambda b, base, device, t: (b(), base(), b(), bench.Timing(1, 1.5, 0))[-1],
     )
     result = bench.run("cpu", dtypes=["float32"], echo=lambda line: None)
     assert len({p for _, p, _ in seen}) == 1
@@ -428,3 +430,47 @@ def test_gpu_run_rehearsal_goes_on_without_a_gpu(tmp_path):
     assert done.returncode == 0 and "rehearsal without a GPU" in done.stdout, done.stderr
     (report,) = tmp_path.glob("rehearsal-env-*.txt")
     assert f"torch {torch.__version__}" in report.read_text()
+
+
+def _fake_clock(monkeypatch, rounds):
+    """_seconds_per_call returns the next value of ``rounds`` (lists of per-sample seconds,
+    bik and baseline alternating), after the warm-up's and the call count's calls."""
+    values = iter([1.0] * 1 + [v for r in rounds for v in r])
+    monkeypatch.setattr(bench, "_seconds_per_call", lambda fn, device, calls: next(values))
+
+
+def test_a_noisy_round_is_timed_again_until_it_settles(monkeypatch):
+    """Issue 48, item 5: a loaded machine's samples spread; the bench retimes them."""
+    noisy = [1.0, 1.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # bik and baseline alternate
+    steady = [2.0, 4.0] * 5
+    _fake_clock(monkeypatch, [noisy, steady])
+    timing = bench.time_pair(lambda: None, lambda: None, torch.device("cpu"), 0.0)
+    assert timing == bench.Timing(2000.0, 4000.0, 0.0)
+
+
+def test_a_round_that_never_settles_keeps_the_steadiest_and_says_so(monkeypatch):
+    rounds = [[1.0, 1.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]] * bench.ROUNDS
+    rounds[1] = [1.0, 1.0, 1.5, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # spread 0.5: the steadiest
+    _fake_clock(monkeypatch, rounds)
+    timing = bench.time_pair(lambda: None, lambda: None, torch.device("cpu"), 0.0)
+    assert timing.spread == 0.5 > bench.SPREAD_LIMIT
+    record = {"op": "linear", "shape": "8x8x8", "dtype": "float32", "bik_ms": 1.0}
+    record.update(baseline_ms=1.0, ratio=1.0, bik_tflops=1.0, bik_gbps=1.0, peak_share=0.1)
+    record.update(spread=timing.spread, reliable=False)
+    result = {"device": "cpu", "torch": "2", "backend": "cpu", "date": "d", "records": [record]}
+    result["load_before"] = {"load_1min": 0.1, "cpus": 2}
+    text = bench.markdown(result)
+    assert "| 1.00 ? |" in text and "1 row(s) marked `?` never settled" in text
+    assert "machine was loaded" not in text
+
+
+def test_a_run_started_on_a_loaded_machine_says_its_ratios_are_not_to_quote(monkeypatch):
+    monkeypatch.setattr(bench, "machine_load", lambda: {"load_1min": 3.5, "cpus": 2})
+    monkeypatch.setattr(cases, "cases_for", lambda device_type, quick: [_recording_case([])])
+    monkeypatch.setattr(bench, "measure_peaks", lambda device, dtype, quick: (1e12, 1e11))
+    monkeypatch.setattr(bench, "time_pair", lambda *a: bench.Timing(1.0, 1.0, 0.0))
+    result = bench.run("cpu", dtypes=["float32"], echo=lambda line: None)
+    assert result["load_before"] == result["load_after"] == {"load_1min": 3.5, "cpus": 2}
+    text = bench.markdown(result)
+    assert "Load average (1 min) before the run 3.50, after it 3.50, on 2 CPUs." in text
+    assert "machine was loaded when the run started" in text

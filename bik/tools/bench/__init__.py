@@ -15,6 +15,13 @@ exceed L2). A case that fails on a GPU is recorded with its error and the others
 real-model case that ``BIK_OFFLINE=1`` leaves without its model is recorded as skipped); an
 interrupt (Ctrl-C, ``timeout -s INT``) keeps the records made so far.
 
+The bench knows when its machine is busy: each case is timed in rounds of :data:`SAMPLES`
+alternated samples, repeated (up to :data:`ROUNDS`) until both sides' spread, (max - min) /
+median, is at most :data:`SPREAD_LIMIT`; a case that never settles keeps its steadiest round
+and is marked unreliable (``?`` after its ratio). The load average before and after the run
+is recorded, and a run that starts on a loaded machine (1-minute load above half the CPUs)
+says so above its table: its ratios are not figures to quote.
+
 ``--vllm`` times vLLM instead: generated tokens/s of vLLM with bik against native vLLM, same
 model and prompts, each engine in its own process (:mod:`bik.tools.bench.vllm_throughput`).
 """
@@ -28,7 +35,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +63,10 @@ L2_FALLBACK = 50 * 2**20  # bytes: Hopper's L2 (H100), where torch does not repo
 ROTATION_FACTOR = 2  # the rotated copies together hold at least this many L2 caches
 ROTATION_BUDGET = 4 * 2**30  # bytes: at most this much memory for the copies of one case
 MAX_COPIES = 1 << 16
+SAMPLES = 5  # alternated samples per round of time_pair
+ROUNDS = 3  # rounds at most, until the spread is within SPREAD_LIMIT
+SPREAD_LIMIT = 0.2  # (max - min) / median of a round's samples, each side
+LOADED = 0.5  # a 1-minute load average above this share of the CPUs: a loaded machine
 # What the markdown says of a backend whose times are not performance figures.
 BACKEND_NOTES = {
     "cuda": (
@@ -115,16 +126,28 @@ def rotation_copies(
     return max(1, min(wanted, max_copies, budget // set_bytes))
 
 
+class Timing(NamedTuple):
+    """Median ms per call of bik and of the baseline, and the larger of their spreads."""
+
+    bik_ms: float
+    base_ms: float
+    spread: float
+
+
 def _time_case(
     case: case_lib.Case, device: torch.device, dtype: torch.dtype, l2: int, min_time: float
-) -> tuple[float, float, int, int]:
-    """(bik ms, baseline ms, copies, bytes of one copy) of one case on ``device``."""
+) -> tuple[Timing, int, int]:
+    """(timing, copies, bytes of one copy) of one case on ``device``."""
     args = case.inputs(device, dtype)
     set_bytes = case_lib.input_bytes(args) if case.rotate else 0
     copies = rotation_copies(set_bytes, l2) if l2 and case.rotate else 1
     fns = case.make(device, dtype, copies, args)
     del args
-    return (*time_pair(*fns, device, min_time), copies, set_bytes)
+    return time_pair(*fns, device, min_time), copies, set_bytes
+
+
+def _spread(samples: list[float]) -> float:
+    return (max(samples) - min(samples)) / statistics.median(samples)
 
 
 def time_pair(
@@ -132,27 +155,43 @@ def time_pair(
     base_fn: Callable[[], object],
     device: torch.device,
     min_time: float,
-) -> tuple[float, float]:
-    """Median ms per call of both functions, measured alternately (same conditions for both)."""
+) -> Timing:
+    """Both functions timed alternately (same conditions for both), in rounds of
+    :data:`SAMPLES` until a round's spread is within :data:`SPREAD_LIMIT` (at most
+    :data:`ROUNDS`; else the steadiest round): its medians, in ms per call."""
     calls = 1
     bik_fn(), base_fn()  # warm-up (and compilation)
     while calls < 4096 and _seconds_per_call(bik_fn, device, calls) * calls < min_time / 5:
         calls *= 2
-    bik_s, base_s = [], []
-    for _ in range(5):
-        bik_s.append(_seconds_per_call(bik_fn, device, calls))
-        base_s.append(_seconds_per_call(base_fn, device, calls))
-    return statistics.median(bik_s) * 1e3, statistics.median(base_s) * 1e3
+    best: Timing | None = None
+    for _ in range(ROUNDS):
+        bik_s, base_s = [], []
+        for _ in range(SAMPLES):
+            bik_s.append(_seconds_per_call(bik_fn, device, calls))
+            base_s.append(_seconds_per_call(base_fn, device, calls))
+        spread = max(_spread(bik_s), _spread(base_s))
+        timing = Timing(statistics.median(bik_s) * 1e3, statistics.median(base_s) * 1e3, spread)
+        if best is None or spread < best.spread:
+            best = timing
+        if spread <= SPREAD_LIMIT:
+            break
+    assert best is not None
+    return best
+
+
+def machine_load() -> dict[str, float]:
+    """The 1-minute load average and the CPU count (what else runs on the machine)."""
+    return {"load_1min": os.getloadavg()[0], "cpus": os.cpu_count() or 1}
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> tuple[float, float]:
     """(FLOP/s, bytes/s) this device reaches with torch: one square matmul, one big copy."""
     n = 1024 if quick or device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
-    flops_ms, _ = time_pair(lambda: a @ a, lambda: None, device, 0.2)
+    flops_ms = time_pair(lambda: a @ a, lambda: None, device, 0.2).bik_ms
     x = torch.ones(1 << (24 if quick or device.type == "cpu" else 28), device=device, dtype=dtype)
     y = torch.empty_like(x)  # preallocated: time the copy, not page faults
-    copy_ms, _ = time_pair(lambda: y.copy_(x), lambda: None, device, 0.2)
+    copy_ms = time_pair(lambda: y.copy_(x), lambda: None, device, 0.2).bik_ms
     return 2 * n**3 / (flops_ms * 1e-3), 2 * x.numel() * x.element_size() / (copy_ms * 1e-3)
 
 
@@ -189,6 +228,7 @@ def run(
         "torch": torch.__version__,
         "backend": backend,
         "timer": TIMERS[device.type],
+        "load_before": machine_load(),
         **(_gpu_facts(device, l2) if gpu else {}),
         "peaks": peaks,
         "records": records,
@@ -204,9 +244,7 @@ def run(
                 record["backend"] = backend
                 records.append(record)
                 try:
-                    bik_ms, base_ms, copies, set_bytes = _time_case(
-                        case, device, dtype, l2, min_time
-                    )
+                    timing, copies, set_bytes = _time_case(case, device, dtype, l2, min_time)
                 except models.ModelOfflineError as error:  # BIK_OFFLINE=1: not a failure
                     record["skipped"] = str(error)
                     say(_row(record))
@@ -221,11 +259,14 @@ def run(
                     if gpu:
                         gc.collect()
                         torch.cuda.empty_cache()
+                bik_ms, base_ms = timing.bik_ms, timing.base_ms
                 flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
                 record.update(
                     bik_ms=bik_ms,
                     baseline_ms=base_ms,
                     ratio=base_ms / bik_ms,
+                    spread=timing.spread,
+                    reliable=timing.spread <= SPREAD_LIMIT,
                     bik_tflops=flops / 1e12,
                     bik_gbps=traffic / 1e9,
                     peak_share=max(flops / peak_flops, traffic / peak_bw),
@@ -244,6 +285,7 @@ def run(
             records.pop()  # the case being timed
         result["interrupted"] = True
         say(f"interrupted: {len(records)} records kept")
+    result["load_after"] = machine_load()
     save(result, json_path, plot_path)
     return result
 
@@ -306,14 +348,14 @@ def _row(r):
     head = (
         f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
     )
+    ratio = f"{r['ratio']:.2f}" + ("" if r.get("reliable", True) else " ?")
     if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
         return (
-            f"{head}| {r['ratio']:.2f} | {r['bik_tokens_per_s']:.0f} tok/s | "
+            f"{head}| {ratio} | {r['bik_tokens_per_s']:.0f} tok/s | "
             f"{r['baseline_tokens_per_s']:.0f} tok/s ({r.get('baseline', 'unpatched')}) | - |"
         )
     return (
-        f"{head}| {r['ratio']:.2f} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} "
-        f"| {r['peak_share']:.0%} |"
+        f"{head}| {ratio} | {r['bik_tflops']:.3f} | {r['bik_gbps']:.1f} | {r['peak_share']:.0%} |"
     )
 
 
@@ -350,8 +392,42 @@ def markdown(result: dict) -> str:
         lines += ["", f"Peaks measured in this run (torch matmul, copy; same timer): {measured}."]
     if result.get("interrupted"):
         lines += ["", "**Interrupted: the cases after the last row did not run.**"]
+    lines += _load_lines(result)
     lines += ["", HEADER]
     return "\n".join(lines + [_row(r) for r in result["records"]])
+
+
+def loaded(load: dict[str, float]) -> bool:
+    """Whether a :func:`machine_load` says the machine was busy with other work."""
+    return load["load_1min"] > LOADED * load["cpus"]
+
+
+def _load_lines(result: dict) -> list[str]:
+    """The load the run met, and a warning where its ratios cannot be quoted."""
+    before, after = result.get("load_before"), result.get("load_after")
+    if before is None:  # a result recorded before the bench recorded its load
+        return []
+    lines = [
+        "",
+        f"Load average (1 min) before the run {before['load_1min']:.2f}"
+        + ("" if after is None else f", after it {after['load_1min']:.2f}")
+        + f", on {before['cpus']} CPUs.",
+    ]
+    shaky = [r for r in result["records"] if r.get("reliable") is False]
+    if loaded(before):
+        lines += [
+            "",
+            f"**The machine was loaded when the run started (1-minute load "
+            f"{before['load_1min']:.2f} on {before['cpus']} CPUs): other work shared it, so "
+            "these ratios are not figures to quote; rerun on an idle machine.**",
+        ]
+    if shaky:
+        lines += [
+            "",
+            f"**{len(shaky)} row(s) marked `?` never settled: their samples spread by more "
+            f"than {SPREAD_LIMIT:.0%} in each of {ROUNDS} rounds (see `spread` in the JSON).**",
+        ]
+    return lines
 
 
 def plot(result: dict, path: str) -> None:
