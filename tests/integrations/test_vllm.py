@@ -33,27 +33,18 @@ SCHEDULING = dict(  # 12 requests x n=2 > max_num_seqs; 32-token steps chunk the
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_config(family, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+# The families' shared tiny shape (Family.tiny_config), narrower for vLLM's CPU engine:
+# head_dim 16 (32 for qwen3, whose hidden 96 then differs from heads x head_dim: o_proj is
+# not square), untied embeddings.
+VLLM_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, vocab_size=512, max_position_embeddings=256
+)
+HEAD_SHAPES = {"qwen3": dict(hidden_size=96, head_dim=32)}
 
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        **overrides,
-    )
-    if family == "qwen3":
-        return Qwen3Config(head_dim=32, **{**common, "hidden_size": 96})
-    if family == "qwen2":  # biased q/k/v projections
-        return Qwen2Config(**common)
-    if family == "qwen3_moe":
-        return FAMILIES[family].tiny_config(**{**common, "head_dim": 16, "vocab_size": 512})
-    return LlamaConfig(**common)
+
+def tiny_config(family, **overrides):
+    shape = {**VLLM_SHAPE, "head_dim": 16, **HEAD_SHAPES.get(family, {})}
+    return FAMILIES[family].tiny_config(**shape, tie_word_embeddings=False, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -24,18 +24,13 @@ from bik.vllm import engine as vllm_engine
 def qwen3_dir(tmp_path_factory):
     """A tiny random-init Qwen3 (GQA 4/2, head_dim 32) saved with save_pretrained."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    from bik.families import FAMILIES
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
+    config = FAMILIES["qwen3"].tiny_config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, max_position_embeddings=256
     )
     path = tmp_path_factory.mktemp("qwen3")
     Qwen3ForCausalLM(config).save_pretrained(path)
