@@ -60,6 +60,9 @@ class Family:
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
     fp32_router_weights: bool = False
+    # the tiny preset's own keys beyond the shared shape: what makes it exercise the family's
+    # features (a NoPE layer, a sliding-window layer beside a full one)
+    tiny_keys: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.experts_key is None) != (self.expert_width_key is None):
@@ -97,7 +100,7 @@ class Family:
         ``overrides``: the verify presets, the tests and small benchmarks load it."""
         from transformers import AutoConfig
 
-        keys = {**_TINY, **self.moe_config(**_TINY_EXPERTS), **overrides}
+        keys = {**_TINY, **self.moe_config(**_TINY_EXPERTS), **dict(self.tiny_keys), **overrides}
         return AutoConfig.for_model(self.model_type, **keys)
 
 
@@ -111,6 +114,20 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "Qwen3", "per-head q/k RMSNorm"),
         Family("phi3", "Phi-3", "fused `qkv_proj` and `gate_up_proj` (plain Linear layers)"),
         Family("olmo2", "OLMo-2", "norms after attention and MLP, q/k RMSNorm over the projection"),
+        Family(
+            "olmo3",
+            "OLMo-3",
+            "as OLMo-2, with sliding-window layers (3 in 4) exact while sequences fit the "
+            "window (4096 tokens), refused beyond",
+            tiny_keys=(("layer_types", ["sliding_attention", "full_attention"]),),
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3",
+            "as Llama, with NoPE layers (every 4th layer skips RoPE; its attention is bik's "
+            "all the same)",
+            tiny_keys=(("no_rope_layers", [1, 0]),),
+        ),
         Family(
             "gemma",
             "Gemma",
@@ -169,6 +186,16 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 MOE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.moe)
+
+
+def markdown_table() -> str:
+    """The README's table of the supported families, one row per record."""
+    rows = [
+        "| family (`model_type`) | what it needs beyond Linear, RMSNorm, attention, SiLU, RoPE |",
+        "|---|---|",
+    ]
+    rows += [f"| {f.name} (`{f.model_type}`) | {f.note} |" for f in FAMILIES.values()]
+    return "\n".join(rows)
 
 
 def family(model_type: str) -> Family:

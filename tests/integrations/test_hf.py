@@ -45,8 +45,11 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sampled_rollout_logprobs_equal_training_logprobs(dtype):
-    model = tiny("tiny-qwen3", dtype)
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3"])
+def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
+    """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
+    sliding-window layer beside a full one, SmolLM3 with a NoPE layer (their tiny presets)."""
+    model = tiny(preset, dtype)
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
@@ -300,3 +303,27 @@ def test_non_strict_lists_what_it_cannot_patch():
     report = bik.patch_model(_gpt2(), strict=False)
     assert report.family == "gpt2"
     assert any("Conv1D" in entry for entry in report.unpatched)
+
+
+def test_an_active_sliding_window_of_olmo3_is_refused_not_approximated():
+    """OLMo-3's sliding-window layers are exact while a sequence fits the window; past it
+    transformers' window would hide keys, which bik's attention does not implement."""
+    from transformers import AutoModelForCausalLM
+
+    config = FAMILIES["olmo3"].tiny_config(sliding_window=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    bik.patch_model(model)
+    with torch.no_grad():
+        model(torch.randint(3, 256, (1, 8)))  # fits the window: runs
+        with pytest.raises(NotImplementedError, match="sliding_window"):
+            model(torch.randint(3, 256, (1, 12)))
+
+
+def test_the_readme_family_table_is_the_records():
+    from pathlib import Path
+
+    from bik import families
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("<!-- families: begin -->\n")[1].split("\n<!-- families: end -->")[0]
+    assert table == families.markdown_table()
