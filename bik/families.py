@@ -63,6 +63,8 @@ class Family:
     # the tiny preset's own keys beyond the shared shape: what makes it exercise the family's
     # features (a NoPE layer, a sliding-window layer beside a full one)
     tiny_keys: tuple[tuple[str, Any], ...] = ()
+    # config keys every model of this MoE family gets from moe_config (beside the counts)
+    moe_keys: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if (self.experts_key is None) != (self.expert_width_key is None):
@@ -88,6 +90,7 @@ class Family:
             "router_jitter_noise": 0.0,
             self.experts_key: experts,
             self.expert_width_key: width,
+            **dict(self.moe_keys),
         }
         if self.shared_expert_key is not None:
             if shared_width is None:
@@ -172,6 +175,26 @@ FAMILIES: dict[str, Family] = {
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
             shared_expert_key="shared_expert_intermediate_size",
+        ),
+        Family(
+            "glm4_moe",
+            "GLM-4.5 MoE",
+            "router: fp32 `bik.linear`, `bik.sigmoid`, a score-correction bias, group-limited "
+            "top-k with ties to the lower group and expert index, weights renormalised in "
+            "rank order and scaled; experts as Qwen3-MoE; a shared expert and dense first "
+            "layers as plain MLPs; partial RoPE (eager)",
+            experts_key="n_routed_experts",
+            expert_width_key="moe_intermediate_size",
+            # every layer MoE, no group limit: valid for any expert count (the harness's policy)
+            moe_keys=(("first_k_dense_replace", 0), ("n_group", 1), ("topk_group", 1)),
+            # the preset: a dense first layer, 2 groups of which 1 is kept, a scaled routing
+            tiny_keys=(
+                ("first_k_dense_replace", 1),
+                ("n_group", 2),
+                ("topk_group", 1),
+                ("routed_scaling_factor", 2.5),
+                ("use_qk_norm", True),
+            ),
         ),
         Family(
             "qwen3_moe",

@@ -2,11 +2,12 @@
 routing flips between the rollout and the trainer.
 
 A router (transformers 5.x: the module at ``layers[i].mlp.gate``, class name ending in
-"TopKRouter") returns ``(router_logits, top_k_weights, top_k_indices)`` with indices
-``[tokens, k]``, its input flattened to one row per token position. :class:`Recorder` keeps
-those indices from a forward hook on every router, so a KV-cache rollout (one call per layer
-for the prefill, then one per decode step) and the trainer's full forward are recorded alike
-and laid out as ``[rows, positions, layers, k]``.
+"TopKRouter", or "TopkRouter" for DeepSeek-V3 / GLM-4.5's sigmoid router) returns
+``(router_logits, top_k_weights, top_k_indices)`` with indices ``[tokens, k]``, its input
+flattened to one row per token position. :class:`Recorder` keeps those indices from a forward
+hook on every router, so a KV-cache rollout (one call per layer for the prefill, then one per
+decode step) and the trainer's full forward are recorded alike and laid out as
+``[rows, positions, layers, k]``.
 
 A routing flip is a (token position, MoE layer) whose top-k expert SET differs between the
 two sides (the order inside the top-k does not count). The metrics are per response token:
@@ -27,7 +28,7 @@ UNROUTED = -1  # a position a side never ran (the rollout's last token is never 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The top-k router of every MoE layer of ``model``, in layer order (empty: dense)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 class Recorder:

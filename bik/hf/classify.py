@@ -10,10 +10,13 @@ def _is_silu(module):
 
 
 def _moe_kind(module):
-    """'router', 'experts' or 'moe_block' for the MoE modules of a mixture-of-experts family."""
+    """'router', 'grouped_sigmoid_router', 'experts' or 'moe_block' for the MoE modules of a
+    mixture-of-experts family."""
     name = type(module).__name__
     if name.endswith("TopKRouter"):
         return "router"
+    if name.endswith("TopkRouter") and hasattr(module, "e_score_correction_bias"):
+        return "grouped_sigmoid_router"  # DeepSeek-V3 style: sigmoid, bias, groups
     if name.endswith("Experts") and _is_silu(getattr(module, "act_fn", None)):
         return "experts"  # other activations: not in the families bik supports; unpatched
     if name.endswith("SparseMoeBlock"):
@@ -68,6 +71,11 @@ _REDUCING_SUFFIXES = (
 )
 
 
+# MoE blocks whose forward only composes their children (router, experts, a shared-expert MLP)
+# with elementwise additions: they reduce nothing themselves (read from transformers' source).
+_COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE",)
+
+
 def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     """'linear', 'rms_norm', 'gemma_rms_norm', 'attention', 'rotary', 'silu', 'gelu_tanh',
     an MoE kind (see _moe_kind), 'unpatched' (reduces, but bik cannot vouch for its order) or
@@ -75,6 +83,8 @@ def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     moe_kind = _moe_kind(module) if family is not None and family.moe else None
     if moe_kind is not None:
         return moe_kind
+    if family is not None and type(module).__name__ in _COMPOSING_MOE_BLOCKS:
+        return None
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):

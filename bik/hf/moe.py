@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..families import Family
-from ..layers.moe import expert_mlp, route
+from ..layers.moe import expert_mlp, route, route_grouped_sigmoid
 from ..ops.activations import sigmoid
 from ..ops.matmul import linear
 from .autocast import autocast_inputs, run
@@ -32,6 +32,33 @@ class Router:
         logits = run(self.backend, autocast_on, linear, x, weight)
         weights, experts = run(self.backend, autocast_on, route, logits, m.top_k, self.normalize)
         return logits, weights if self.fp32_weights else weights.to(logits.dtype), experts
+
+
+class GroupedSigmoidRouter:
+    """A sigmoid router with a score-correction bias and group-limited top-k (DeepSeek-V3,
+    GLM-4.5): fp32 logits through bik.linear, as transformers computes them in fp32, then
+    bik.layers.moe.route_grouped_sigmoid."""
+
+    def __init__(self, module: torch.nn.Module, backend: str):
+        self.module, self.backend = module, backend
+
+    def __call__(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m: Any = self.module  # the router: weight, bias buffer, top_k and the group settings
+        x = hidden_states.reshape(-1, m.weight.shape[1]).float()
+        autocast_on, (x, weight) = autocast_inputs(x.device.type, x, m.weight.float())
+        logits = run(self.backend, autocast_on, linear, x, weight)
+        weights, experts = route_grouped_sigmoid(
+            logits,
+            m.e_score_correction_bias,
+            m.top_k,
+            m.num_group,
+            m.topk_group,
+            m.norm_topk_prob,
+            m.routed_scaling_factor,
+        )
+        return logits, weights, experts
 
 
 class Experts:

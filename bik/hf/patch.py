@@ -14,7 +14,7 @@ from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
-from .moe import Experts, MoeBlock, Router
+from .moe import Experts, GroupedSigmoidRouter, MoeBlock, Router
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,6 +73,10 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
     "router": (
         _router,
         "bik.linear + bik MoE routing (top-k, ties to the lower expert)",
+    ),
+    "grouped_sigmoid_router": (
+        lambda m, backend, _: GroupedSigmoidRouter(m, backend),
+        "bik.linear + sigmoid routing (score bias, group-limited top-k, ties to the lower index)",
     ),
     "experts": (
         lambda m, backend, _: Experts(m, backend),

@@ -6,6 +6,14 @@ log-probabilities are ranked by expert index, lowest first (a stable sort: the d
 tie-break). The top-k weights are ``exp`` of the chosen log-probabilities; renormalised, they
 are divided by their sum taken in ascending rank order.
 
+Sigmoid routing with a score-correction bias and group-limited top-k (DeepSeek-V3, GLM-4.5;
+:func:`route_grouped_sigmoid`): the scores are :func:`bik.sigmoid` of the fp32 logits; the
+choice scores add the bias; a group's score is its two best choice scores added, the better
+first; the ``topk_groups`` best groups are kept (ties to the lower group index), then the
+``top_k`` best experts among them (ties to the lower expert index), each weighted by its score
+without the bias; renormalised, the weights are divided by their sum in rank order plus
+1e-20 (transformers' guard), then multiplied by the routed scaling factor.
+
 Experts (:func:`expert_mlp`): each (token, rank) pair runs its expert's gated SiLU MLP through
 :func:`bik.ops.grouped_linear.grouped_linear`, whose rows never depend on which or how many
 other tokens chose the same expert. A token's k expert outputs are weighted and summed in fp32
@@ -18,7 +26,7 @@ tensor's layout (see bik.ops.activations), so the whole path is a function of th
 import torch
 
 from .. import _checks
-from ..ops.activations import silu_and_mul
+from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.grouped_linear import grouped_linear
 from ..ops.log_softmax import log_softmax
 
@@ -32,14 +40,68 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k: expected an int in [1, {experts}] (the experts), got {top_k!r}")
     logp = log_softmax(logits, dtype=torch.float32)
-    chosen = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    chosen = _ranked(logp, top_k)
     weights = logp.gather(1, chosen).exp()
     if normalize:
-        total = weights[:, 0]
-        for rank in range(1, top_k):  # a fixed order, not torch.sum's shape-dependent one
-            total = total + weights[:, rank]
-        weights = weights / total[:, None]
+        weights = weights / _sum_in_rank_order(weights)[:, None]
     return weights, chosen
+
+
+def _ranked(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the ``count`` highest ``scores`` of each row, highest first, equal
+    scores by index, lowest first (a stable sort: the documented tie-break)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
+
+
+def _sum_in_rank_order(weights: torch.Tensor) -> torch.Tensor:
+    total = weights[:, 0]
+    for rank in range(1, weights.shape[1]):  # a fixed order, not torch.sum's shape-dependent one
+        total = total + weights[:, rank]
+    return total
+
+
+def route_grouped_sigmoid(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    groups: int,
+    topk_groups: int,
+    normalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` and the score-correction ``bias [E]`` -> (fp32 weights ``[T, top_k]``,
+    int64 experts ``[T, top_k]``) in rank order (see the module docstring)."""
+    _checks.floating("logits", logits)
+    _checks.rank("logits", logits, 2)
+    tokens, experts = logits.shape
+    if bias.shape != (experts,):
+        raise ValueError(f"bias: expected shape ({experts},), got {tuple(bias.shape)}")
+    if groups < 1 or experts % groups or not 1 <= topk_groups <= groups:
+        raise ValueError(
+            f"groups, topk_groups: expected groups dividing the {experts} experts and "
+            f"1 <= topk_groups <= groups, got {groups}, {topk_groups}"
+        )
+    allowed = topk_groups * (experts // groups)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= allowed:
+        raise ValueError(
+            f"top_k: expected an int in [1, {allowed}] (the experts of the kept groups), "
+            f"got {top_k!r}"
+        )
+    scores = sigmoid(logits.float())
+    choice = scores + bias.float()
+    per_group = choice.view(tokens, groups, experts // groups)
+    best_two = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :2]
+    group_scores = (
+        best_two[..., 0] + best_two[..., 1] if best_two.shape[-1] > 1 else best_two[..., 0]
+    )
+    kept = torch.zeros(tokens, groups, dtype=torch.bool, device=logits.device)
+    kept.scatter_(1, _ranked(group_scores, topk_groups), True)
+    choice = choice.masked_fill(~kept.repeat_interleave(experts // groups, 1), float("-inf"))
+    chosen = _ranked(choice, top_k)
+    weights = scores.gather(1, chosen)
+    if normalize:
+        weights = weights / (_sum_in_rank_order(weights)[:, None] + 1e-20)
+    return weights * scale, chosen
 
 
 def expert_mlp(

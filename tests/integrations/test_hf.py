@@ -45,10 +45,11 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3", "tiny-glm4_moe"])
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
-    sliding-window layer beside a full one, SmolLM3 with a NoPE layer (their tiny presets)."""
+    sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
+    group-limited sigmoid router (their tiny presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)

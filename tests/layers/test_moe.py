@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import bik
 from bik import testing
-from bik.layers.moe import expert_mlp, route
+from bik.layers.moe import expert_mlp, route, route_grouped_sigmoid
 from bik.ops.grouped_linear import grouped_linear
 
 # The interpreted Triton kernel runs a 64x64 tile per program: keep the cases few and small.
@@ -185,3 +185,74 @@ def test_moe_report_and_router_jitter_refused_in_training():
         model(ids)
     bik.unpatch_model(model)
     model(ids)  # transformers' own forward again
+
+
+def hf_grouped_sigmoid(logits, bias, top_k, groups, topk_groups, normalize, scale):
+    """transformers' DeepSeek-V3 / GLM-4.5 router after its linear (in float64 here)."""
+    tokens, experts = logits.shape
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(tokens, groups, -1).topk(2, dim=-1)[0].sum(-1)
+    group_idx = torch.topk(group_scores, k=topk_groups, dim=-1)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    mask = mask[..., None].expand(-1, -1, experts // groups).reshape(tokens, experts)
+    chosen = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), top_k, -1)[1]
+    weights = scores.gather(1, chosen)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, chosen
+
+
+@pytest.mark.parametrize(("groups", "topk_groups"), [(1, 1), (4, 2), (2, 1)])
+def test_grouped_sigmoid_route_matches_the_transformers_formula(groups, topk_groups):
+    logits = randn((60, 16), torch.float32, 3, scale=2.0)
+    bias = randn((16,), torch.float32, 4, scale=0.3)
+    weights, experts = route_grouped_sigmoid(logits, bias, 4, groups, topk_groups, True, 2.5)
+    expected_w, expected_e = hf_grouped_sigmoid(
+        logits.double(), bias.double(), 4, groups, topk_groups, True, 2.5
+    )
+    assert torch.equal(experts.sort(-1).values, expected_e.sort(-1).values)  # the same set
+    torch.testing.assert_close(
+        weights.double().sort(-1).values, expected_w.sort(-1).values, rtol=1e-6, atol=1e-7
+    )
+    per_group = 16 // groups  # each token's experts come from at most topk_groups groups
+    assert all(len((row // per_group).unique()) <= topk_groups for row in experts)
+
+
+def test_grouped_sigmoid_route_ranks_ties_by_index_and_weights_without_the_bias():
+    logits = torch.zeros(2, 4)
+    bias = torch.tensor([0.0, 0.5, 0.5, 0.0])  # experts 1 and 2 win on the biased score
+    weights, experts = route_grouped_sigmoid(logits, bias, 2, 2, 2, normalize=False, scale=1.0)
+    assert experts.tolist() == [[1, 2], [1, 2]]
+    assert torch.equal(weights, torch.full((2, 2), 0.5))  # sigmoid(0), the bias left out
+    _, one_group = route_grouped_sigmoid(logits, bias, 2, 2, 1, normalize=False, scale=1.0)
+    assert one_group.tolist() == [[1, 0], [1, 0]]  # group 0 (experts 0, 1) ties group 1: lower
+
+
+@CASES
+@given(tokens=st.integers(1, 40), seed=st.integers(0, 50))
+def test_grouped_sigmoid_route_of_a_token_depends_only_on_the_token(tokens, seed):
+    logits = randn((tokens, 16), torch.float32, seed, scale=2.0)
+    bias = randn((16,), torch.float32, seed + 1, scale=0.3)
+    together = route_grouped_sigmoid(logits, bias, 3, 4, 2, True, 1.5)
+    for t in range(tokens):
+        alone = route_grouped_sigmoid(logits[t : t + 1], bias, 3, 4, 2, True, 1.5)
+        assert_bitwise(together[0][t : t + 1], alone[0], "weights, token alone vs in a batch")
+        assert torch.equal(together[1][t : t + 1], alone[1])
+
+
+def test_grouped_sigmoid_route_errors():
+    with pytest.raises(ValueError, match=r"bias: expected shape \(8,\)"):
+        route_grouped_sigmoid(torch.zeros(2, 8), torch.zeros(4), 2, 2, 1, True, 1.0)
+    with pytest.raises(ValueError, match="groups dividing the 8 experts"):
+        route_grouped_sigmoid(torch.zeros(2, 8), torch.zeros(8), 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, 4\]"):
+        route_grouped_sigmoid(torch.zeros(2, 8), torch.zeros(8), 5, 2, 1, True, 1.0)
+
+
+def test_glm4_moe_report_names_the_sigmoid_router():
+    model = testing.load_model("tiny-glm4_moe")
+    report = bik.patch_model(model)
+    assert report.patched["model.layers.1.mlp.gate"].startswith("bik.linear + sigmoid routing")
+    assert "model.layers.0.mlp.gate_proj" in report.patched  # the dense first layer
+    assert not report.unpatched
