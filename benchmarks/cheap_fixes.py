@@ -60,14 +60,14 @@ def fp32_head(model: Any, on: bool) -> Iterator[None]:
         yield
         return
     head = model.lm_head
-    dtype = head.weight.dtype
-    head.float()
+    weight = head.weight  # may be the embedding's too (tied): that one stays as it is
+    head.weight = torch.nn.Parameter(weight.detach().float(), requires_grad=False)
     hook = head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
     try:
         yield
     finally:
         hook.remove()
-        head.to(dtype)
+        head.weight = weight
 
 
 @torch.no_grad()

@@ -47,3 +47,21 @@ def test_every_setup_is_measured_and_bik_is_exact(tmp_path, capsys):
     text = out.read_text()
     assert "| bik fp32 | 0.0 % | 0.0 % | 0 | 0.0 % | - |" in text
     assert "| plain bf16 + token IS (cap 2) |" in text
+
+
+def test_the_fp32_head_leaves_a_tied_embedding_in_the_models_dtype():
+    """SmolLM2 ties its LM head to the embedding: casting the head must not cast the
+    embedding (the layers would get fp32 inputs beside bf16 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from bik.families import FAMILIES
+
+    cheap = _script()
+    config = FAMILIES["llama"].tiny_config(tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with cheap.fp32_head(model, True), torch.no_grad():
+        logits = model(torch.tensor([[3, 4, 5]])).logits
+        assert logits.dtype == torch.float32
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied again after
