@@ -15,6 +15,12 @@ of the trainer run bik's numerics:
   ``generate`` uses, and with TRL's right-padded completions moved to the left (see
   :func:`completion_logprobs`).
 
+With ``enable(engine_logprobs=True)`` the trainer takes the engine's log-probs of the sampled
+tokens as its old log-probs (pi_old, and the importance-sampling correction's) instead of
+recomputing them with one more forward of the whole batch: under bik they are the same bits,
+so the forward is redundant. ``audit_every=N`` still recomputes every Nth batch and raises
+:class:`MismatchError` at the first difference.
+
 Settings bik cannot make exact are refused when the trainer is built, each named (see
 :func:`check_settings`). ``bik.trl.disable()`` restores TRL as it was. The
 :class:`ZeroMismatchCallback` checks at every logging step that TRL's own metrics say zero.
@@ -59,20 +65,34 @@ class _Patch:
     original: Any
 
 
-_state: dict[str, Any] = {"backend": None, "patches": []}
+_state: dict[str, Any] = {
+    "backend": None,
+    "patches": [],
+    "engine_logprobs": False,
+    "audit_every": 0,
+}
 
 
-def enable(backend: str = "auto") -> None:
+def enable(backend: str = "auto", *, engine_logprobs: bool = False, audit_every: int = 0) -> None:
     """Make every ``trl.GRPOTrainer`` built afterwards run bik on both sides (module doc).
 
-    Idempotent; a second call may only change the kernel backend. Raises ``RuntimeError`` for a
-    TRL version outside ``TESTED_TRL``: the patched internals are version-specific.
+    ``engine_logprobs``: use the engine's log-probs as the old log-probs, skipping TRL's
+    recomputing forward; ``audit_every`` (with it): recompute every Nth batch anyway and raise
+    :class:`MismatchError` on any difference (0: never).
+
+    Idempotent; a second call may change the backend and the two options. Raises
+    ``RuntimeError`` for a TRL version outside ``TESTED_TRL``: the patched internals are
+    version-specific.
     """
     from .vllm import check as check_engine_backend
 
+    if isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 0:
+        raise ValueError(f"audit_every: expected an int >= 0 (0: never), got {audit_every!r}")
+    if audit_every and not engine_logprobs:
+        raise ValueError("audit_every: audits engine_logprobs=True, which is off")
     check_engine_backend(backend)  # the engine's refusals (a backend that is not invariant)
     _check_trl_version()
-    _state["backend"] = backend
+    _state.update(backend=backend, engine_logprobs=engine_logprobs, audit_every=audit_every)
     if _state["patches"]:
         return
     from trl.generation import vllm_generation
@@ -83,6 +103,7 @@ def enable(backend: str = "auto") -> None:
         (engine_class, "_init_vllm", _wrap_init_vllm(engine_class._init_vllm)),
         (GRPOTrainer, "__init__", _wrap_trainer_init(GRPOTrainer.__init__)),
         (GRPOTrainer, "_get_per_token_logps_and_entropies", _per_token_logps_and_entropies),
+        (GRPOTrainer, "_generate", _wrap_generate(GRPOTrainer._generate)),
     ):
         _state["patches"].append(_Patch(owner, name, vars(owner)[name]))
         setattr(owner, name, replacement)
@@ -94,7 +115,7 @@ def disable() -> None:
     for patch in reversed(_state["patches"]):
         setattr(patch.owner, patch.name, patch.original)
     _state["patches"].clear()
-    _state["backend"] = None
+    _state.update(backend=None, engine_logprobs=False, audit_every=0)
 
 
 def enabled() -> str | None:
@@ -325,6 +346,25 @@ def _per_token_logps_and_entropies(
         raise NotImplementedError(
             f"bik.trl: {given or ['compute_aux_loss']}: bik.trl scores text-only, dense models"
         )
+    # The engine's log-probs of the batch just generated, usable by this call only: TRL's
+    # next call after generating is its old-log-prob forward of the policy (no grad).
+    engine = self.__dict__.pop("_bik_engine_logps", None)
+    if (
+        engine is not None
+        and _state["engine_logprobs"]
+        and model is self.model
+        and not torch.is_grad_enabled()
+        and not compute_entropy
+    ):
+        old = engine_logprobs(engine, attention_mask, logits_to_keep)
+        self._bik_batches = getattr(self, "_bik_batches", 0) + 1
+        every = _state["audit_every"]
+        if not every or self._bik_batches % every:
+            return old, None, None  # the forward TRL would run here is skipped
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size)
+        recomputed, _, _ = _per_token_logps_and_entropies(self, *args)
+        audit(old, recomputed, attention_mask[:, -logits_to_keep:], self._bik_batches)
+        return recomputed, None, None
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):  # rows are independent under bik
@@ -342,6 +382,51 @@ def _per_token_logps_and_entropies(
         if entropy is not None:
             entropies.append(entropy)
     return torch.cat(logps), (torch.cat(entropies) if entropies else None), None
+
+
+def _wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GRPOTrainer._generate`` that keeps the engine's log-probs of what it sampled (one
+    list per completion) for the old-log-prob call that follows."""
+
+    @functools.wraps(original)
+    def generate(self: Any, prompts: list) -> Any:
+        out = original(self, prompts)
+        self._bik_engine_logps = out[4]  # (..., completions, sampling logprobs, ...)
+        return out
+
+    return generate
+
+
+def engine_logprobs(
+    engine: list[list[float | None]], attention_mask: torch.Tensor, logits_to_keep: int
+) -> torch.Tensor:
+    """The engine's per-completion log-prob lists as TRL's ``[B, logits_to_keep]`` layout
+    (completions right-padded, 0 on padding). A completion token without a log-prob (vLLM
+    gives None for NaN) is a MismatchError: no old log-prob may be made up."""
+    keep = attention_mask[:, -logits_to_keep:].bool()
+    out = torch.zeros(keep.shape, dtype=torch.float32, device=attention_mask.device)
+    for row, values in enumerate(engine):
+        if len(values) != int(keep[row].sum()) or any(v is None for v in values):
+            raise MismatchError(
+                f"bik.trl: completion {row}: the engine returned {len(values)} log-probs "
+                f"({sum(v is None for v in values)} missing) for {int(keep[row].sum())} tokens"
+            )
+        out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out.masked_fill(~keep, 0.0)
+
+
+def audit(engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, batch: int) -> None:
+    """Raise :class:`MismatchError` if the engine's and the trainer's log-probs of the
+    completion tokens (``mask``) differ anywhere."""
+    keep = mask.bool()
+    unequal = int((engine[keep] != trainer[keep]).sum())
+    if unequal:
+        gap = float((engine[keep] - trainer[keep]).abs().max())
+        raise MismatchError(
+            f"bik.trl: batch {batch}: the engine's log-probs differ from the trainer's at "
+            f"{unequal} of {int(keep.sum())} tokens (max |difference| {gap:.3g}); "
+            "engine_logprobs=True is safe only when they are the same bits"
+        )
 
 
 def completion_logprobs(

@@ -160,6 +160,60 @@ def test_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path):
     assert any(abs(x) > 0 for x in logged(trainer, "loss") + logged(trainer, "grad_norm"))
 
 
+def _train_counting_forwards(model_dir, out, monkeypatch):
+    """Train 3 steps; returns the logged losses and grad norms and the trainer forwards run."""
+    calls = []
+    score = bik.trl.completion_logprobs
+    monkeypatch.setattr(
+        bik.trl, "completion_logprobs", lambda *a, **k: calls.append(1) or score(*a, **k)
+    )
+    trainer = build_trainer(model_dir, out)
+    trainer.add_callback(ZeroMismatchCallback())
+    try:
+        trainer.train()
+    finally:
+        close(trainer)
+    return logged(trainer, "loss"), logged(trainer, "grad_norm"), len(calls)
+
+
+def test_engine_logprobs_skip_the_old_forward_and_change_no_bit(model_dir, tmp_path, monkeypatch):
+    """Issue 48, item 1: with bik the engine's log-probs are the old log-probs, so the
+    recomputing forward is skipped (one per generated batch) and training is the same."""
+    bik.trl.enable(backend="cpu")
+    loss, grad, forwards = _train_counting_forwards(model_dir, tmp_path / "a", monkeypatch)
+    bik.trl.enable(backend="cpu", engine_logprobs=True)
+    skipped = _train_counting_forwards(model_dir, tmp_path / "b", monkeypatch)
+    assert skipped == (loss, grad, forwards - 3)
+    bik.trl.enable(backend="cpu", engine_logprobs=True, audit_every=1)  # recomputes, compares
+    assert _train_counting_forwards(model_dir, tmp_path / "c", monkeypatch) == skipped[:2] + (
+        forwards,
+    )
+
+
+def test_an_audit_fails_loudly_at_a_difference(model_dir, tmp_path, monkeypatch):
+    bik.trl.enable(backend="cpu", engine_logprobs=True, audit_every=2)
+    exact = bik.trl.engine_logprobs
+    monkeypatch.setattr(bik.trl, "engine_logprobs", lambda *a: exact(*a) * (1 + 2**-20))
+    trainer = build_trainer(model_dir, tmp_path)
+    try:
+        with pytest.raises(MismatchError, match=r"batch 2: the engine's log-probs differ"):
+            trainer.train()
+    finally:
+        close(trainer)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"engine_logprobs": True, "audit_every": -1}, "audit_every: expected an int >= 0"),
+        ({"audit_every": 3}, "audits engine_logprobs=True, which is off"),
+    ],
+)
+def test_engine_logprobs_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        bik.trl.enable(backend="cpu", **options)
+
+
 def test_bik_only_in_the_engine_mismatches(model_dir, tmp_path):
     """The negative control: the engine is bik's, the trainer TRL's own (fused LM head,
     ``z * (1/T)``, right padding, no position ids); TRL's metrics and the callback see it."""
