@@ -16,7 +16,11 @@ import argparse
 import time
 from pathlib import Path
 
-from . import config, recipes, report, runner
+import torch
+
+from bik.tools.bench.machine import device_name
+
+from . import config, recipes, report, rundir, runner
 
 RECIPE = "smollm2"
 # run directory name: (what runs on both sides, --set overrides on top of the recipe)
@@ -26,7 +30,7 @@ RUNS = {
 }
 
 
-def _run(name: str, out: Path, steps: int, cache_dir: str, index: int) -> list[dict]:
+def _run(name: str, out: Path, steps: int, cache_dir: str, index: int, keep: bool) -> list[dict]:
     kernels, sets = RUNS[name]
     cfg = config.build(recipes.overrides(RECIPE), [*sets, f"steps={steps}"])
     shown = "".join(f" --set {s}" for s in sets)
@@ -38,6 +42,8 @@ def _run(name: str, out: Path, steps: int, cache_dir: str, index: int) -> list[d
     start = time.perf_counter()
     runner.run(cfg, out / name, cache_dir=cache_dir, name=name)
     print(f"\n[{index}/{len(RUNS)}] done in {time.perf_counter() - start:.0f} s", flush=True)
+    if not keep:  # the real model's weights and AdamW state: 1.6 GB a run
+        (out / name / rundir.CHECKPOINT).unlink(missing_ok=True)
     return runner.read_metrics(out / name)
 
 
@@ -75,21 +81,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "native bf16 step takes about 90 s on 2 CPU cores)",
     )
     parser.add_argument("--cache-dir", default=".cache/rl_harness")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each run's checkpoint.pt (the model and AdamW state, 1.6 GB a run; deleted "
+        "by default: the demo reads the metrics)",
+    )
+
+
+def no_update_lines(histories: dict[str, list[dict]]) -> list[str]:
+    """A plain line for every step of a run that changed no weight because all its
+    advantages were 0 (each prompt's samples got equal rewards): its ratio is still the
+    check, but its loss and grad norm say nothing about training."""
+    lines = []
+    for name, history in histories.items():
+        for row in history:
+            if row["grad_norm"] == 0.0:
+                lines.append(
+                    f"note: {RUNS[name][0]}'s step {row['step']} made no update: every prompt's "
+                    "samples got the same reward, so every advantage was 0 (its loss and grad "
+                    "norm are 0); the PPO ratio at its first update is still the comparison."
+                )
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     histories = {
-        name: _run(name, out, args.steps, args.cache_dir, index)
+        name: _run(name, out, args.steps, args.cache_dir, index, args.keep_checkpoints)
         for index, name in enumerate(RUNS, 1)
     }
     runs = {RUNS[name][0]: report.load(out / name) for name in RUNS}
     report.write_compare(runs, out / "compare")
     print(
         f"\nPPO on SmolLM2-135M-Instruct, bf16 ({args.steps} step(s) each; plots and the full "
-        f"table in {out / 'compare'}):"
+        f"table in {out / 'compare'}); this machine's figures ({device_name(torch.device('cpu'))}"
+        "): plain torch's counts depend on the CPU's kernels, bik's zeros do not:"
     )
     print(table(histories))
+    for line in no_update_lines(histories):
+        print(line)
     print(
         "\nWhat to look at: the PPO ratio at the first update of a step compares the trainer's "
         "log-probs with the sampler's for the same weights, so it should be exactly 1. With "

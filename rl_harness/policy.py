@@ -238,10 +238,14 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
 
 def warmup(
     master: torch.nn.Module, config: Config, cache_dir: str | Path, progress: bool = False
-) -> Path:
+) -> Path | None:
     """Supervised warm-up on the task so RL starts from partial competence; cached (see
-    :func:`warmup_cache_path`), written atomically. ``progress``: a line on stderr that says
-    whether the cache was used, and the training's step, loss and time left as it goes."""
+    :func:`warmup_cache_path`), written atomically; returns the cache's path. ``progress``: a
+    line on stderr that says whether the cache was used, and the training's step, loss and
+    time left as it goes. ``warmup.steps`` 0: nothing to train and nothing cached (a copy of
+    a pretrained model's weights would only fill the disk); returns None."""
+    if config.warmup.steps == 0:
+        return None
     path = warmup_cache_path(config, cache_dir)
     if path.exists():
         try:

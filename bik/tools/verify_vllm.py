@@ -7,6 +7,8 @@ than requests), chunked prefill (a small token budget per step), prefix caching 
 samples per prompt. The trainer (the bik-patched Hugging Face model loaded from the same
 directory, one full forward over each finished sequence) scores every sampled token with
 ``bik.token_logprobs``; each engine's log-probs are compared with the trainer's bit for bit.
+Native vLLM is compared with the unpatched trainer as well (the baseline a reader starts from:
+neither side on bik).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ MAX_SEQS = 8  # sequence slots per engine step (the requests outnumber them)
 STEP_TOKENS = 32  # token budget per engine step: longer prompts are prefilled in chunks
 TRAINER_BATCH = 8
 KERNELS = {"native": "native vLLM", "bik": "vLLM + bik"}
+# the row of native vLLM against an unpatched trainer: the baseline a reader starts from
+PLAIN_TRAINER_ROW = "native vLLM, plain torch trainer"
 
 
 def engine_settings(requests: int, longest: int) -> dict:
@@ -190,7 +194,12 @@ def verify_vllm(
             env=env,
         )
         outputs = results[engine]["outputs"]
-        comparisons[engine] = compare(outputs, trainer_logprobs(model, batch, outputs))
+        comparisons[KERNELS[engine]] = compare(outputs, trainer_logprobs(model, batch, outputs))
+        if engine == "native":  # and against the trainer without bik, the reader's baseline
+            hf.unpatch_model(model)
+            plain = trainer_logprobs(model, batch, outputs)
+            report = hf.patch_model(model, backend=backend, tp_invariant=tp_invariant)
+            comparisons[PLAIN_TRAINER_ROW] = compare(outputs, plain)
     bik_run = results["bik"]
     echo(str(report))
     echo(
@@ -205,10 +214,11 @@ def verify_vllm(
         "| kernels | unequal log-probs vs trainer | max abs diff | identical requests | verdict |"
         "\n|---|---:|---:|---:|---|"
     )
-    for engine, comparison in comparisons.items():
-        echo(f"| {KERNELS[engine]} | {_cell(comparison)}")
-    echo(f"native vLLM vs trainer, first difference: {first_difference(comparisons.get('native'))}")
-    passed = comparisons["bik"].identical
+    for row, comparison in comparisons.items():
+        echo(f"| {row} | {_cell(comparison)}")
+    native_row = comparisons.get(KERNELS["native"])
+    echo(f"native vLLM vs trainer, first difference: {first_difference(native_row)}")
+    passed = comparisons[KERNELS["bik"]].identical
     if not passed:
-        echo(f"bik: MISMATCH; first difference: {first_difference(comparisons['bik'])}")
+        echo(f"bik: MISMATCH; first difference: {first_difference(comparisons[KERNELS['bik']])}")
     return passed

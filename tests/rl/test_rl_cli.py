@@ -222,3 +222,26 @@ def test_the_warm_up_shows_its_progress_and_says_when_it_is_cached(tmp_path, cap
     assert "warm-up [10/20] loss " in err and "warm-up [20/20] loss " in err
     runner.run(cfg, tmp_path / "b", cache_dir=tmp_path / "cache", progress=True)
     assert "warm-up: the cached one" in capsys.readouterr().err
+
+
+def test_the_demo_says_plainly_when_a_run_made_no_update():
+    """Issue 48, item 3: a step whose advantages were all 0 showed loss 0 and grad norm 0
+    beside the other run's, read as a contrast."""
+    from rl_harness import demo
+
+    histories = {
+        "smollm2": [{"step": 0, "grad_norm": 0.0}],
+        "smollm2_native": [{"step": 0, "grad_norm": 2.6}],
+    }
+    (line,) = demo.no_update_lines(histories)
+    assert line.startswith("note: bik's step 0 made no update: every prompt's samples got")
+
+
+def test_a_recipe_without_warm_up_caches_nothing(tmp_path):
+    """Issue 48, item 3: make demo left a 514 MB warm-up cache for a recipe with no warm-up."""
+    from rl_harness import config, policy
+
+    cfg = config.build({}, TINY + ["warmup.steps=0"])
+    master = policy.build_master(cfg.model, 0)
+    assert policy.warmup(master, cfg, tmp_path / "cache") is None
+    assert not (tmp_path / "cache").exists()
