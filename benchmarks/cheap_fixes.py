@@ -164,7 +164,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"{record['machine']}; torch {torch.__version__}.",
         "",
         "| setup | tokens unequal | ratio outside [0.9, 1.1] | max abs diff | PPO clips at the "
-        "first update | IS weights truncated | time vs plain bf16 |",
+        "first update | IS weights truncated | time (plain bf16 = 1) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in record["results"].items():
