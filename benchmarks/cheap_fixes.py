@@ -150,7 +150,7 @@ def run(model_name: str, rows: int, tokens: int, seed: int) -> dict[str, Any]:
 
 
 def demo_machine() -> str:
-    from bik.tools.bench.machine import device_name
+    from bik.machine import device_name
 
     load = os.getloadavg()[0]
     return f"{device_name(torch.device('cpu'))}, {platform.system()}, load {load:.2f}"

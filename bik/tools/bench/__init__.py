@@ -41,6 +41,7 @@ import torch
 
 from ... import backends, models
 from ...contract import DTYPE_NAMES
+from ...machine import device_name
 from ...testing import PRESETS
 from ...vllm import engine as vllm_engine
 from .. import verify
@@ -55,7 +56,6 @@ from ..cli import (
 )
 from . import cases as case_lib
 from . import vllm_throughput
-from .machine import device_name
 
 MIN_TIME = 0.2  # seconds per timed sample set
 TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...contract import DTYPE_NAMES
+from ...machine import device_name
 from ...vllm import engine as vllm_engine
 from ..verify_vllm import sample_prompts
 from .cases import qwen3_config
-from .machine import device_name
 
 OP = "vllm_generate"
 # The default model (random init, saved to a temporary directory): a small Qwen3.

@@ -1,4 +1,5 @@
-"""The name of the machine a benchmark ran on: the GPU, or the CPU model."""
+"""The name of the machine a figure was measured on (the GPU, or the CPU model and the torch
+threads): the bench, the demo and the benchmarks print it beside their numbers."""
 
 import platform
 
