@@ -109,7 +109,8 @@ def test_a_dose_without_effect_has_an_interval_around_one():
     assert low < 1 < high
 
 
-def test_more_seeds_detect_a_smaller_shift():
+def test_more_seeds_detect_a_smaller_shift(monkeypatch):
+    monkeypatch.setattr(edge, "SIMULATIONS", 100)  # the registered 400 take 4 x as long
     few, many = (edge.detectable_shift(3.0, [5e-4, 7e-4, 1e-3, 1.4e-3, 2e-3], n) for n in (4, 16))
     assert 1 < many < few
 
