@@ -177,6 +177,31 @@ FAMILIES: dict[str, Family] = {
             shared_expert_key="shared_expert_intermediate_size",
         ),
         Family(
+            "deepseek_v3",
+            "DeepSeek-V3 (Kimi K2, Moonlight)",
+            "multi-head latent attention in its non-absorbed form on both sides: q and kv "
+            "low-rank projections and their RMSNorms through bik, the compressed latents "
+            "cached and expanded by `bik.linear` at every step, value heads narrower than "
+            "query/key heads (zero-widened in bik's attention, then sliced); the router as "
+            "GLM-4.5 MoE",
+            experts_key="n_routed_experts",
+            expert_width_key="moe_intermediate_size",
+            moe_keys=(("first_k_dense_replace", 0), ("n_group", 1), ("topk_group", 1)),
+            tiny_keys=(
+                ("q_lora_rank", 48),
+                ("kv_lora_rank", 32),
+                ("qk_nope_head_dim", 16),
+                ("qk_rope_head_dim", 8),
+                ("head_dim", 8),  # transformers sizes the rotary embedding by it: the rope part
+                ("num_key_value_heads", 4),  # MLA expands the latents to every query head
+                ("v_head_dim", 16),
+                ("first_k_dense_replace", 1),
+                ("n_group", 2),
+                ("topk_group", 1),
+                ("routed_scaling_factor", 2.5),
+            ),
+        ),
+        Family(
             "glm4_moe",
             "GLM-4.5 MoE",
             "router: fp32 `bik.linear`, `bik.sigmoid`, a score-correction bias, group-limited "

@@ -161,6 +161,7 @@ _UNSUPPORTED = {
         "run the model without output_attentions=True",
     ),
     "position_bias": ("an additive position bias", _UNPATCH_ADVICE),
+    "value_head_dim": ("value heads wider than the query and key heads", _UNPATCH_ADVICE),
     **{
         key: ("packed (varlen) sequences", "pad on the left with one sequence per row")
         for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -221,6 +222,14 @@ def attention_forward(
     except _WindowActive:
         raise _unsupported(module, "sliding_window", window) from None
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
+    value_dim = value.shape[-1]
+    if value_dim > query.shape[-1]:
+        raise _unsupported(module, "value_head_dim", value_dim)
+    if value_dim < query.shape[-1]:
+        # Multi-head latent attention (DeepSeek-V3): value heads narrower than query/key heads.
+        # Zero columns widen them: each output column is its own fixed-order sum over the
+        # keys, so the real columns keep their order and the added ones are 0, sliced off.
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
     # cast like F.scaled_dot_product_attention under autocast
     autocast_on, (query, key, value) = autocast_inputs(query.device.type, query, key, value)
     out = run(
@@ -236,4 +245,4 @@ def attention_forward(
         split_size=settings.split_size,
         softcap=kwargs.get("softcap"),
     )
-    return out.transpose(1, 2), None
+    return out[..., :value_dim].transpose(1, 2), None

@@ -73,7 +73,7 @@ _REDUCING_SUFFIXES = (
 
 # MoE blocks whose forward only composes their children (router, experts, a shared-expert MLP)
 # with elementwise additions: they reduce nothing themselves (read from transformers' source).
-_COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE",)
+_COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE", "DeepseekV3MoE")
 
 
 def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:

@@ -45,11 +45,14 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3", "tiny-glm4_moe"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3", "tiny-glm4_moe", "tiny-deepseek_v3"]
+)
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
     sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
-    group-limited sigmoid router (their tiny presets)."""
+    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention (their tiny
+    presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)
@@ -328,3 +331,24 @@ def test_the_readme_family_table_is_the_records():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("<!-- families: begin -->\n")[1].split("\n<!-- families: end -->")[0]
     assert table == families.markdown_table()
+
+
+def test_latent_attention_with_narrower_value_heads_matches_transformers():
+    """DeepSeek-V3's value heads (16) are narrower than its query/key heads (24): bik widens
+    them with zero columns; the patched model stays within fp32 rounding of transformers'."""
+    model = testing.load_model("tiny-deepseek_v3")
+    ids = torch.randint(3, 256, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        bik.patch_model(model)
+        patched = model(ids).logits
+    torch.testing.assert_close(patched, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_value_heads_wider_than_the_key_heads_are_refused():
+    from bik.hf.attention import attention_forward
+
+    module = torch.nn.Module()
+    q, v = torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 16)
+    with pytest.raises(NotImplementedError, match="value_head_dim=16: value heads wider"):
+        attention_forward(module, q, q, v, None)
