@@ -43,8 +43,9 @@ _TINY_EXPERTS = dict(experts=8, top_k=2, width=64, shared_width=128)
 class Family:
     """One supported model family.
 
-    model_type: transformers' name for it. name: the README's name. note: what it needs beyond
-    Linear, RMSNorm, attention, SiLU and RoPE (the README family table's second column).
+    model_type: transformers' name for it. name: the table's name. note: what it needs beyond
+    Linear, RMSNorm, attention, SiLU and RoPE (the second column of docs/huggingface.md's
+    family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
@@ -237,7 +238,7 @@ MOE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.moe)
 
 
 def markdown_table() -> str:
-    """The README's table of the supported families, one row per record."""
+    """docs/huggingface.md's table of the supported families, one row per record."""
     rows = [
         "| family (`model_type`) | what it needs beyond Linear, RMSNorm, attention, SiLU, RoPE |",
         "|---|---|",
@@ -255,13 +256,3 @@ def family(model_type: str) -> Family:
             f"model_type: {model_type!r} is not a family bik supports "
             f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
         ) from None
-
-
-def readme_table() -> str:
-    """The README's family table, generated from the registry (a test keeps them equal)."""
-    rows = [
-        "| family (`model_type`) | what it needs beyond Linear, RMSNorm, attention, SiLU, RoPE |"
-    ]
-    rows.append("|---|---|")
-    rows += [f"| {f.name} (`{f.model_type}`) | {f.note} |" for f in FAMILIES.values()]
-    return "\n".join(rows)

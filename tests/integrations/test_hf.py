@@ -323,16 +323,6 @@ def test_an_active_sliding_window_of_olmo3_is_refused_not_approximated():
             model(torch.randint(3, 256, (1, 12)))
 
 
-def test_the_readme_family_table_is_the_records():
-    from pathlib import Path
-
-    from bik import families
-
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split("<!-- families: begin -->\n")[1].split("\n<!-- families: end -->")[0]
-    assert table == families.markdown_table()
-
-
 def test_latent_attention_with_narrower_value_heads_matches_transformers():
     """DeepSeek-V3's value heads (16) are narrower than its query/key heads (24): bik widens
     them with zero columns; the patched model stays within fp32 rounding of transformers'."""

@@ -40,10 +40,28 @@ def shipped_runs(name: str) -> list[Path]:
     return sorted(RESULTS.glob(f"*/{name}/seed0"))
 
 
+def grid_runs(name: str) -> list[tuple[Path, Config]]:
+    """The runs of a stability-edge grid of recipe ``name`` (results/rl/<name>/lr<LR>/<dose>/
+    seed<k>, rl_harness.edge) and the config each cell builds today."""
+    from rl_harness import edge
+
+    runs = []
+    for path in sorted(RESULTS.glob(f"{name}/lr*/*/seed*")):
+        lr, dose, seed = path.parts[-3][2:], path.parts[-2], path.parts[-1][4:]
+        runs.append((path, edge.cell_config(name, edge.Cell(float(lr), dose, int(seed)))))
+    return runs
+
+
 @pytest.mark.parametrize("name", sorted(recipes.RECIPES))
 def test_shipped_config_json_reads_back_unchanged(name):
     """Every recipe has a committed run whose config.json is what the recipe builds today,
-    byte for byte."""
+    byte for byte (a grid's runs: what their cell builds)."""
+    grid = grid_runs(name)
+    if grid:
+        for path, cell in grid:
+            text = (path / "config.json").read_text()
+            assert text == rundir.config_text(cell, rundir.recorded_world_size(path) or 1)
+        return
     expected = config.build(recipes.overrides(name))
     runs = shipped_runs(name)
     # config.json: the sections, and the world size beside them where the run recorded it

@@ -12,8 +12,8 @@ from rl_harness.metrics import mismatch_metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_family_table_is_the_registry():
-    assert families.readme_table() in (ROOT / "README.md").read_text()
+def test_the_family_table_is_the_registry():
+    assert families.markdown_table() in (ROOT / "docs" / "huggingface.md").read_text()
 
 
 @pytest.mark.parametrize("keys", [{"experts_key": "n"}, {"expert_width_key": "w"}])
