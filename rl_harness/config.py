@@ -47,6 +47,7 @@ KERNELS = ("bik", "native")
 TASK_NAMES = tuple(tasks.TASKS)  # the task registry's names (rl_harness.tasks.TASKS)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
+SHADOWS = ("none", "native")  # rollout.shadow: off, or a native-kernel meter
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
 REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
@@ -288,6 +289,11 @@ class RolloutConfig(_Section):
     # Log a 16-bit digest of every response each step (metric rollout/response_digests), so a
     # paired analysis can say which rows an arm and its twin sampled alike (rl_harness.edge).
     digests: bool = spec(False)
+    # The shadow meter: "native" computes, each step, the log-probs of the sampled tokens with
+    # native torch kernels the rollout's way (decode over the KV cache, in rollout.dtype), for
+    # measurement only (metrics shadow/...): what a fast engine's mismatch would have been.
+    # Training reads none of it.
+    shadow: str = spec("none", choices=SHADOWS)
 
     def _validate(self) -> None:
         if self.split_size:
@@ -312,6 +318,11 @@ class RolloutConfig(_Section):
                     f"(bik's TP-invariant order cuts K into {TP_CHUNKS} chunks), got "
                     f"{self.tensor_parallel}"
                 )
+        if self.shadow != "none" and self.engine != "hf":
+            raise ConfigError(
+                f"rollout.shadow={self.shadow}: the shadow meter replays the hf sampler's "
+                f"decode; expected rollout.engine=hf, got {self.engine}"
+            )
         if self.engine == "vllm":
             # The synthetic sources live in the hf sampler's loop; bik's vLLM attention runs
             # the default split; vLLM's top-p keeps another set than LogitsProcessor's (it

@@ -51,6 +51,7 @@ def sample(
     rows: slice | None = None,
     *,
     greedy: bool = False,
+    forced: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample a response for every prompt (lists of token ids: BOS, if the vocabulary has
     one, then the text), or for the prompts ``rows`` (a contiguous range: one rank's share
@@ -60,6 +61,10 @@ def sample(
     ``greedy``: decode the most probable token instead (held-out evaluation,
     rl_harness.evaluate): the policy's own logits, without the synthetic perturbations, and
     no random number drawn (``generator`` and ``drift`` go unused).
+
+    ``forced``: the response tokens ``[rows, N]`` of an earlier rollout of these prompts, fed
+    instead of drawing (the shadow meter, rl_harness.runner): this model's log-probs of those
+    tokens computed the rollout's way, decode over the KV cache; no random number is drawn.
 
     The prompts are left-padded to the whole batch's width, and every random number is drawn
     for the whole batch, each row using its own: a row's tokens and log-probs do not depend on
@@ -81,11 +86,14 @@ def sample(
         attention[i, width - len(p) :] = 1
     cache = DynamicCache()
     step_ids, positions = ids, generation_position_ids(attention)
-    tokens, logps, in_response = [], [], []
+    tokens: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    in_response: list[torch.Tensor] = []
     alive = torch.ones(last - first, dtype=torch.bool)
     recorder = routing.Recorder(model)
+    steps = cfg.max_new_tokens if forced is None else forced.shape[1]
     with recorder if recorder.routers else contextlib.nullcontext():
-        for _ in range(cfg.max_new_tokens):
+        for _ in range(steps):
             logits = model(
                 input_ids=step_ids,
                 attention_mask=attention,
@@ -94,7 +102,10 @@ def sample(
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            if greedy:
+            if forced is not None:
+                logits = processor.filter(logits)
+                token = forced[:, len(tokens)]
+            elif greedy:
                 logits = processor.filter(logits)
                 token = logits.argmax(-1)  # temperature, top-k and top-p keep the argmax
             else:

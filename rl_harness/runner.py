@@ -58,11 +58,27 @@ def check_world(cfg: Config, world: World) -> None:
             f"got {cfg.rollout.prompts}"
         )
     ENGINES[cfg.rollout.engine].check(cfg, world)
+    if cfg.rollout.shadow != "none" and world.size > 1:
+        raise ConfigError(
+            f"rollout.shadow={cfg.rollout.shadow}: the shadow meter runs in one process, "
+            f"not {world.size}"
+        )
     if cfg.train.mini_batches > 1 and world.size > 1:
         raise ConfigError(
             f"train.mini_batches={cfg.train.mini_batches}: PPO mini-batches run in one process, "
             f"not {world.size} (use train.mini_batches=1 for data parallelism)"
         )
+
+
+# what the shadow meter logs (rl_harness.metrics' names under shadow/)
+SHADOW_METRICS = (
+    "k3_kl",
+    "k1_kl",
+    "tokens_unequal_frac",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+    "log_ppl_abs_diff",
+)
 
 
 class Run:
@@ -121,6 +137,12 @@ class Run:
             ):
                 _restore(target.load_state_dict, state, part)
             self.start = state["step"] + 1
+        # rollout.shadow: a measurement-only copy with native kernels in the rollout's dtype
+        self.shadow = (
+            None
+            if cfg.rollout.shadow == "none"
+            else policy.working_copy(self.master, self.precision.rollout_dtype, "native")
+        )
         drift_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
         # built from the warmed-up or restored weights
@@ -163,6 +185,8 @@ class Run:
         rewards = self._rewards(batch, examples, share.prompt_width)
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
         metrics = self._mismatch(batch, step)
+        if self.shadow is not None:
+            metrics.update(self._shadow(prompts, share, batch))
         stats = self._ppo(share, forward, batch, adv, rewards, rows)
         counts = ("grad_norm", "grad_norm_max", "update_applied", "update_skipped")
         updates = {k: stats.pop(k) for k in counts}
@@ -256,6 +280,21 @@ class Run:
                 f"step {step}{where}: a zero-mismatch run measured a mismatch: {metrics}"
             )
         return metrics
+
+    def _shadow(self, prompts: list[list[int]], share: Rollout, batch: Batch) -> dict[str, float]:
+        """The shadow meter (rollout.shadow): the native copy's log-probs of the sampled tokens,
+        computed the rollout's way, against the trainer's; metrics ``shadow/<name>`` for
+        :data:`SHADOW_METRICS`. Nothing here reaches training."""
+        assert self.shadow is not None
+        policy.refresh(self.shadow, self.master)
+        forced = share.sequences[:, share.prompt_width :]
+        replay = rollout.sample(
+            self.shadow, prompts, self.cfg.rollout, self.drift, torch.Generator(), forced=forced
+        )
+        measured = mismatch_metrics(
+            batch.train_logp, replay.rollout_logp, batch.response_mask, self.cfg.remedy.clip
+        )
+        return {f"shadow/{name}": measured[f"mismatch/{name}"] for name in SHADOW_METRICS}
 
     def _forward(self, model: torch.nn.Module, rows: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """The trainer's forward of ``model`` (the trainer copy or the reference) over the

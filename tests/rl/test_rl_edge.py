@@ -8,7 +8,7 @@ import pytest
 import torch
 from rl_helpers import TINY
 
-from rl_harness import collapse, config, edge, engines, policy, rundir, runner
+from rl_harness import collapse, config, edge, engines, policy, rollout, rundir, runner
 from rl_harness.__main__ import main
 from rl_harness.rollout import response_digests
 
@@ -215,3 +215,37 @@ def test_the_grid_runs_resumes_and_reports(tmp_path, capsys):
     assert main(argv) == 0
     assert "4 of 4 runs complete; 0 to run" in capsys.readouterr().out
     assert collapse.endpoint(rundir.read_metrics(run)) is not None  # 3 evaluations or more
+
+
+def test_the_shadow_meter_measures_a_native_engine_and_changes_no_training_bit(tmp_path):
+    """rollout.shadow=native: a zero-mismatch run logs what a native bf16 engine's mismatch
+    would have been on its own tokens, while every other metric stays as without the meter."""
+    sets = [*TINY, "steps=2", "rollout.dtype=bfloat16", "train.dtype=bfloat16"]
+    plain = config.build({}, sets)
+    metered = config.build({}, [*sets, "rollout.shadow=native"])
+    runner.run(plain, tmp_path / "plain", cache_dir=tmp_path / "c", progress=False)
+    runner.run(metered, tmp_path / "metered", cache_dir=tmp_path / "c", progress=False)
+    a, b = rundir.read_metrics(tmp_path / "plain"), rundir.read_metrics(tmp_path / "metered")
+    for without, meter in zip(a, b):
+        shadow = {k: meter.pop(k) for k in list(meter) if k.startswith("shadow/")}
+        assert meter == without  # the meter reaches no training number
+        assert set(shadow) == {f"shadow/{n}" for n in runner.SHADOW_METRICS}
+        assert shadow["shadow/tokens_unequal_frac"] > 0 and meter["mismatch/k3_kl"] == 0
+
+
+def test_a_forced_replay_on_the_same_model_gives_the_samplers_own_log_probs():
+    cfg = config.build({}, TINY)
+    master = policy.build_master(cfg.model, 0)
+    model = policy.working_copy(master, "float32", "bik")
+    prompts = [[1, 4, 5], [1, 6, 7, 8]] * 2
+    drift = torch.zeros(master.config.vocab_size)
+    first = rollout.sample(model, prompts, cfg.rollout, drift, torch.Generator().manual_seed(3))
+    forced = first.sequences[:, first.prompt_width :]
+    again = rollout.sample(model, prompts, cfg.rollout, drift, torch.Generator(), forced=forced)
+    assert torch.equal(again.sequences, first.sequences)
+    assert torch.equal(again.rollout_logp, first.rollout_logp)
+
+
+def test_the_shadow_meter_needs_the_hf_sampler():
+    with pytest.raises(config.ConfigError, match=r"rollout\.shadow=native: .*rollout\.engine=hf"):
+        config.build({}, ["rollout.shadow=native", "rollout.engine=vllm", "model.head_dim=32"])
