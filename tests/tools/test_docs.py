@@ -2,9 +2,10 @@
 executed, and every dotted ``bik.`` name the pages mention exists.
 
 A page's blocks run in order as one script (later blocks may use earlier ones' names), in a
-fresh process (``__name__ == "__main__"``, so a guarded script runs its main) with the
-repository on the path and a scratch directory as the working directory. A block may be left
-out only with a reason, on the line just before it: ``<!-- docs-test: skip (REASON) -->``.
+fresh process (``__name__ == "__main__"``, so a guarded script runs its main; from a file,
+so that it may start processes) with the repository on the path and a scratch directory as
+the working directory. A block may be left out only with a reason, on the line just before
+it: ``<!-- docs-test: skip (REASON) -->``.
 """
 
 import importlib
@@ -68,8 +69,12 @@ def test_python_blocks_run(page, tmp_path, request):
         pytest.skip(f"{page.name} has no runnable python block")
     if "models.path(" in script:  # the real model: skipped only where BIK_OFFLINE=1
         request.getfixturevalue("smollm2")
+    # a file, not -c: a page may start processes (multiprocessing's spawn re-imports the
+    # main module from its file), and tracebacks then name the page's lines in it
+    path = tmp_path / f"{page.stem}_page.py"
+    path.write_text(script)
     done = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, str(path)],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
