@@ -1,5 +1,5 @@
 """python -m rl_harness run | sweep | recipes | remedies | compare | world-size | same | edge |
-compact | demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under
+bias | compact | demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under
 ``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import config as config_lib
 from . import (
+    bias,
     demo,
     distributed,
     edge,
@@ -26,6 +26,7 @@ from . import (
     sweep,
     world_size,
 )
+from . import config as config_lib
 from .errors import HarnessError, RunDirError
 
 EXIT_ERROR = 2
@@ -203,6 +204,11 @@ TOOLS: dict[str, Tool] = {
         "the stability-edge grid: learning rates x mismatch doses x seeds, and its report",
         edge.add_arguments,
         edge.main,
+    ),
+    "bias": (
+        "the gradient bias of mismatched rollouts at fixed weights, paired with on-policy",
+        bias.add_arguments,
+        bias.main,
     ),
     "compact": (
         "store finished runs small: metrics gzipped, plots as palette PNGs",

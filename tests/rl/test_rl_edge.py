@@ -249,3 +249,29 @@ def test_a_forced_replay_on_the_same_model_gives_the_samplers_own_log_probs():
 def test_the_shadow_meter_needs_the_hf_sampler():
     with pytest.raises(config.ConfigError, match=r"rollout\.shadow=native: .*rollout\.engine=hf"):
         config.build({}, ["rollout.shadow=native", "rollout.engine=vllm", "model.head_dim=32"])
+
+
+def test_a_batch_gradient_at_fixed_weights_is_repeatable_and_moves_no_weight(tmp_path):
+    from rl_harness import bias
+
+    sets = [*TINY, "rollout.samples_per_prompt=4", "train.entropy_coef=0.01"]  # a gradient always
+    cfg = bias.arm_config("zero_mismatch", "fp8w", sets)
+    job = runner.Run(cfg, tmp_path / "c")
+    before = {k: v.clone() for k, v in job.master.state_dict().items()}
+    first, again = bias.batch_gradient(job, 0), bias.batch_gradient(job, 0)
+    assert torch.equal(first, again) and first.abs().sum() > 0
+    assert all(torch.equal(v, job.master.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys):
+    argv = ["bias", "--recipe", "zero_mismatch", "--arms", "on_policy,fp8w", "--out"]
+    argv += [str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")]
+    argv += [x for s in [*TINY, "rollout.samples_per_prompt=4"] for x in ("--set", s)]
+    assert main([*argv, "--batches", "2"]) == 0
+    assert main([*argv, "--batches", "3"]) == 0  # resumes at batch 2
+    text = (tmp_path / "b" / "bias.md").read_text()
+    assert text.startswith("3 batches an arm, paired against on_policy")
+    assert "| fp8w |" in text
+    with pytest.raises(SystemExit):
+        main([*argv[:4], "fp8w,on_policy", *argv[5:], "--batches", "3"])
+    assert "expected on_policy first" in capsys.readouterr().err

@@ -1,0 +1,208 @@
+"""The gradient bias of a mismatch at fixed weights: does a mismatched rollout move the
+expected policy gradient, and by how much against the sampling noise?
+
+``python -m rl_harness bias --recipe edge --arms on_policy,bf16,fp8w,bf16_tis --batches 200
+--out DIR`` holds the policy at the recipe's warm-up weights (no update is applied) and, for
+batch b = 0, 1, ..., draws one rollout batch per arm from the same prompts and sampling seed
+(coupled: the arms part only where the mismatch changes a token), scores it with the trainer
+and takes the gradient of the recipe's policy-gradient loss. Each arm's mean gradient is
+compared with the on-policy arm's, paired batch by batch:
+
+- ``bias``: the norm of the mean paired difference, relative to the on-policy mean
+  gradient's norm;
+- ``z``: that norm over its noise, the square root of the summed per-coordinate variances of
+  the mean difference (about 1 with no bias, growing as sqrt(batches) with a real one);
+- ``cosine``: between the arm's and the on-policy mean gradients.
+
+The arms (:data:`ARMS`) are the recipe with the stability-edge doses (rl_harness.edge) and
+remedies. The running sums are saved to ``DIR/state.pt`` every :data:`SAVE_EVERY` batches, so
+a cut run resumes where it stopped; ``DIR/bias.md`` is the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import config as config_lib
+from . import edge, policy, recipes, rundir, runner, sweep, tasks, trainer
+from .errors import HarnessError
+
+# arm -> (its dose of rl_harness.edge.DOSES, extra overrides)
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "on_policy": ("zero", {}),
+    "bf16": ("bf16", {}),
+    "fp8w": ("fp8w", {}),
+    "bf16_tis": ("bf16", {"remedy.name": "token_tis"}),
+    "fp8w_tis": ("fp8w", {"remedy.name": "token_tis"}),
+}
+SAVE_EVERY = 10
+STATE = "state.pt"
+
+
+def arm_config(recipe: str, arm: str, sets: list[str]) -> config_lib.Config:
+    dose, extra = ARMS[arm]
+    overrides = {**recipes.overrides(recipe), **edge.DOSES[dose][1], **extra}
+    cfg = config_lib.build(overrides, sets)
+    return sweep.twin(cfg) if dose == "zero" else cfg
+
+
+def batch_gradient(job: runner.Run, batch_index: int) -> torch.Tensor:
+    """The flat fp32 gradient of the policy-gradient loss of one rollout batch at the job's
+    current (fixed) weights; its prompts and sampling seed depend on ``batch_index`` only."""
+    cfg = job.cfg
+    prompts, examples = tasks.prompt_batch(cfg, random.Random(f"bias-{batch_index}"))
+    rows = slice(0, len(prompts))
+    policy.refresh(job.train_model, job.master)
+    share = job.rollout.sample(prompts, 7_000_003 + batch_index, rows)
+    (logp, entropy), scored = job._score(share)
+    rewards = job._rewards(scored, examples, share.prompt_width)
+    adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
+    loss, _ = trainer.policy_loss(logp, trainer.prepare(scored, adv, cfg), cfg, rows, entropy)
+    job.train_model.zero_grad(set_to_none=True)
+    loss.backward()
+    return torch.cat(
+        [
+            torch.zeros(p.numel()) if p.grad is None else p.grad.float().flatten()
+            for p in job.train_model.parameters()
+        ]
+    )
+
+
+class Sums:
+    """Running sums of vectors in float64: their count, sum and sum of squares."""
+
+    def __init__(self, size: int) -> None:
+        self.n = 0
+        self.total = torch.zeros(size, dtype=torch.float64)
+        self.squares = torch.zeros(size, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.double()
+        self.n += 1
+        self.total += x
+        self.squares += x * x
+
+    def mean(self) -> torch.Tensor:
+        return self.total / max(self.n, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "total": self.total, "squares": self.squares}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Sums:
+        sums = cls(values["total"].numel())
+        sums.n, sums.total, sums.squares = values["n"], values["total"], values["squares"]
+        return sums
+
+    def variance_of_mean(self) -> torch.Tensor:
+        """Per coordinate: the sample variance over the n vectors, divided by n."""
+        mean = self.mean()
+        var = (self.squares - self.n * mean * mean) / max(self.n - 1, 1)
+        return var.clamp(min=0) / max(self.n, 1)
+
+
+def _save(path: Path, arms: list[str], done: int, sums: dict, diffs: dict) -> None:
+    state = {
+        "arms": arms,
+        "done": done,
+        "sums": {a: s.to_dict() for a, s in sums.items()},
+        "diffs": {a: s.to_dict() for a, s in diffs.items()},
+    }
+    rundir.write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+
+def run(
+    recipe: str,
+    arms: list[str],
+    batches: int,
+    out: Path,
+    sets: list[str],
+    cache_dir: str | Path,
+) -> tuple[int, dict[str, Sums], dict[str, Sums]]:
+    """Every arm's gradient on batches 0..batches-1, resuming from ``out/state.pt``; returns
+    the batches done, each arm's sums and each arm's paired-difference sums."""
+    jobs = {arm: runner.Run(arm_config(recipe, arm, sets), cache_dir) for arm in arms}
+    size = sum(p.numel() for p in jobs[arms[0]].train_model.parameters())
+    path = out / STATE
+    sums = {a: Sums(size) for a in arms}
+    diffs = {a: Sums(size) for a in arms[1:]}
+    done = 0
+    if path.exists():
+        state = torch.load(path, weights_only=True)
+        if state["arms"] != arms:
+            raise HarnessError(f"bias: {path} holds the arms {state['arms']}, not {arms}")
+        done = state["done"]
+        sums = {a: Sums.from_dict(v) for a, v in state["sums"].items()}
+        diffs = {a: Sums.from_dict(v) for a, v in state["diffs"].items()}
+    first, started = done, time.time()
+    for b in range(first, batches):
+        grads = {arm: batch_gradient(job, b) for arm, job in jobs.items()}
+        for arm, g in grads.items():
+            sums[arm].add(g)
+            if arm != arms[0]:
+                diffs[arm].add(g - grads[arms[0]])
+        done = b + 1
+        if done % SAVE_EVERY == 0 or done == batches:
+            _save(path, arms, done, sums, diffs)
+        rate = (time.time() - started) / (done - first)
+        print(f"\rbias: batch {done}/{batches} ({rate:.1f} s a batch)", end="", flush=True)
+    print(flush=True)
+    for job in jobs.values():
+        job.close()
+    return done, sums, diffs
+
+
+def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
+    arms = list(sums)
+    base = sums[arms[0]].mean()
+    lines = [
+        f"{done} batches an arm, paired against {arms[0]} (same prompts and seeds):",
+        "",
+        "| arm | bias (relative to the on-policy gradient) | z (bias / its noise) | cosine |",
+        "|---|---:|---:|---:|",
+    ]
+    for arm in arms[1:]:
+        norm = float(diffs[arm].mean().norm())
+        noise = math.sqrt(float(diffs[arm].variance_of_mean().sum()))
+        cosine = float(torch.nn.functional.cosine_similarity(sums[arm].mean(), base, dim=0))
+        relative = norm / max(float(base.norm()), 1e-30)
+        z = norm / noise if noise else math.inf
+        lines.append(f"| {arm} | {relative:.3g} | {z:.2f} | {cosine:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="edge", help="the base recipe (default edge)")
+    parser.add_argument(
+        "--arms",
+        default="on_policy,bf16,fp8w,bf16_tis",
+        help=f"first on_policy; of {', '.join(ARMS)}",
+    )
+    parser.add_argument("--batches", type=int, default=200, help="rollout batches per arm")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every arm")
+    parser.add_argument("--out", required=True, help="a directory for the state and the table")
+    parser.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
+
+
+def main(args: argparse.Namespace) -> int:
+    arms = args.arms.split(",")
+    if arms[0] != "on_policy" or len(set(arms)) != len(arms) or not set(arms) <= set(ARMS):
+        raise HarnessError(
+            f"bias --arms: expected on_policy first, then distinct arms of {', '.join(ARMS)}; "
+            f"got {args.arms}"
+        )
+    if args.batches < 2:
+        raise HarnessError(f"bias --batches: expected an integer >= 2, got {args.batches}")
+    out = rundir.resolved(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(*run(args.recipe, arms, args.batches, out, args.set or [], args.cache_dir))
+    rundir.write_atomic(out / "bias.md", text)
+    print(text)
+    return 0
