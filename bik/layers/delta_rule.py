@@ -1,0 +1,109 @@
+"""The gated delta rule (Gated DeltaNet: the linear-attention layers of Qwen3.5 and Qwen3-Next)
+in one fixed order, so that a prompt, a chunked prefill and token-by-token decode reach the
+same recurrent state bits at every position.
+
+Order (bik.contract, "gated delta rule"): the state ``S [B, H, K, V]`` is fp32 and runs token
+by token in position order; for token t of a row,
+
+    S  <- S * exp(g_t)
+    kv <- tree_K(S * k_t)          (the state's read-out at the key, one value vector)
+    S  <- S + k_t (x) ((v_t - kv) * beta_t)
+    o_t = tree_K(S * q_t)          (q_t scaled by 1 / sqrt(K), after the optional L2 norm)
+
+where ``tree_K`` sums over the key dimension by one fixed pairwise tree (:func:`tree_sum`:
+the dimension zero-padded to a power of two, then halved, each half added to the other, until
+one entry is left). Every step is elementwise on one row's tensors, and the elementwise ops
+used (multiplication, addition, ``exp``, ``sqrt``, division) give the same bits in torch's
+vector and scalar loops, so a row's bits depend on its own tokens only: not on the batch,
+not on where a call cuts the sequence (the state is carried exactly), not on the thread
+count. A prefill is this recurrence over the prompt, a decode step one token of it: the same
+function, hence the same bits. The chunked parallel form (fast on a GPU) sums in another
+order and is not used.
+"""
+
+import torch
+
+from .. import _checks
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` summed over ``dim`` by a fixed pairwise tree (see the module docstring); the
+    dimension is kept, of size 1."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    width = 1 << max(size - 1, 0).bit_length()
+    if width != size:  # zeros to a power of two: +0.0 leaves every partial sum as it is
+        pad = list(x.shape)
+        pad[dim] = width - size
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(tree_sum(x * x) + eps)`` over the last dimension (transformers' ``l2norm``
+    multiplies by ``rsqrt`` of a torch sum: the same value to fp32 rounding)."""
+    return x / torch.sqrt(tree_sum(x * x, -1) + eps)
+
+
+def gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ``T`` tokens from ``initial_state`` (zeros when None).
+
+    Shapes as transformers' ``torch_recurrent_gated_delta_rule``: ``query``, ``key``
+    ``[B, T, H, K]``; ``value`` ``[B, T, H, V]``; ``g`` (the log decay) and ``beta``
+    ``[B, T, H]``; the state ``[B, H, K, V]``. Returns the output ``[B, T, H, V]`` in the
+    query's dtype and the fp32 final state, which a later call continues from bit for bit.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value), ("g", g), ("beta", beta)):
+        _checks.floating(name, t)
+    _checks.rank("query", query, 4)
+    if key.shape != query.shape:
+        raise ValueError(
+            f"key: expected the shape of query {tuple(query.shape)}, got {tuple(key.shape)}"
+        )
+    batch, tokens, heads, k_dim = query.shape
+    if value.dim() != 4 or value.shape[:3] != (batch, tokens, heads):
+        raise ValueError(
+            f"value: expected [B, T, H, V] = [{batch}, {tokens}, {heads}, V], got "
+            f"{tuple(value.shape)}"
+        )
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (batch, tokens, heads):
+            raise ValueError(
+                f"{name}: expected shape ({batch}, {tokens}, {heads}), got {tuple(t.shape)}"
+            )
+    v_dim = value.shape[-1]
+    state_shape = (batch, heads, k_dim, v_dim)
+    if initial_state is None:
+        state = torch.zeros(state_shape, dtype=torch.float32, device=query.device)
+    elif initial_state.shape != state_shape:
+        raise ValueError(
+            f"initial_state: expected shape {state_shape}, got {tuple(initial_state.shape)}"
+        )
+    else:
+        state = initial_state.float()
+    q, k, v, decay, b = (t.float().transpose(1, 2) for t in (query, key, value, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q / (k_dim**0.5)
+    out = []
+    for step in range(tokens):  # position order: the recurrence's only order
+        state = state * decay[:, :, step].exp()[..., None, None]
+        k_t = k[:, :, step, :, None]
+        read = tree_sum(state * k_t, -2)  # [B, H, 1, V]
+        delta = (v[:, :, step, None, :] - read) * b[:, :, step, None, None]
+        state = state + k_t * delta
+        out.append(tree_sum(state * q[:, :, step, :, None], -2)[:, :, 0])
+    if not out:
+        return value.new_zeros(value.shape), state
+    return torch.stack(out, dim=1).to(query.dtype), state

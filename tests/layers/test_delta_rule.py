@@ -1,0 +1,125 @@
+"""The gated delta rule (bik.layers.delta_rule): one fixed order, so a row's output and state
+bits depend on nothing but its own tokens: not on the batch, nor on where calls cut the
+sequence, nor on prefill vs decode; accurate against float64; and the plain torch forms that
+transformers ships disagree between prefill and decode (the negative control)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bik.layers.delta_rule import gated_delta_rule, tree_sum
+
+CASES = settings(max_examples=min(10, settings.default.max_examples))
+
+
+def inputs(batch, tokens, heads=2, k_dim=8, v_dim=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, tokens, heads, k_dim, generator=gen) for _ in range(2))
+    v = torch.randn(batch, tokens, heads, v_dim, generator=gen)
+    g = -torch.rand(batch, tokens, heads, generator=gen)  # a log decay: exp(g) in (0.37, 1]
+    beta = torch.rand(batch, tokens, heads, generator=gen)
+    return q, k, v, g, beta
+
+
+def float64_reference(q, k, v, g, beta, use_qk_l2norm):
+    """The recurrence in float64 with torch's own sums (transformers' formula)."""
+    q, k, v, g, beta = (t.double().transpose(1, 2) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = (t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    state = torch.zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        read = (state * k[:, :, t, :, None]).sum(-2)
+        state = (
+            state + k[:, :, t, :, None] * ((v[:, :, t] - read) * beta[:, :, t, None])[..., None, :]
+        )
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, 1), state
+
+
+def test_tree_sum_is_a_sum_in_one_fixed_order():
+    x = torch.randn(3, 13, 5, dtype=torch.float64)
+    torch.testing.assert_close(tree_sum(x, 1)[:, 0], x.sum(1))
+    row = torch.randn(1, 13, 5)
+    assert torch.equal(tree_sum(torch.cat([row, torch.randn(6, 13, 5)]), 1)[:1], tree_sum(row, 1))
+
+
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+def test_accuracy_against_float64(use_qk_l2norm):
+    q, k, v, g, beta = inputs(3, 17)
+    out, state = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=use_qk_l2norm)
+    ref_out, ref_state = float64_reference(q, k, v, g, beta, use_qk_l2norm)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5)
+
+
+@CASES
+@given(
+    batch=st.integers(2, 6),
+    tokens=st.integers(1, 12),
+    row=st.integers(0, 5),
+    seed=st.integers(0, 50),
+)
+def test_a_row_alone_equals_the_row_in_a_batch(batch, tokens, row, seed):
+    row %= batch
+    q, k, v, g, beta = inputs(batch, tokens, seed=seed)
+    out, state = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    one = slice(row, row + 1)
+    alone, alone_state = gated_delta_rule(
+        q[one], k[one], v[one], g[one], beta[one], use_qk_l2norm=True
+    )
+    assert torch.equal(out[one], alone) and torch.equal(state[one], alone_state)
+
+
+@CASES
+@given(tokens=st.integers(2, 16), cut=st.integers(1, 15), seed=st.integers(0, 50))
+def test_prefill_equals_chunked_prefill_equals_decode(tokens, cut, seed):
+    """One call over the prompt, two calls cut anywhere carrying the state, and one call a
+    token: the same outputs and final state, bit for bit."""
+    cut = min(cut, tokens - 1)
+    q, k, v, g, beta = inputs(2, tokens, seed=seed)
+    whole, state = gated_delta_rule(q, k, v, g, beta)
+    first, mid = gated_delta_rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut])
+    rest, end = gated_delta_rule(
+        q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=mid
+    )
+    assert torch.equal(torch.cat([first, rest], 1), whole) and torch.equal(end, state)
+    carried, steps = None, []
+    for t in range(tokens):
+        step = slice(t, t + 1)
+        o, carried = gated_delta_rule(
+            q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], initial_state=carried
+        )
+        steps.append(o)
+    assert torch.equal(torch.cat(steps, 1), whole) and torch.equal(carried, state)
+
+
+def test_negative_control_transformers_prefill_and_decode_forms_differ():
+    """transformers' chunked form (its prefill) and recurrent form (its decode) of the same
+    tokens give other bits: the mismatch bik's one order removes."""
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta = inputs(2, 70, k_dim=16, v_dim=16)
+    chunked, _ = modeling.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True
+    )
+    recurrent, _ = modeling.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True
+    )
+    assert not torch.equal(chunked, recurrent)
+    ours, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    torch.testing.assert_close(ours, recurrent, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_shapes_name_the_argument():
+    q, k, v, g, beta = inputs(2, 3)
+    with pytest.raises(ValueError, match="key: expected the shape of query"):
+        gated_delta_rule(q, k[:, :2], v, g, beta)
+    with pytest.raises(ValueError, match=r"value: expected \[B, T, H, V\]"):
+        gated_delta_rule(q, k, v[:1], g, beta)
+    with pytest.raises(ValueError, match=r"beta: expected shape \(2, 3, 2\)"):
+        gated_delta_rule(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 2, 8, 6\)"):
+        gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 8, 5))
