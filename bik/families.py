@@ -109,6 +109,16 @@ class Family:
 
 
 _DENSE = "nothing more"
+# The DeepSeek-V3 style router's keys (deepseek_v3, glm4_moe). Every model: every layer MoE and
+# no group limit, valid for any expert count (the harness's policies). The tiny presets: a
+# dense first layer, 2 expert groups of which 1 is kept, a scaled routing.
+_GROUPED_ROUTER_KEYS = (("first_k_dense_replace", 0), ("n_group", 1), ("topk_group", 1))
+_GROUPED_ROUTER_PRESET = (
+    ("first_k_dense_replace", 1),
+    ("n_group", 2),
+    ("topk_group", 1),
+    ("routed_scaling_factor", 2.5),
+)
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -187,7 +197,7 @@ FAMILIES: dict[str, Family] = {
             "GLM-4.5 MoE",
             experts_key="n_routed_experts",
             expert_width_key="moe_intermediate_size",
-            moe_keys=(("first_k_dense_replace", 0), ("n_group", 1), ("topk_group", 1)),
+            moe_keys=_GROUPED_ROUTER_KEYS,
             tiny_keys=(
                 ("q_lora_rank", 48),
                 ("kv_lora_rank", 32),
@@ -196,10 +206,7 @@ FAMILIES: dict[str, Family] = {
                 ("head_dim", 8),  # transformers sizes the rotary embedding by it: the rope part
                 ("num_key_value_heads", 4),  # MLA expands the latents to every query head
                 ("v_head_dim", 16),
-                ("first_k_dense_replace", 1),
-                ("n_group", 2),
-                ("topk_group", 1),
-                ("routed_scaling_factor", 2.5),
+                *_GROUPED_ROUTER_PRESET,
             ),
         ),
         Family(
@@ -211,16 +218,8 @@ FAMILIES: dict[str, Family] = {
             "layers as plain MLPs; partial RoPE (eager)",
             experts_key="n_routed_experts",
             expert_width_key="moe_intermediate_size",
-            # every layer MoE, no group limit: valid for any expert count (the harness's policy)
-            moe_keys=(("first_k_dense_replace", 0), ("n_group", 1), ("topk_group", 1)),
-            # the preset: a dense first layer, 2 groups of which 1 is kept, a scaled routing
-            tiny_keys=(
-                ("first_k_dense_replace", 1),
-                ("n_group", 2),
-                ("topk_group", 1),
-                ("routed_scaling_factor", 2.5),
-                ("use_qk_norm", True),
-            ),
+            moe_keys=_GROUPED_ROUTER_KEYS,
+            tiny_keys=(*_GROUPED_ROUTER_PRESET, ("use_qk_norm", True)),
         ),
         Family(
             "qwen3_moe",
