@@ -390,6 +390,7 @@ def plot(
     endpoint per LR with its 95 % interval. Doses are offset a little along the LR axis so
     that their points and bars do not hide each other."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -423,11 +424,13 @@ def plot(
         (right, "evaluation endpoint (mean of last 3), 95 % CI", "held-out greedy accuracy"),
     ):
         ax.set_xscale("log")
+        ax.set_xticks(list(lrs), [f"{lr:g}" for lr in lrs])  # the grid's LRs, plainly
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("learning rate")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.legend(title="dose", fontsize=8)
-    left.set_ylim(-0.05, 1.05)
+        ax.set_ylim(-0.05, 1.05)  # a share and an accuracy: wider intervals run off the axis
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
