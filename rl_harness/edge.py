@@ -45,6 +45,7 @@ from . import collapse, policy, recipes, report, rundir, sweep
 from . import config as config_lib
 from .config import Config
 from .errors import HarnessError
+from .rollout import DIGEST_HEX
 from .rundir import write_atomic
 
 History = list[dict[str, Any]]
@@ -270,7 +271,7 @@ def agreement(a: History, b: History, steps: slice = slice(None)) -> float | Non
     pairs = [(m[key], n[key]) for m, n in zip(a[steps], b[steps]) if key in m and key in n]
     if not pairs:
         return None
-    width = 4
+    width = DIGEST_HEX
     same = total = 0
     for x, y in pairs:
         rows = len(x) // width
@@ -290,7 +291,7 @@ def _factor(value: float | None) -> str:
 
 
 def report_markdown(
-    results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str]
+    results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str], fitted: Edge
 ) -> str:
     seeds = sorted({c.seed for c in results})
     lines = [
@@ -326,13 +327,12 @@ def report_markdown(
                     for c, h in results.items()
                     if c.lr == lr and c.dose == dose and Cell(lr, zero, c.seed) in results
                 ]
-                diff = [_minus(collapse.endpoint(a), collapse.endpoint(b)) for a, b in pairs]
+                diff = [sweep.minus(collapse.endpoint(a), collapse.endpoint(b)) for a, b in pairs]
                 first = [agreement(a, b, slice(0, 1)) for a, b in pairs]
                 whole = [agreement(a, b) for a, b in pairs]
                 lines.append(
                     f"| {lr:g} | {dose} | {_cell(diff)} | {_cell(first)} | {_cell(whole)} |"
                 )
-    fitted = edge(results, doses)
     lines += [
         "",
         f"P(collapse) against log2 LR and dose (logistic, one slope, ridge {RIDGE}): slope "
@@ -359,10 +359,6 @@ def report_markdown(
     return "\n".join(lines) + "\n\n![edge](edge.png)\n"
 
 
-def _minus(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
 def _signature_lines(results: dict[Cell, History]) -> list[str]:
     rows = []
     for cell, history in sorted(results.items(), key=lambda kv: (kv[0].lr, kv[0].dose, kv[0].seed)):
@@ -384,7 +380,11 @@ def _signature_lines(results: dict[Cell, History]) -> list[str]:
 
 
 def plot(
-    results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str], path: Path
+    results: dict[Cell, History],
+    lrs: Sequence[float],
+    doses: Sequence[str],
+    fitted: Edge,
+    path: Path,
 ) -> None:
     """Left: the share of runs collapsed per LR, each dose with its fitted curve; right: the
     endpoint per LR with its 95 % interval. Doses are offset a little along the LR axis so
@@ -395,7 +395,6 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fitted = edge(results, doses)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     grid_x = torch.logspace(math.log10(min(lrs)) - 0.1, math.log10(max(lrs)) + 0.1, 100).tolist()
     for i, (dose, marker) in enumerate(zip(doses, "os^dv")):
@@ -443,9 +442,10 @@ def write_report(out: Path, cells: Sequence[Cell], recipe: str, sets: Sequence[s
         raise HarnessError(f"edge: no complete run under {out} yet")
     lrs = sorted({c.lr for c in cells})
     doses = list(dict.fromkeys(c.dose for c in cells))
-    text = report_markdown(results, lrs, doses)
+    fitted = edge(results, doses)  # one fit and bootstrap for the table and the plot
+    text = report_markdown(results, lrs, doses, fitted)
     write_atomic(out / "edge.md", text)
-    report.plot_or_warn(lambda path: plot(results, lrs, doses, path), out / "edge.png")
+    report.plot_or_warn(lambda path: plot(results, lrs, doses, fitted, path), out / "edge.png")
     return text
 
 

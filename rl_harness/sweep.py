@@ -201,7 +201,7 @@ def _per_seed_lines(results: dict[str, list[History]], evaluated: bool) -> list[
     return lines
 
 
-def _minus(a: float | None, b: float | None) -> float | None:
+def minus(a: float | None, b: float | None) -> float | None:
     """``a - b``; None (not measured) where either is."""
     return None if a is None or b is None else a - b
 
@@ -240,7 +240,7 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
         ]
         for arm in paired:
             cells = [
-                _cell([_minus(stat(a), stat(t)) for a, t in zip(results[arm], results[arm + TWIN])])
+                _cell([minus(stat(a), stat(t)) for a, t in zip(results[arm], results[arm + TWIN])])
                 for _, stat in differences
             ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
