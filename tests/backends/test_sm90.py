@@ -40,14 +40,11 @@ def grouped():
 
 
 LAUNCHES = {
-    **{
-        ("linear", b.block_t): linear(b.max_rows or 4096, 4096, 4096, bucket=b)
-        for b in matmul.TOKEN_BUCKETS
-    },
+    **{("linear", b): linear(b.max_rows or 4096, 4096, 4096, bucket=b) for b in matmul.ALL_BUCKETS},
     "linear fp16": linear(1, 4096, 4096, torch.float16),
     "linear M=1": linear(1, 4096, 4096),
     "linear M=13": linear(13, 4096, 4096),
-    "linear M=300": linear(300, 4096, 4096),
+    "linear M=600": linear(600, 4096, 4096),
     "linear M=8192": linear(8192, 4096, 4096),
     **{("tile", rows): tile_matmul(rows, 256, 4096, torch.bfloat16) for rows in (1, 17, 4096)},
     "tile fp32": tile_matmul(64, 256, 4096, torch.float32),
@@ -68,12 +65,19 @@ def assert_hopper_grade(binary):
     assert binary.shared_bytes <= HOPPER_SHARED_BYTES
 
 
-@pytest.mark.parametrize("bucket", matmul.TOKEN_BUCKETS, ids=lambda b: f"T{b.block_t}")
+@pytest.mark.parametrize(
+    "bucket", matmul.ALL_BUCKETS, ids=lambda b: f"W{b.block_w}xT{b.block_t}s{b.num_stages}"
+)
 def test_linear_uses_wgmma_and_tma_at_every_bucket(binary, bucket):
-    compiled = binary["linear", bucket.block_t]
+    compiled = binary["linear", bucket]
     assert_hopper_grade(compiled)
     assert compiled.count("UTMALDG") > 0, "operands should arrive by TMA"
     assert (compiled.num_warps, compiled.num_stages) == (bucket.num_warps, bucket.num_stages)
+
+
+def test_the_prefill_bucket_is_a_128x256_tile_on_64x256_wgmma(binary):
+    compiled = binary["linear", matmul.TOKEN_BUCKETS[-1]]
+    assert compiled.mma == {"HGMMA.64x256x16.F32.BF16"}
 
 
 def test_linear_fp16_uses_wgmma(binary):
@@ -82,7 +86,8 @@ def test_linear_fp16_uses_wgmma(binary):
 
 def test_the_row_count_never_changes_the_binary_inside_a_bucket(binary):
     # M = 1 would be a constant, M = 16 "divisible by 16", if M were specialised on.
-    for group in (["linear M=1", "linear M=13", ("linear", 16)], ["linear M=300", "linear M=8192"]):
+    first_bucket = ("linear", matmul.TOKEN_BUCKETS[0])
+    for group in (["linear M=1", "linear M=13", first_bucket], ["linear M=600", "linear M=8192"]):
         first = binary[group[0]]
         for other in group[1:]:
             assert binary[other].specialization == first.specialization, other

@@ -59,10 +59,10 @@ def test_every_bucket_gives_the_single_row_bucket_bits(dtype, n, k, bias):
     weight, x = randn((n, k), dtype, seed=1), randn((PROBE_ROWS, k), dtype, seed=2)
     b = randn((n,), dtype, seed=3) if bias else None
     single = matmul._run_linear(x, weight, b, matmul.TOKEN_BUCKETS[0])
-    for bucket in matmul.TOKEN_BUCKETS[1:]:
+    for bucket in matmul.ALL_BUCKETS[1:]:
         rows = bucket.max_rows or x.shape[0]
         got = matmul._run_linear(x[:rows], weight, b, bucket)
-        assert_bitwise(got, single[:rows], f"bucket {bucket.block_t} vs 16, n={n} k={k}")
+        assert_bitwise(got, single[:rows], f"bucket {bucket} vs the first, n={n} k={k}")
     reference = x.double() @ weight.double().t() + (b.double() if bias else 0)
     assert_close_to_reference(single, reference, dtype, "linear vs float64")
 
@@ -78,6 +78,20 @@ def test_rows_keep_their_bits_across_bucket_edges(dtype, bucket_spy):
             if i < rows:
                 assert_bitwise(batched[i : i + 1], row, f"row {i} of {rows}")
     assert {b.block_t for b in bucket_spy} == {b.block_t for b in matmul.TOKEN_BUCKETS}
+
+
+def test_a_wide_weight_takes_the_wide_buckets_with_the_same_bits(bucket_spy, monkeypatch):
+    """Wider than one wave of 64-feature tiles (a "GPU" of 4 SMs here, on any device): the
+    decode rows get the deeper pipeline, 100 rows the 128-feature tile; each row's bits are
+    its bits alone."""
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
+    monkeypatch.setattr(matmul, "_multiprocessors", lambda device: 4)
+    weight = randn((5 * matmul.WIDE_TILE_FEATURES, 64), torch.bfloat16, 13)
+    x = randn((100, 64), torch.bfloat16, 14)
+    alone = bik.linear(x[99:], weight)
+    assert_bitwise(bik.linear(x[90:], weight)[9:], alone, "last of 10 rows")
+    assert_bitwise(bik.linear(x, weight)[99:], alone, "last of 100 rows")
+    assert bucket_spy == [matmul.WIDE_WEIGHT_BUCKETS[m] for m in (16, 16, 128)]
 
 
 def test_fp32_and_untma_able_shapes_take_the_tile_kernel(bucket_spy, monkeypatch):
@@ -111,10 +125,10 @@ def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
     monkeypatch.setattr(matmul, "_bucket_check", {})
     monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: calls.append(1) or True)
     weight = randn((24, 32), torch.bfloat16, 10)
-    for rows in (1, 100, 300):
+    for rows in (1, 100, 300, 600):
         bik.linear(randn((rows, 32), torch.bfloat16, 12), weight)
     assert calls == [1]
-    assert [b.block_t for b in bucket_spy] == [16, 128, 256]
+    assert [b.block_t for b in bucket_spy] == [16, 128, 128, 256]
 
 
 def test_an_unchecked_shape_uses_the_single_row_bucket_while_a_graph_records(

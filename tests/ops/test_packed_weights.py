@@ -181,6 +181,8 @@ def _fresh(x, weight):
 def test_a_fused_optimizer_step_repacks(name, kwargs):
     # Fused CPU optimizers write the parameters without bumping their version counters.
     layer = _layer(40, 24, torch.float32, bias=False)
+    if name == "Adagrad" and layer.weight.device.type != "cpu":
+        pytest.skip("torch's fused Adagrad runs on the CPU only (an H200 run: RuntimeError)")
     x = randn((3, 24), torch.float32, seed=14)
     bik.pack_weights(layer)
     optimizer = getattr(torch.optim, name)(layer.parameters(), lr=0.5, fused=True, **kwargs)

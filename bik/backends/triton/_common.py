@@ -13,6 +13,12 @@ chance (docs/design.md, "GPU binaries"):
   so the binary never changes with a view's offset.
 - Warps and stages are part of the launch, never left to a default that may change.
 
+A launch on a GPU goes through a plan (:class:`LaunchPlans`): the first launch of a
+specialisation compiles and launches through ``kernel[grid]`` as usual and keeps the compiled
+kernel; every later launch with the same specialisation calls that compiled kernel directly,
+skipping Triton's binder and cache lookup (about 20 us of host time a call). The plan's key is
+what Triton's binder specialises on, so a plan always runs the binary ``kernel[grid]`` would.
+
 ``bik.tools.sm90`` compiles the same :class:`Launch` descriptions for Hopper with no GPU and
 reads the instructions they became.
 """
@@ -24,6 +30,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Read once, as triton.jit does: under the interpreter the kernels run on CPU tensors.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,6 +42,21 @@ FP_FUSION = False
 
 ALIGNMENT = 16
 """Bytes: the pointer alignment every kernel is compiled for (see :func:`aligned`)."""
+
+
+LAUNCH_PLANS = os.environ.get("BIK_LAUNCH_PLANS", "1") != "0"
+"""Whether GPU launches reuse a compiled kernel directly (:class:`LaunchPlans`);
+``BIK_LAUNCH_PLANS=0`` sends every launch through ``kernel[grid]`` (same binaries, same bits)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` costs microseconds a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), in host integer arithmetic."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def upcast_dot_operands(dtype):
@@ -75,7 +98,92 @@ class Launch:
         )
 
     def __call__(self) -> None:
-        self.kernel[self.grid](**self.args, **self.options())
+        if INTERPRET or not LAUNCH_PLANS:
+            self.kernel[self.grid](**self.args, **self.options())
+        else:
+            PLANS.launch(self)
+
+
+_I32 = range(-(2**31), 2**31)
+
+
+def _argument_key(value: Any, specialized: bool) -> Any:
+    """What Triton's binder specialises a non-constexpr argument on, or a superset of it:
+    a tensor's dtype and 16-byte alignment, a descriptor's dtype, block and alignment, an
+    integer's width and (unless ``do_not_specialize``) whether it is 1 or divisible by 16."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % ALIGNMENT == 0
+    if isinstance(value, TensorDescriptor):
+        base = value.base
+        return base.dtype, tuple(value.block_shape), base.data_ptr() % ALIGNMENT == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if not specialized:
+            return value in _I32
+        return value in _I32, value == 1, value % 16 == 0
+    if isinstance(value, float):
+        return float
+    raise TypeError(f"bik launch: no plan key for an argument of type {type(value).__name__}")
+
+
+class LaunchPlans:
+    """Compiled kernels by specialisation key: a launch whose key was seen calls the compiled
+    kernel with its arguments in the kernel's parameter order (as ``kernel[grid]`` does after
+    its own lookup); an unseen key launches through ``kernel[grid]`` and keeps what it
+    compiled. Launch hooks (a profiler) send every launch through ``kernel[grid]``."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple, Any] = {}
+        self._parameters: dict[Any, tuple[tuple[str, bool, bool], ...]] = {}
+
+    def parameters(self, kernel: Any) -> tuple[tuple[str, bool, bool], ...]:
+        """(name, is constexpr, specialised) for each of ``kernel``'s parameters, in order."""
+        if kernel not in self._parameters:
+            self._parameters[kernel] = tuple(
+                (p.name, p.is_constexpr, not p.do_not_specialize) for p in kernel.params
+            )
+        return self._parameters[kernel]
+
+    def key(self, launch: Launch, device: int) -> tuple:
+        arguments = tuple(
+            launch.args[name] if constexpr else _argument_key(launch.args[name], specialized)
+            for name, constexpr, specialized in self.parameters(launch.kernel)
+        )
+        return (
+            launch.kernel,
+            device,
+            launch.num_warps,
+            launch.num_stages,
+            tuple(sorted(launch.extra_options.items())),
+            arguments,
+        )
+
+    def launch(self, launch: Launch) -> None:
+        hooked = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+        device = torch.cuda.current_device()
+        key = self.key(launch, device)
+        compiled = None if hooked else self.compiled.get(key)
+        if compiled is None:
+            compiled = launch.kernel[launch.grid](**launch.args, **launch.options())
+            self.compiled[key] = compiled.result() if hasattr(compiled, "result") else compiled
+            return
+        grid = (*launch.grid, 1, 1)
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            torch._C._cuda_getCurrentRawStream(device),
+            compiled.function,
+            compiled.packed_metadata,
+            None,  # launch metadata and hooks: only for a profiler, which takes the path above
+            None,
+            None,
+            *(launch.args[name] for name, _, _ in self.parameters(launch.kernel)),
+        )
+
+
+PLANS = LaunchPlans()
 
 
 @triton.jit

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from ...contract import KEY_BLOCK
 from ..base import AttentionOptions
-from ._common import Launch, aligned, dot_acc, upcast_dot_operands
+from ._common import Launch, aligned, cdiv, dot_acc, next_power_of_2, upcast_dot_operands
 
 BLOCK_M = 64
 """Query rows per tile for bf16 / fp16: one Hopper warpgroup MMA (m64), prefill and decode
@@ -79,6 +79,10 @@ MAX_BLOCK_DV = 128
 """Value dims per program: a wider head (Gemma's 256) is cut into chunks of output dims, each
 computing the same scores, so the two fp32 accumulators of the in-register path fit in
 registers."""
+COMBINE_BLOCK_DV = 32
+"""Value dims per program of the split-parallel combine. Its merge is elementwise, so each
+value dim's bits are the same however the dims are cut; narrow chunks give a decode step (a
+few rows per kv head, up to hundreds of splits to fold in order) more programs to run on."""
 NEG_INF = tl.constexpr(float("-inf"))
 
 SPLIT_PARALLEL_MAX_PROGRAMS = 512
@@ -587,18 +591,18 @@ def attention_launches(
     groups = hq // hkv
     rows = tq * groups
     split_size, window, softcap = options.split_size, options.window, options.softcap
-    n_splits = triton.cdiv(tk, split_size)  # enough for a row whose first key is 0
+    n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
     block_m = _block_m(q.dtype)
     if pages is not None:
         table, query_start, seq_lens = pages
-        n_splits = triton.cdiv(table.shape[1] * tk, split_size)  # the longest sequence's
+        n_splits = cdiv(table.shape[1] * tk, split_size)  # the longest sequence's
         if query_start is not None:
             batch, split_parallel = seq_lens.shape[0], False
     if split_parallel is None:
         split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
-    tiles = triton.cdiv(rows, block_m)
-    block_d = max(16, triton.next_power_of_2(d))
+    tiles = cdiv(rows, block_m)
+    block_d = max(16, next_power_of_2(d))
     block_dv = min(block_d, MAX_BLOCK_DV)
     programs = batch * hkv * (block_d // block_dv)  # (batch, kv head, chunk of value dims)
     common = dict(
@@ -670,17 +674,18 @@ def attention_launches(
         )
     ]
     if split_parallel:
+        combine_dv = min(block_d, COMBINE_BLOCK_DV)
         launches.append(
             Launch(
                 _combine_kernel,
-                (tiles, programs),
+                (tiles, batch * hkv * (block_d // combine_dv)),
                 dict(
                     ws_acc_ptr=ws_acc,
                     ws_max_ptr=ws_max,
                     ws_sum_ptr=ws_sum,
                     seq_lens_ptr=seq_lens_ptr,
                     **{f"so{axis}": strides[f"so{axis}"] for axis in "bhtd"},
-                    **common,
+                    **{**common, "BLOCK_DV": combine_dv},
                 ),
                 **pinned,
             )

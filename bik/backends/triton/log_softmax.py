@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...contract import LOG_SOFTMAX_SEGMENT, row_chunk
-from ._common import Launch, aligned
+from ._common import Launch, aligned, cdiv
 from ._rows import kernel_rows, stride_in_vectors, vector_width
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -195,7 +195,7 @@ def _stats_launch(x, temperature, segment):
     constexprs that describe the row."""
     rows, vocab = x.shape
     width = segment_width(vocab, segment)
-    segments = triton.cdiv(vocab, width)
+    segments = cdiv(vocab, width)
     vec = vector_width(vocab, x.dtype)
     seg_max = torch.empty(rows, segments, dtype=torch.float32, device=x.device)
     seg_sum = torch.empty(rows, segments, dtype=torch.float32, device=x.device)
@@ -229,7 +229,7 @@ def log_softmax_launches(x, out, temperature, segment: int = LOG_SOFTMAX_SEGMENT
     log_total = torch.empty_like(row_max)
     fold = Launch(
         _row_stats_kernel,
-        (triton.cdiv(rows, ROWS),),
+        (cdiv(rows, ROWS),),
         dict(
             max_ptr=seg_max,
             sum_ptr=seg_sum,
@@ -272,7 +272,7 @@ def token_logprobs_launches(
     rows = logits.shape[0]
     gather = Launch(
         _token_logprobs_kernel,
-        (triton.cdiv(rows, ROWS),),
+        (cdiv(rows, ROWS),),
         dict(
             x_ptr=logits,
             tok_ptr=tokens,

@@ -6,14 +6,15 @@ number of rows, so a row's bits do not change with the batch:
 - ``_linear_kernel`` (bf16 / fp16, one weight for every row, stored K-contiguous as
   ``nn.Linear`` keeps it, rows that TMA can describe): persistent, fed by TMA (tensor
   descriptors), software pipelined. Operands are swapped so that the weight is the MMA's M
-  side (``BLOCK_W`` = 64 output features for every N) and the tokens its N side
-  (``BLOCK_T``). The row count picks a token bucket (:data:`TOKEN_BUCKETS`) that changes only
-  ``BLOCK_T``, warps and stages; each output element is still one accumulator over the same
-  ascending K tiles. On Hopper every bucket compiles to ``HGMMA.64xNx16`` with N from 16 to
-  128 (tests/backends/test_sm90.py). No document promises that the instruction's N cannot change an
-  element's bits, so the interpreter tests compare every bucket with single-row runs, and on
-  a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use and falls
-  back to the single-row bucket for every row count if it fails.
+  side (``BLOCK_W`` output features, 64 per warpgroup) and the tokens its N side
+  (``BLOCK_T``). The row count (and whether the weight is wider than one wave of tiles)
+  picks a token bucket (:data:`TOKEN_BUCKETS`) that changes only the tile, warps and stages;
+  each output element is still one accumulator over the same ascending K tiles. On Hopper
+  every bucket compiles to ``HGMMA.64xNx16`` with N from 16 to 256
+  (tests/backends/test_sm90.py). No document promises that the instruction's shape cannot
+  change an element's bits, so the interpreter tests compare every bucket with single-row
+  runs, and on a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use
+  and falls back to the single-row bucket for every row count if it fails.
 - ``_matmul_kernel`` (every other case: fp32, per-batch weights, N-contiguous ``b``, strides
   TMA cannot take): fixed 64 x 64 tiles, the same for every M. The grouped
   (mixture-of-experts) kernel shares its tile loop, :func:`_tile_product`.
@@ -29,33 +30,47 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...contract import MATMUL_BLOCK_K
-from ._common import ALIGNMENT, Launch, aligned, dot_acc, upcast_dot_operands
+from ._common import ALIGNMENT, Launch, aligned, cdiv, dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
 
 
 class TokenBucket(NamedTuple):
-    """The launch shape of ``_linear_kernel`` for up to ``max_rows`` rows (``None``: any)."""
+    """The launch shape of ``_linear_kernel`` for up to ``max_rows`` rows (``None``: any):
+    ``block_t`` tokens by ``block_w`` output features a tile."""
 
     max_rows: int | None
     block_t: int
     num_warps: int
     num_stages: int
+    # Output features a tile (the MMA's M side: 64 per warpgroup). A feature's accumulator
+    # runs over the same K tiles whatever the tile's width, so a fused projection (q/k/v in
+    # one weight, as vLLM keeps it) gives each feature the bits of the separate ones.
+    block_w: int = 64
 
 
-# Small batches (decode) get a narrow token tile, big ones (prefill) a wide one; the weight
-# side and the K order stay the same.
+# The row count picks a bucket: a narrow token tile for decode, 128 x 256 tiles (two
+# warpgroups of HGMMA.64x256x16) for prefill and training. A weight wider than one wave of
+# 64-feature tiles takes its bucket's wide variant (WIDE_WEIGHT_BUCKETS): deeper pipelines at
+# decode, 128-feature tiles at 65-128 rows. Chosen from side-by-side timings on an H200
+# (benchmarks/gpu_probe.py); the weight side and the K order are the same in every bucket.
 TOKEN_BUCKETS = (
     TokenBucket(16, 16, 4, 4),
     TokenBucket(32, 32, 4, 4),
     TokenBucket(64, 64, 4, 4),
-    TokenBucket(128, 128, 8, 4),
-    TokenBucket(None, 256, 8, 3),
+    TokenBucket(128, 128, 4, 4),
+    TokenBucket(512, 128, 8, 4, 128),
+    TokenBucket(None, 256, 8, 3, 128),
 )
-# Output features per tile: one m64 wgmma, for every N, so a fused projection (q/k/v in one
-# weight, as vLLM keeps it) gives each feature the bits of the separate ones.
-LINEAR_BLOCK_W = 64
+WIDE_WEIGHT_BUCKETS: dict[int | None, TokenBucket] = {  # by max_rows: its wide variant
+    16: TokenBucket(16, 16, 4, 8),
+    32: TokenBucket(32, 32, 4, 8),
+    64: TokenBucket(64, 64, 4, 6),
+    128: TokenBucket(128, 128, 8, 4, 128),
+}
+ALL_BUCKETS = TOKEN_BUCKETS + tuple(WIDE_WEIGHT_BUCKETS.values())
+WIDE_TILE_FEATURES = 64  # a weight is wide when it has more tiles of this many than SMs
 LINEAR_BLOCK_K = 64  # K tile of _linear_kernel: 128-byte rows in bf16, TMA's widest swizzle
 GROUP_T = 8  # token tiles visited together, so a weight tile is reused from L2
 HOPPER_SMS = 132  # programs of a persistent launch described without a device (H100 SXM)
@@ -191,9 +206,13 @@ def _linear_kernel(
         out_desc.store([t0, w0], tl.trans(acc).to(out_desc.dtype))
 
 
-def token_bucket(rows: int) -> TokenBucket:
-    """The bucket ``rows`` rows run in."""
-    return next(b for b in TOKEN_BUCKETS if b.max_rows is None or rows <= b.max_rows)
+def token_bucket(rows: int, features: int = 0, multiprocessors: int = HOPPER_SMS) -> TokenBucket:
+    """The bucket ``rows`` rows run in, for a weight of ``features`` output features on a
+    GPU of ``multiprocessors`` SMs."""
+    bucket = next(b for b in TOKEN_BUCKETS if b.max_rows is None or rows <= b.max_rows)
+    if cdiv(features, WIDE_TILE_FEATURES) > multiprocessors:
+        return WIDE_WEIGHT_BUCKETS.get(bucket.max_rows, bucket)
+    return bucket
 
 
 @functools.cache
@@ -216,15 +235,15 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
     def descriptor(tensor, block):
         return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
 
-    tiles = triton.cdiv(n, LINEAR_BLOCK_W) * triton.cdiv(rows, bucket.block_t)
+    tiles = cdiv(n, bucket.block_w) * cdiv(rows, bucket.block_t)
     programs = _programs(x.device, tiles)
     return Launch(
         _linear_kernel,
         (programs,),
         dict(
-            w_desc=descriptor(weight, [LINEAR_BLOCK_W, LINEAR_BLOCK_K]),
+            w_desc=descriptor(weight, [bucket.block_w, LINEAR_BLOCK_K]),
             x_desc=descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
-            out_desc=descriptor(out, [bucket.block_t, LINEAR_BLOCK_W]),
+            out_desc=descriptor(out, [bucket.block_t, bucket.block_w]),
             bias_ptr=bias if bias is not None else weight,
             M=rows,
             N=n,
@@ -232,7 +251,7 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
             num_programs=programs,
             HAS_BIAS=bias is not None,
             UPCAST=upcast_dot_operands(x.dtype),
-            BLOCK_W=LINEAR_BLOCK_W,
+            BLOCK_W=bucket.block_w,
             BLOCK_T=bucket.block_t,
             BLOCK_K=LINEAR_BLOCK_K,
             GROUP_T=GROUP_T,
@@ -266,14 +285,14 @@ def buckets_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) -> boo
     """Whether every token bucket gives each row the bits the single-row bucket gives it, for
     this weight's (N, K, dtype): random rows through each bucket against the smallest."""
     # one more than the largest bounded bucket: reaches the last one
-    rows = max(b.max_rows for b in TOKEN_BUCKETS if b.max_rows is not None) + 1
+    rows = max(b.max_rows for b in ALL_BUCKETS if b.max_rows is not None) + 1
     generator = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], generator=generator, device=weight.device)
     x = x.to(weight.dtype)
     single = _run_linear(x, weight, bias, TOKEN_BUCKETS[0])
     return all(
         torch.equal(_run_linear(x[: b.max_rows or rows], weight, bias, b), single[: b.max_rows])
-        for b in TOKEN_BUCKETS[1:]
+        for b in ALL_BUCKETS[1:]
     )
 
 
@@ -287,8 +306,9 @@ def _capturing(device: torch.device) -> bool:
 def _bucket(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenBucket:
     """The token bucket for ``rows``, once :func:`buckets_agree` has passed for this (N, K,
     dtype, device) on a device that needs the check; the single-row bucket if it failed."""
+    chosen = token_bucket(rows, weight.shape[0], _multiprocessors(weight.device))
     if weight.device.type not in SELF_CHECK_DEVICES:
-        return token_bucket(rows)
+        return chosen
     key = (*weight.shape, weight.dtype, weight.device)
     if key not in _bucket_check and _capturing(weight.device):
         return TOKEN_BUCKETS[0]  # no host sync while a CUDA graph records: check it later
@@ -301,7 +321,7 @@ def _bucket(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> Token
                 "bucket for this shape (bit-exact, slower)",
                 stacklevel=3,
             )
-    return token_bucket(rows) if _bucket_check[key] else TOKEN_BUCKETS[0]
+    return chosen if _bucket_check[key] else TOKEN_BUCKETS[0]
 
 
 def matmul_launch(a, b, bias, out) -> Launch:
@@ -310,7 +330,7 @@ def matmul_launch(a, b, bias, out) -> Launch:
     n = b.shape[2]
     return Launch(
         _matmul_kernel,
-        (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch),
+        (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N), batch),
         dict(
             a_ptr=a,
             b_ptr=b,
@@ -417,7 +437,7 @@ def _row_tiles(offsets, rows):
     counts = offsets[1:] - offsets[:-1]
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = tiles.cumsum(0)
-    index = torch.arange(triton.cdiv(rows, BLOCK_M) + groups, device=offsets.device)
+    index = torch.arange(cdiv(rows, BLOCK_M) + groups, device=offsets.device)
     group = torch.searchsorted(tile_end, index, right=True)
     used = group < groups
     group = group.clamp(max=groups - 1)
@@ -434,7 +454,7 @@ def grouped_matmul_launch(a, b, offsets, out) -> Launch:
     tile_group, tile_start, tile_end = _row_tiles(offsets, rows)
     return Launch(
         _grouped_matmul_kernel,
-        (tile_group.numel(), triton.cdiv(n, BLOCK_N)),
+        (tile_group.numel(), cdiv(n, BLOCK_N)),
         dict(
             a_ptr=a,
             b_ptr=b,

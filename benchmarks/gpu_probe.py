@@ -1,0 +1,546 @@
+"""One GPU loan's measurements in one command: host cost per call, GEMM buckets, attention.
+
+    python benchmarks/gpu_probe.py --budget 420 --out DIR [--parts host,gemm,attention,profile]
+    python benchmarks/gpu_probe.py --rehearse --out DIR    (no GPU: see below)
+    python benchmarks/gpu_probe.py --summarize DIR/probe.jsonl   (rewrites DIR/probe.md)
+
+Parts run in the order given (by default the order of their value), each under its own share
+of ``--budget`` seconds, and every measurement is appended to ``DIR/probe.jsonl`` as it is
+taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the records.
+
+- ``host``: the hot ops at decode shapes (linear, rms_norm, token_logprobs, decode attention):
+  per call, the host's issue time (``host_us``: calls issued without waiting, divided by their
+  number), the eager time and the time replayed from a CUDA graph (``mode`` "eager" / "graph"),
+  for bik with launch plans, bik through ``kernel[grid]`` (``BIK_LAUNCH_PLANS=0``) and torch;
+  and whether all three bik paths give the same bits.
+- ``table``: ``bik.linear`` as shipped (its bucket table) against cuBLAS at 1-8192 rows,
+  eager and replayed from a CUDA graph, and the last row's bits against that row alone.
+- ``gemm``: candidate token buckets of the linear kernel (tile, warps, stages) against cuBLAS,
+  each replayed from a CUDA graph (host cost out of the figure), with every row's bits compared
+  with the single-row bucket's: a candidate that changes a row's bits cannot enter the table.
+- ``attention``: decode over 1k-32k keys at batch 1 and 16, the split kernel and the combine
+  kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
+- ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
+  one; plans on and off, the bits compared) against the unpatched model.
+- ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
+
+``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
+shared memory, spills), checks each candidate's rows against the single-row bucket under the
+Triton interpreter on small shapes, and runs the other parts' code on the CPU with tiny shapes
+and no graphs, so the GPU run meets no bug of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import importlib
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if "--rehearse" in sys.argv and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported: before any import
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch
+import torch.nn.functional as F
+
+import bik
+from bik.backends.triton import _common
+from bik.tools.bench import cases
+
+# the modules (the package exports functions of the same names)
+triton_matmul = importlib.import_module("bik.backends.triton.matmul")
+triton_attention = importlib.import_module("bik.backends.triton.attention")
+
+TokenBucket = triton_matmul.TokenBucket
+
+# Candidate buckets by row range: the table's own first, then variants (tile width 128 halves
+# the L2 -> shared-memory bytes per FLOP; deeper pipelines for bandwidth-bound decode).
+GEMM_CANDIDATES = {
+    "decode": [
+        TokenBucket(16, 16, 4, 4),
+        TokenBucket(16, 16, 4, 6),
+        TokenBucket(16, 16, 4, 8),
+        TokenBucket(64, 64, 4, 4),
+        TokenBucket(64, 64, 4, 6),
+    ],
+    "mid": [
+        TokenBucket(128, 128, 8, 4),
+        TokenBucket(128, 128, 4, 4),
+        TokenBucket(128, 128, 8, 4, 128),
+        TokenBucket(None, 256, 8, 3),
+        TokenBucket(None, 128, 8, 4, 128),
+    ],
+    "large": [
+        TokenBucket(None, 256, 8, 3),
+        TokenBucket(None, 256, 8, 3, 128),
+        TokenBucket(None, 128, 8, 4, 128),
+        TokenBucket(None, 128, 4, 4, 128),
+        TokenBucket(None, 256, 8, 4),
+    ],
+}
+GEMM_ROWS = {"decode": (1, 16, 64), "mid": (128, 512), "large": (2048, 8192)}
+GEMM_WEIGHTS = [("Llama-8B q/o", 4096, 4096), ("Llama-8B gate/up", 4096, 14336)]
+GEMM_WEIGHTS_LARGE = [("Llama-8B down", 14336, 4096)]
+DECODE_KEYS = (1024, 8192, 32768)
+PART_SHARES = {
+    "host": 0.2,
+    "table": 0.2,
+    "gemm": 0.25,
+    "attention": 0.15,
+    "e2e": 0.15,
+    "profile": 0.05,
+}
+
+
+class Recorder:
+    """Appends each record to probe.jsonl as it comes, keeps them for the summary."""
+
+    def __init__(self, out: Path, meta: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path, self.records = out / "probe.jsonl", []
+        self.path.write_text(json.dumps({"meta": meta}) + "\n")
+
+    def __call__(self, **record) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        print(json.dumps(record, default=str), flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def eager_us(fn: Callable[[], object], device: torch.device, calls: int = 50) -> float:
+    """Median of 5 timings of ``calls`` calls, per call, waiting for the GPU."""
+    fn()
+    times = []
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def host_us(fn: Callable[[], object], device: torch.device, calls: int = 100) -> float:
+    """Host time to issue one call: ``calls`` calls issued with no wait, per call (the GPU
+    queue takes them without blocking at decode shapes), median of 5."""
+    fn()
+    times = []
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+        sync(device)
+    return statistics.median(times) * 1e6
+
+
+def graph_us(fn: Callable[[], object], calls: int = 20) -> tuple[float, object]:
+    """(per-call us of ``calls`` calls captured in one CUDA graph and replayed, the first
+    call's output from the last replay): CUDA events, median of 5 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [fn() for _ in range(calls)]
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times), outputs[0]
+
+
+@contextlib.contextmanager
+def launch_plans(on: bool):
+    saved = _common.LAUNCH_PLANS
+    _common.LAUNCH_PLANS = on
+    try:
+        yield
+    finally:
+        _common.LAUNCH_PLANS = saved
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    return False
+
+
+def host_cases(tiny: bool) -> list[cases.Case]:
+    if tiny:
+        return [cases.linear(1, 64, 64), cases.rms_norm(1, 64), cases.token_logprobs(2, 128)]
+    return [
+        cases.linear(1, 4096, 4096, "Llama-8B q/o"),
+        cases.linear(16, 4096, 14336, "Llama-8B gate/up"),
+        cases.linear(1, 576, 576, "SmolLM2 q/o"),
+        cases.rms_norm(1, 4096),
+        cases.rms_norm(16, 4096),
+        cases.token_logprobs(1, 151936),
+        cases.token_logprobs(16, 151936),
+        cases.attention(1, 32, 8, 1, 4096, 128, "Llama-8B"),
+        cases.attention(16, 32, 8, 1, 4096, 128, "Llama-8B"),
+    ]
+
+
+def part_host(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    for case in host_cases(tiny):
+        if time.monotonic() > deadline:
+            return record(part="host", cut=case.op + " " + case.shape)
+        args = case.inputs(device, dtype)
+        bik_fn, torch_fn = case.make(device, dtype, args=args)
+        row: dict[str, Any] = dict(part="host", op=case.op, shape=case.shape)
+        with launch_plans(False):
+            reference = bik_fn()
+            row["jit_host_us"] = host_us(bik_fn, device)
+            row["jit_eager_us"] = eager_us(bik_fn, device)
+        with launch_plans(True):
+            bik_fn()  # the first call builds the plan
+            row["plans_equal_jit"] = same(bik_fn(), reference)
+            row["host_us"] = host_us(bik_fn, device)
+            row["eager_us"] = eager_us(bik_fn, device)
+        row["torch_host_us"] = host_us(torch_fn, device)
+        row["torch_eager_us"] = eager_us(torch_fn, device)
+        if device.type == "cuda":
+            row["graph_us"], replayed = graph_us(bik_fn)
+            row["graph_equals_eager"] = same(replayed, reference)
+            row["torch_graph_us"], _ = graph_us(torch_fn)
+        record(**row)
+
+
+def gemm_shapes(tiny: bool) -> list[tuple[str, str, int, int, int]]:
+    """(range, label, rows, K, N)."""
+    if tiny:
+        return [
+            ("decode", "tiny", 3, 128, 128),
+            ("mid", "tiny", 20, 128, 128),
+            ("large", "tiny", 40, 128, 192),
+        ]
+    shapes = [
+        (span, label, m, k, n)
+        for span, rows in GEMM_ROWS.items()
+        for label, k, n in GEMM_WEIGHTS
+        for m in rows
+    ]
+    shapes += [
+        ("large", label, m, k, n) for label, k, n in GEMM_WEIGHTS_LARGE for m in (2048, 8192)
+    ]
+    return shapes
+
+
+def run_bucket(x, weight, bucket: TokenBucket) -> torch.Tensor:
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    triton_matmul.linear_launch(x, weight, None, out, bucket)()
+    return out
+
+
+def part_gemm(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    for span, label, m, k, n in gemm_shapes(tiny):
+        x = torch.randn(m, k, device=device).to(dtype)
+        weight = torch.randn(n, k, device=device).to(dtype)
+        shape = f"M={m} K={k} N={n} ({label})"
+        if not gemm_candidates(record, shape, x, weight, GEMM_CANDIDATES[span], deadline):
+            return record(part="gemm", cut=shape)
+
+
+def gemm_candidates(record, shape, x, weight, candidates, deadline: float) -> bool:
+    """Each candidate bucket on ``x @ weight.T`` (and cuBLAS); False if the deadline came."""
+    single = run_bucket(x, weight, triton_matmul.TOKEN_BUCKETS[0])
+    flops = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
+    cuda = x.device.type == "cuda"
+    if cuda:
+        cublas_us, _ = graph_us(lambda: F.linear(x, weight), calls=10)
+        record(
+            part="gemm", shape=shape, kernel="cublas", us=cublas_us, tflops=flops / cublas_us / 1e6
+        )
+    for bucket in candidates:
+        if time.monotonic() > deadline:
+            return False
+        row: dict[str, Any] = dict(part="gemm", shape=shape, kernel="bik", bucket=bucket._asdict())
+        try:
+            row["rows_equal_single_row_bucket"] = same(run_bucket(x, weight, bucket), single)
+            if cuda:
+                row["us"], _ = graph_us(lambda b=bucket: run_bucket(x, weight, b), calls=10)
+                row["tflops"] = flops / row["us"] / 1e6
+                row["vs_cublas"] = cublas_us / row["us"]
+        except Exception as error:  # a candidate that does not fit: say so, go on
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+        record(**row)
+    return True
+
+
+TABLE_ROWS = (1, 16, 64, 128, 512, 2048, 8192)
+
+
+def part_table(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """bik.linear as shipped (its bucket table) against cuBLAS, eager and from a CUDA graph."""
+    weights = [("tiny", 64, 320)] if tiny else GEMM_WEIGHTS + GEMM_WEIGHTS_LARGE
+    for label, k, n in weights:
+        for m in (1, 40, 100) if tiny else TABLE_ROWS:
+            if time.monotonic() > deadline:
+                return record(part="table", cut=f"M={m} K={k} N={n}")
+            case = cases.linear(m, k, n, label)
+            args = case.inputs(device, dtype)
+            bik_fn, cublas_fn = case.make(device, dtype, args=args)
+            x, weight = args
+            row: dict[str, Any] = dict(
+                part="table", shape=case.shape, bucket=bucket_of(m, weight)._asdict()
+            )
+            row["eager_us"] = eager_us(bik_fn, device, calls=20)
+            row["cublas_eager_us"] = eager_us(cublas_fn, device, calls=20)
+            row["rows_equal_alone"] = same(bik_fn()[-1:], bik.linear(x[-1:], weight))
+            if device.type == "cuda":
+                row["graph_us"], _ = graph_us(bik_fn, calls=10)
+                row["cublas_graph_us"], _ = graph_us(cublas_fn, calls=10)
+                row["vs_cublas_graph"] = row["cublas_graph_us"] / row["graph_us"]
+                row["tflops"] = case.flops / row["graph_us"] / 1e6
+            record(**row)
+
+
+def bucket_of(rows: int, weight: torch.Tensor) -> TokenBucket:
+    return triton_matmul.token_bucket(
+        rows, weight.shape[0], triton_matmul._multiprocessors(weight.device)
+    )
+
+
+def attention_launch_us(q, k, v, device) -> dict:
+    """The split-parallel decode's two kernels replayed apart: split, combine."""
+    from bik.ops.attention import validate_options
+
+    options = validate_options(q, False, None, None, None, None, None)
+    out = torch.empty_like(q)
+    kv_start = torch.zeros(q.shape[0], dtype=torch.int32, device=device)
+    launches = triton_attention.attention_launches(
+        q, k, v, kv_start, out, options, split_parallel=True
+    )
+    times = {}
+    for name, launch in zip(("split_us", "combine_us"), launches):
+        launch()
+        times[name] = graph_us(launch)[0] if device.type == "cuda" else 0.0
+    return times
+
+
+def attention_cases(tiny: bool) -> list[cases.Case]:
+    if tiny:
+        return [cases.attention(1, 4, 2, 1, 64, 16), cases.attention(1, 4, 2, 16, 16, 16)]
+    decode = [
+        cases.attention(b, 32, 8, 1, t, 128, "Llama-8B") for b in (1, 16) for t in DECODE_KEYS
+    ]
+    return decode + [cases.attention(1, 32, 8, t, t, 128, "Llama-8B") for t in (2048, 8192)]
+
+
+def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    for case in attention_cases(tiny):
+        if time.monotonic() > deadline:
+            return record(part="attention", cut=case.op + " " + case.shape)
+        args = case.inputs(device, dtype)
+        bik_fn, sdpa_fn = case.make(device, dtype, args=args)
+        row: dict[str, Any] = dict(
+            part="attention", op=case.op, shape=case.shape, sdpa_backend=backend.name
+        )
+        with sdpa_kernel([backend]):
+            row["eager_us"] = eager_us(bik_fn, device, calls=20)
+            row["sdpa_eager_us"] = eager_us(sdpa_fn, device, calls=20)
+            if device.type == "cuda":
+                row["graph_us"], _ = graph_us(bik_fn)
+                row["sdpa_graph_us"], _ = graph_us(sdpa_fn)
+                row["vs_sdpa_graph"] = row["sdpa_graph_us"] / row["graph_us"]
+        if case.op == "attention_decode":
+            row.update(attention_launch_us(*args, device))
+        record(**row)
+
+
+def e2e_cases(tiny: bool) -> list[cases.Case]:
+    if tiny:
+        return [cases.end_to_end("decode", 2, 8, 64, 2, new_tokens=2)]
+    return [cases.smollm2_decode(16, 512, 8), cases.end_to_end("decode", 16, 512, 2048, 8, 8)]
+
+
+def part_e2e(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """Greedy decode of a patched model (plans on, plans off) against the unpatched one."""
+    for case in e2e_cases(tiny):
+        if time.monotonic() > deadline:
+            return record(part="e2e", cut=case.op + " " + case.shape)
+        bik_fn, plain_fn = case.make(device, dtype)
+        row: dict[str, Any] = dict(part="e2e", op=case.op, shape=case.shape)
+        with launch_plans(False):
+            reference = bik_fn()
+            row["jit_ms"] = eager_us(bik_fn, device, calls=2) / 1e3
+        with launch_plans(True):
+            row["plans_equal_jit"] = same(bik_fn(), reference)
+            row["ms"] = eager_us(bik_fn, device, calls=2) / 1e3
+        row["plain_ms"] = eager_us(plain_fn, device, calls=2) / 1e3
+        row["vs_plain"] = row["plain_ms"] / row["ms"]
+        record(**row)
+
+
+def part_profile(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    case = host_cases(tiny)[0]
+    bik_fn, _ = case.make(device, dtype)
+    bik_fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        bik_fn()
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    record(part="profile", case=case.shape, calls=300, text=text.getvalue()[-6000:])
+
+
+PARTS = {
+    "host": part_host,
+    "table": part_table,
+    "gemm": part_gemm,
+    "attention": part_attention,
+    "e2e": part_e2e,
+    "profile": part_profile,
+}
+
+
+def rehearse_sm90(record: Recorder) -> None:
+    """Every GEMM candidate compiled for sm_90a: its wgmma, registers, shared memory, spills."""
+    from bik.tools import sm90
+
+    seen = set()
+    for candidates in GEMM_CANDIDATES.values():
+        for bucket in candidates:
+            if bucket in seen:
+                continue
+            seen.add(bucket)
+            rows = bucket.max_rows or 4096
+            launch = triton_matmul.linear_launch(
+                sm90.meta(rows, 4096), sm90.meta(4096, 4096), None, sm90.meta(rows, 4096), bucket
+            )
+            binary = sm90.compile_launch(launch)
+            record(
+                part="sm90",
+                bucket=bucket._asdict(),
+                mma=sorted(binary.mma),
+                registers=binary.registers,
+                shared_bytes=binary.shared_bytes,
+                local_bytes=binary.local_bytes,
+                tma_loads=binary.count("UTMALDG"),
+            )
+
+
+def plans_held(records: list[dict]) -> bool:
+    """Whether every host record ran and its plans gave kernel[grid]'s bits."""
+    host = [r for r in records if r.get("part") == "host"]
+    return all("error" not in r and r.get("plans_equal_jit", True) for r in host)
+
+
+def summary(meta: dict, records: list[dict]) -> str:
+    """Markdown: the run's machine and versions, then one table per part (its records' keys
+    as columns), cuts and errors as lines, the profile as text."""
+    lines = ["# GPU probe", "", ", ".join(f"{k}: {v}" for k, v in meta.items()), ""]
+    for part in dict.fromkeys(r["part"] for r in records):
+        rows = [r for r in records if r["part"] == part]
+        lines += [f"## {part}", ""]
+        table = [r for r in rows if not {"cut", "error", "note", "text"} & r.keys()]
+        columns = list(dict.fromkeys(k for r in table for k in r if k != "part"))
+        if table:
+            lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in table]
+        for r in rows:
+            if "text" in r:
+                lines += ["```", r["text"].rstrip(), "```"]
+            for key in ("cut", "error", "note"):
+                if key in r:
+                    lines.append(f"- {key}: {r[key]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):  # a bucket: its fields in order
+        return "/".join(str(v) for v in value.values())
+    return str(value)
+
+
+def summarize(path: Path) -> None:
+    """probe.md beside a probe.jsonl, from its records."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    path.with_suffix(".md").write_text(summary(lines[0]["meta"], lines[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for all parts")
+    parser.add_argument("--out", type=Path, help="folder for probe.jsonl, probe.md")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
+    parser.add_argument("--rehearse", action="store_true", help="no GPU: see the docstring")
+    parser.add_argument("--summarize", type=Path, help="only write the .md of this .jsonl")
+    args = parser.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
+    if args.out is None:
+        parser.error("--out: expected a folder for the results")
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; expected some of {list(PARTS)}")
+    device = torch.device("cpu" if args.rehearse else "cuda")
+    if not args.rehearse and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --rehearse on a machine without a GPU")
+    dtype = torch.bfloat16
+    meta = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu (rehearsal)",
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        dtype=str(dtype),
+        budget_s=args.budget,
+    )
+    record = Recorder(args.out, meta)
+    torch.manual_seed(0)
+    start = time.monotonic()
+    if args.rehearse:
+        rehearse_sm90(record)
+    shares = sum(PART_SHARES[p] for p in parts)
+    for part in parts:
+        seconds = args.budget * PART_SHARES[part] / shares
+        deadline = min(time.monotonic() + seconds, start + args.budget)
+        try:
+            PARTS[part](record, device, dtype, deadline, args.rehearse)
+        except Exception as error:  # one part's failure must not cost the others' figures
+            record(part=part, error=f"{type(error).__name__}: {error}"[:500])
+        if part == "host" and not plans_held(record.records):
+            _common.LAUNCH_PLANS = False  # the later parts measure kernel[grid]: say so
+            record(part="host", note="plans differed or failed: later parts use kernel[grid]")
+        summarize(record.path)
+        print(f"gpu_probe: {part} done at {time.monotonic() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

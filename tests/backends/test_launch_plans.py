@@ -1,0 +1,150 @@
+"""Launch plans (bik.backends.triton._common.LaunchPlans), checked on the CPU with a stand-in
+kernel: a seen specialisation calls the compiled kernel directly with the arguments in the
+kernel's parameter order; anything Triton's binder specialises on (dtype, alignment, an
+integer's divisibility, a constexpr, warps) gets its own compile; a profiler's launch hooks
+send every launch through ``kernel[grid]``. On a GPU, tests/backends/test_gpu.py runs the real
+kernels through plans, and benchmarks/gpu_probe.py compares their bits with ``kernel[grid]``'s.
+"""
+
+import ast
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+from triton import knobs
+
+common = importlib.import_module("bik.backends.triton._common")
+
+PARAMETERS = [  # (name, constexpr, do_not_specialize)
+    ("x_ptr", False, False),
+    ("M", False, True),
+    ("N", False, False),
+    ("scale", False, False),
+    ("BLOCK", True, False),
+]
+
+
+class Compiled:
+    """What ``kernel[grid](...)`` returns: records the direct launches."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def run(self, *args) -> None:
+        self.runs.append(args)
+
+
+class Kernel:
+    """A stand-in JIT function: ``params`` as Triton lists them; ``kernel[grid](**args)``
+    counts a compile and returns a :class:`Compiled`."""
+
+    def __init__(self) -> None:
+        self.params = [
+            SimpleNamespace(name=n, is_constexpr=c, do_not_specialize=d) for n, c, d in PARAMETERS
+        ]
+        self.compiles: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(**args):
+            self.compiles.append(args)
+            return Compiled()
+
+        return launch
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    return common.LaunchPlans()
+
+
+def launch(kernel, x=None, m=5, n=32, block=64, warps=4):
+    x = torch.zeros(8) if x is None else x
+    args = dict(x_ptr=x, M=m, N=n, scale=0.5, BLOCK=block)
+    return common.Launch(kernel, (3,), args, num_warps=warps)
+
+
+def test_a_seen_specialisation_calls_the_compiled_kernel_in_parameter_order(plans):
+    kernel = Kernel()
+    x = torch.zeros(8)
+    plans.launch(launch(kernel, x))
+    assert len(kernel.compiles) == 1
+    plans.launch(launch(kernel, x, m=9))
+    assert len(kernel.compiles) == 1, "M is do_not_specialize: the same binary"
+    (compiled,) = plans.compiled.values()
+    (args,) = compiled.runs
+    assert args[:6] == (3, 1, 1, 7, "function", "metadata")  # grid padded to 3 dims, stream
+    assert args[6:9] == (None, None, None)  # no launch metadata, no hooks
+    assert args[9] is x and args[10:] == (9, 32, 0.5, 64)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(x=torch.zeros(8, dtype=torch.float64)),  # dtype
+        dict(x=torch.zeros(9)[1:]),  # a 4-byte offset: not 16-byte aligned
+        dict(n=33),  # no longer divisible by 16
+        dict(n=1),  # the value 1
+        dict(m=2**40),  # a 64-bit integer, even where it is not specialised on
+        dict(block=128),  # a constexpr
+        dict(warps=8),  # a compile option
+    ],
+    ids=["dtype", "alignment", "divisibility", "one", "int64", "constexpr", "warps"],
+)
+def test_what_the_binder_specialises_on_gets_its_own_compile(plans, change):
+    kernel = Kernel()
+    plans.launch(launch(kernel))
+    plans.launch(launch(kernel, **change))
+    assert len(kernel.compiles) == 2
+
+
+def test_values_with_the_same_specialisation_share_a_plan(plans):
+    kernel = Kernel()
+    plans.launch(launch(kernel, n=32))
+    plans.launch(launch(kernel, n=48, m=1))  # both divisible by 16; M not specialised
+    assert len(kernel.compiles) == 1
+
+
+def test_launch_hooks_send_every_launch_through_the_jit(plans):
+    kernel = Kernel()
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        plans.launch(launch(kernel))
+        plans.launch(launch(kernel))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert len(kernel.compiles) == 2
+
+
+def test_an_argument_without_a_key_is_refused(plans):
+    kernel = Kernel()
+    bad = launch(kernel)
+    bad.args["x_ptr"] = object()
+    with pytest.raises(TypeError, match="no plan key"):
+        plans.launch(bad)
+
+
+def test_host_integer_helpers_match_triton():
+    for a in range(0, 300):
+        for b in (1, 3, 16, 64):
+            assert common.cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(1, 5000):
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n)
+
+
+def test_no_triton_host_arithmetic_in_the_launchers():
+    """``triton.cdiv`` and ``triton.next_power_of_2`` cost microseconds a host call."""
+    folder = Path(common.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                assert (node.value.id, node.attr) not in {
+                    ("triton", "cdiv"),
+                    ("triton", "next_power_of_2"),
+                }, f"{path.name}: triton.{node.attr} on the host"
