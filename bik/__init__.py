@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode
-from .ops.activations import gelu_tanh, sigmoid, silu
+from .ops.activations import gelu_tanh, sigmoid, silu, softplus
 from .ops.attention import attention
 from .ops.grouped_linear import grouped_linear
 from .ops.log_softmax import log_softmax, token_logprobs
@@ -51,6 +51,7 @@ __all__ = [
     "set_backend",
     "sigmoid",
     "silu",
+    "softplus",
     "token_logprobs",
     "unpack_weights",
     "unpatch_model",

@@ -58,7 +58,10 @@ gated delta rule (linear attention: Qwen3.5, Qwen3-Next; bik.layers.delta_rule)
     every sum over the key dimension one fixed pairwise tree (zero-padded to a power of two),
     all elementwise per row. Batch, padding, thread count and where calls cut the sequence
     (the state is carried exactly) do not move a bit. The chunked parallel form is not used:
-    it sums in another order than decode.
+    it sums in another order than decode. The short causal convolution before it sums its
+    taps in ascending order in fp32 (oldest input first, missing inputs as exact zeros) and
+    rounds once; the decay ``g`` and the write strength ``beta`` are elementwise formulas
+    (``bik.softplus``, ``bik.sigmoid``) whose bits do not depend on the tensor's layout.
 
 The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; their
 bindings export them and a test asserts that the two agree. docs/design.md explains the whole

@@ -47,6 +47,8 @@ class Family:
     Linear, RMSNorm, attention, SiLU and RoPE (the second column of docs/huggingface.md's
     family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
+    linear_attention: a hybrid of Gated DeltaNet layers and gated full attention (Qwen3-Next,
+    Qwen3.5; bik.hf.linear_attention).
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
@@ -57,6 +59,7 @@ class Family:
     name: str
     note: str
     gemma_norm: bool = False
+    linear_attention: bool = False
     experts_key: str | None = None
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
@@ -118,6 +121,22 @@ _GROUPED_ROUTER_PRESET = (
     ("n_group", 2),
     ("topk_group", 1),
     ("routed_scaling_factor", 2.5),
+)
+# Qwen3.5 / Qwen3-Next: Gated DeltaNet layers beside gated full attention. The tiny presets: one
+# layer of each, 2 key heads and 4 value heads of 16 dims, the model's 4-tap convolution.
+_HYBRID_NOTE = (
+    "Gated DeltaNet layers: the causal convolution and the gated delta rule in "
+    "`bik.layers.delta_rule`'s fixed orders (fp32 state, token by token, for a prompt as for "
+    "a decode step), `g` through `bik.softplus`, `beta` and the attention's output gate "
+    "through `bik.sigmoid`, the gated RMSNorm as `bik.rms_norm` times `bik.silu`; "
+    "RMSNorm scaling by `(1 + w)`"
+)
+_HYBRID_PRESET = (
+    ("layer_types", ["linear_attention", "full_attention"]),
+    ("linear_num_key_heads", 2),
+    ("linear_num_value_heads", 4),
+    ("linear_key_head_dim", 16),
+    ("linear_value_head_dim", 16),
 )
 FAMILIES: dict[str, Family] = {
     family.model_type: family
@@ -220,6 +239,26 @@ FAMILIES: dict[str, Family] = {
             expert_width_key="moe_intermediate_size",
             moe_keys=_GROUPED_ROUTER_KEYS,
             tiny_keys=(*_GROUPED_ROUTER_PRESET, ("use_qk_norm", True)),
+        ),
+        Family(
+            "qwen3_5_text",
+            "Qwen3.5",
+            _HYBRID_NOTE,
+            gemma_norm=True,
+            linear_attention=True,
+            tiny_keys=_HYBRID_PRESET,
+        ),
+        Family(
+            "qwen3_next",
+            "Qwen3-Next",
+            "as Qwen3.5, with MoE layers as Qwen2-MoE (a shared expert gated through "
+            "`bik.sigmoid`)",
+            gemma_norm=True,
+            linear_attention=True,
+            experts_key="num_experts",
+            expert_width_key="moe_intermediate_size",
+            shared_expert_key="shared_expert_intermediate_size",
+            tiny_keys=_HYBRID_PRESET,
         ),
         Family(
             "qwen3_moe",

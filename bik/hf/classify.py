@@ -24,6 +24,19 @@ def _moe_kind(module):
     return None
 
 
+def _linear_attention_kind(module):
+    """'gated_delta_net', 'gated_rms_norm' or 'gated_attention' for the modules of a hybrid
+    linear-attention family (Qwen3-Next, Qwen3.5)."""
+    name = type(module).__name__
+    if name.endswith("GatedDeltaNet"):
+        return "gated_delta_net"
+    if name.endswith("RMSNormGated") and hasattr(module, "variance_epsilon"):
+        return "gated_rms_norm"
+    if name.endswith("Attention") and hasattr(module, "config"):
+        return "gated_attention"
+    return None
+
+
 def _is_rms_norm(module):
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
 
@@ -78,13 +91,17 @@ _COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE", "DeepseekV3MoE")
 
 def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     """'linear', 'rms_norm', 'gemma_rms_norm', 'attention', 'rotary', 'silu', 'gelu_tanh',
-    an MoE kind (see _moe_kind), 'unpatched' (reduces, but bik cannot vouch for its order) or
+    an MoE kind (see _moe_kind), a linear-attention kind (see _linear_attention_kind),
+    'unpatched' (reduces, but bik cannot vouch for its order) or
     None (does no reduction of its own). ``family``: None for a family bik does not support."""
     moe_kind = _moe_kind(module) if family is not None and family.moe else None
     if moe_kind is not None:
         return moe_kind
     if family is not None and type(module).__name__ in _COMPOSING_MOE_BLOCKS:
         return None
+    linear_attention_kind = _linear_attention_kind(module) if family is not None else None
+    if family is not None and family.linear_attention and linear_attention_kind is not None:
+        return linear_attention_kind
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):

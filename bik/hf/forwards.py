@@ -65,13 +65,15 @@ class EagerRotary:
 
     In the families bik supports, RoPE with fixed frequencies takes its cos/sin from
     bik.layers.rotary, the formula bik's vLLM layer uses too; dynamic variants (recomputed per
-    length) and other families run transformers' code."""
+    length), multimodal RoPE (Qwen3.5) and other families run transformers' code."""
 
     def __init__(self, module: torch.nn.Module, bik_formula: bool):
         self.module = module
         rope_type = getattr(module, "rope_type", "default")
-        self.bik_formula = bik_formula and not any(
-            kind in rope_type for kind in ("dynamic", "longrope")
+        self.bik_formula = (
+            bik_formula
+            and not any(kind in rope_type for kind in ("dynamic", "longrope"))
+            and not hasattr(module, "mrope_section")  # Qwen3.5's multimodal layout
         )
 
     def __call__(

@@ -14,6 +14,7 @@ from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
+from .linear_attention import GatedAttention, GatedDeltaNet, GatedRMSNorm
 from .moe import Experts, GroupedSigmoidRouter, MoeBlock, Router
 
 if TYPE_CHECKING:
@@ -86,7 +87,21 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
         lambda m, backend, _: MoeBlock(m),
         "MoE block (a shared-expert gate through bik.sigmoid)",
     ),
+    "gated_delta_net": (
+        lambda m, backend, _: GatedDeltaNet(m),
+        "Gated DeltaNet (bik.layers.delta_rule: causal_conv1d, gated_delta_rule)",
+    ),
+    "gated_rms_norm": (
+        lambda m, backend, _: GatedRMSNorm(m, backend),
+        "bik.rms_norm * bik.silu(gate)",
+    ),
+    "gated_attention": (
+        lambda m, backend, _: GatedAttention(m),
+        "bik.attention, its output gate through bik.sigmoid",
+    ),
 }
+# Modules that a patched parent computes itself: (the parent's kind, the child's name).
+_COMPUTED_BY_PARENT = (("gated_delta_net", "conv1d"),)
 
 
 def _check_model(model: torch.nn.Module) -> None:
@@ -181,6 +196,10 @@ def patch_model(
             "what can be and list the rest in report.unpatched"
         )
     kinds = {name: module_kind(module, family) for name, module in model.named_modules() if name}
+    for parent, kind in list(kinds.items()):
+        for parent_kind, child in _COMPUTED_BY_PARENT:
+            if kind == parent_kind:
+                kinds[f"{parent}.{child}"] = None
     unpatched = [
         f"{name} ({type(model.get_submodule(name)).__name__})"
         for name, kind in kinds.items()
@@ -197,10 +216,13 @@ def patch_model(
     settings = AttentionSettings(backend, split_size)
     for name, kind in kinds.items():
         module = model.get_submodule(name)
-        if kind == "attention":
+        if kind in ("attention", "gated_attention"):
             # torch hints Module.__setattr__ for tensors and modules; any value is allowed
             module._bik_attention = settings  # type: ignore[assignment]
             patched[name] = "bik.attention"
+            if kind == "gated_attention":
+                make_forward, patched[name] = _FORWARDS[kind]
+                module.forward = make_forward(module, backend, family)
         elif name in row_parallel:
             module.forward = PatchedForward(module, "row_parallel_linear", backend)
             patched[name] = _ROW_PARALLEL
@@ -237,9 +259,8 @@ def unpatch_model(model: PreTrainedModel) -> None:
         raise ValueError("model: not patched by bik (bik.unpatch_model undoes bik.patch_model)")
     for name, kind in report.patched.items():
         module = model.get_submodule(name)
-        if kind == "bik.attention":
-            vars(module).pop("_bik_attention", None)
-        else:
+        vars(module).pop("_bik_attention", None)
+        if kind != "bik.attention":
             del module.forward  # the class's own forward shows again
     model.set_attn_implementation(report.attention_was)
     if report.packed_weights:

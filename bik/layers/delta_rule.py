@@ -26,6 +26,30 @@ import torch
 from .. import _checks
 
 
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution before the rule: ``x [B, C, L]`` (channels first, as
+    transformers' ``causal_conv1d_fn``), ``weight [C, W]`` -> ``[B, C, L]`` in x's dtype.
+
+    Output ``t`` of channel ``c`` is ``sum_j weight[c, j] * x[c, t - W + 1 + j]`` over the taps
+    ``j = 0 .. W - 1`` in ascending order, in fp32, with inputs before the first as exact
+    zeros, rounded once. Elementwise per (row, channel, position): a decode step that
+    convolves its cached window gets the bits of the same position in a prompt."""
+    _checks.floating("x", x)
+    _checks.rank("x", x, 3)
+    _checks.rank("weight", weight, 2)
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"weight: expected {x.shape[1]} channels (x's dim 1), got {tuple(weight.shape)}"
+        )
+    width, length = weight.shape[1], x.shape[2]
+    padded = torch.nn.functional.pad(x.float(), (width - 1, 0))
+    taps = weight.float()[:, :, None]  # [C, W, 1]
+    out = padded[:, :, 0:length] * taps[:, 0]
+    for j in range(1, width):  # ascending taps: the order's one reduction
+        out = out + padded[:, :, j : j + length] * taps[:, j]
+    return out.to(x.dtype)
+
+
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``x`` summed over ``dim`` by a fixed pairwise tree (see the module docstring); the
     dimension is kept, of size 1."""

@@ -1,4 +1,4 @@
-"""Activations (SiLU, sigmoid, tanh-approximated GELU) with bits that do not depend on the
+"""Activations (SiLU, sigmoid, softplus, tanh-approximated GELU) with bits that do not depend on the
 tensor's shape or layout.
 
 There is no reduction here, but torch's own fp32 activations on the CPU are still not
@@ -6,8 +6,9 @@ invariant: their vectorised body and their scalar tail (the last elements of a b
 every element of a strided view) compute ``exp`` or ``tanh`` differently, so an element's bits
 depend on where it sits. Both sides of a rollout/training pair (the Hugging Face model and
 vLLM's layers) call these functions instead. Each is a formula in fp32 over ops whose vector
-and scalar paths agree (negation, multiplication, addition, division, ``exp`` and ``tanh``;
-tests/ops/test_elementwise.py checks ``exp`` and ``tanh``), rounded once to x's dtype.
+and scalar paths agree (negation, multiplication, addition, division, ``exp``, ``log`` and
+``tanh``; tests/ops/test_elementwise.py checks ``exp``, ``log`` and ``tanh``), rounded once to
+x's dtype.
 """
 
 import math
@@ -31,6 +32,17 @@ def _silu_formula(x: torch.Tensor) -> torch.Tensor:
 
 def _sigmoid_formula(x: torch.Tensor) -> torch.Tensor:
     return (1 / (1 + torch.exp(-_wide(x)))).to(x.dtype)
+
+
+def _softplus_formula(x: torch.Tensor) -> torch.Tensor:
+    # max(x, 0) + log1p(exp(-|x|)), with log1p from log (torch's vector and scalar log1p
+    # differ, log agrees): log1p(u) = log(w) * u / (w - 1) for w = 1 + u (Goldberg's form,
+    # a few ulps), u itself where w rounds to 1.
+    wide = _wide(x)
+    u = torch.exp(-wide.abs())
+    w = 1 + u
+    log1p = torch.where(w == 1, u, torch.log(w) * u / (w - 1))
+    return (torch.relu(wide) + log1p).to(x.dtype)
 
 
 _GELU_BETA = math.sqrt(2 / math.pi)
@@ -79,6 +91,12 @@ silu = _activation(
 )
 sigmoid = _activation(
     "sigmoid", _sigmoid_formula, "``1 / (1 + exp(-x))`` with fp32 math, in x's dtype."
+)
+softplus = _activation(
+    "softplus",
+    _softplus_formula,
+    "``log(1 + exp(x))`` as ``max(x, 0) + log(1 + exp(-|x|))`` with fp32 math, in x's dtype "
+    "(the decay of the gated delta rule).",
 )
 gelu_tanh = _activation(
     "gelu_tanh",

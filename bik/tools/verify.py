@@ -112,7 +112,7 @@ def check_chunked(
 
     seq = _random_tokens(rng, vocab, 30).to(model.device)
     cuts = sorted(rng.sample(range(1, len(seq)), 3))
-    cache, pieces = DynamicCache(), []
+    cache, pieces = DynamicCache(config=model.config), []  # the layers generate() would build
     for start, stop in zip([0, *cuts], [*cuts, len(seq)]):
         logits = model(
             input_ids=seq[None, start:stop],

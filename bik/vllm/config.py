@@ -81,7 +81,14 @@ def check_engine(vllm_config: "VllmConfig") -> None:
 
 def check_hf_config(hf_config: "PreTrainedConfig") -> None:
     """Raise for a model bik.vllm cannot run, read off its transformers config before vLLM
-    builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's)."""
+    builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's) or one with
+    linear-attention layers (vLLM's Gated DeltaNet kernels sum in their own order)."""
+    if "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        raise NotImplementedError(
+            f"bik.vllm: {hf_config.model_type!r} has linear-attention (Gated DeltaNet) "
+            "layers, which vLLM computes with its own kernels, not bik's (bik.patch_model "
+            "computes them for Hugging Face models)"
+        )
     experts = max((getattr(hf_config, key, None) or 0) for key in EXPERT_COUNT_KEYS)
     if experts:
         raise NotImplementedError(

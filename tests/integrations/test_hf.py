@@ -46,12 +46,22 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "preset", ["tiny-qwen3", "tiny-olmo3", "tiny-smollm3", "tiny-glm4_moe", "tiny-deepseek_v3"]
+    "preset",
+    [
+        "tiny-qwen3",
+        "tiny-olmo3",
+        "tiny-smollm3",
+        "tiny-glm4_moe",
+        "tiny-deepseek_v3",
+        "tiny-qwen3_5_text",
+        "tiny-qwen3_next",
+    ],
 )
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
     sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
-    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention (their tiny
+    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, Qwen3.5 and
+    Qwen3-Next with a Gated DeltaNet layer beside a gated full-attention one (their tiny
     presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)

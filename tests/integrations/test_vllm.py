@@ -204,6 +204,14 @@ def test_mixture_of_experts_is_refused(model_dir):
     gc.collect()
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_linear_attention_is_refused_before_vllm_builds_it(family):
+    from bik.vllm.config import check_hf_config
+
+    with pytest.raises(NotImplementedError, match="linear-attention .* not bik's"):
+        check_hf_config(FAMILIES[family].tiny_config())
+
+
 def test_scaled_rope_is_refused(model_dir):
     scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     path = model_dir("llama", rope_parameters=scaled)

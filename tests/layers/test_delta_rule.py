@@ -5,10 +5,11 @@ transformers ships disagree between prefill and decode (the negative control).""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bik.layers.delta_rule import gated_delta_rule, tree_sum
+from bik.layers.delta_rule import causal_conv1d, gated_delta_rule, tree_sum
 
 CASES = settings(max_examples=min(10, settings.default.max_examples))
 
@@ -123,3 +124,48 @@ def test_bad_shapes_name_the_argument():
         gated_delta_rule(q, k, v, g, beta[..., :1])
     with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 2, 8, 6\)"):
         gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 8, 5))
+
+
+# ---- the short causal convolution ----------------------------------------------------------
+
+
+def conv_inputs(batch, channels, length, width=4, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, length, generator=gen).to(dtype)
+    return x, torch.randn(channels, width, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_matches_torch_conv1d_in_float64(dtype):
+    x, weight = conv_inputs(2, 5, 11, dtype=dtype)
+    reference = F.conv1d(x.double(), weight.double()[:, None], padding=3, groups=5)[..., :11]
+    got = causal_conv1d(x, weight)
+    assert got.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), reference, rtol=tolerance, atol=tolerance)
+
+
+@CASES
+@given(
+    batch=st.integers(1, 4),
+    length=st.integers(1, 20),
+    row=st.integers(0, 3),
+    cut=st.integers(0, 20),
+    seed=st.integers(0, 50),
+)
+def test_causal_conv1d_rows_and_decode_windows_keep_their_bits(batch, length, row, cut, seed):
+    x, weight = conv_inputs(batch, 6, length, seed=seed)
+    row, cut = row % batch, cut % length
+    whole = causal_conv1d(x, weight)
+    assert torch.equal(causal_conv1d(x[row : row + 1], weight), whole[row : row + 1])
+    # a decode step convolves the cached window (the last inputs) and keeps the last output
+    window = x[:, :, max(0, cut - 3) : cut + 1]
+    assert torch.equal(causal_conv1d(window, weight)[..., -1], whole[..., cut])
+
+
+def test_causal_conv1d_bad_shapes_name_the_argument():
+    x, weight = conv_inputs(1, 4, 5)
+    with pytest.raises(ValueError, match="weight: expected 4 channels"):
+        causal_conv1d(x, weight[:3])
+    with pytest.raises(ValueError, match="x"):
+        causal_conv1d(x[0], weight)

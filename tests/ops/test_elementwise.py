@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bik.layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
-from bik.ops.activations import gelu_tanh, sigmoid, silu, silu_and_mul
+from bik.ops.activations import gelu_tanh, sigmoid, silu, silu_and_mul, softplus
 
 # bik's activation -> torch's own (the accuracy oracle, and the negative control).
 ACTIVATIONS = {
     silu: F.silu,
     sigmoid: torch.sigmoid,
+    softplus: F.softplus,
     gelu_tanh: functools.partial(F.gelu, approximate="tanh"),
 }
 NAMED = pytest.mark.parametrize("ours", list(ACTIVATIONS), ids=lambda f: f.__name__)
@@ -44,6 +45,12 @@ def test_torch_exp_vector_and_scalar_loops_agree():
     # bik.silu and bik.sigmoid rely on it: a sample of fp32 values across exp's finite range.
     x = torch.linspace(-87.0, 88.0, 400_000)
     assert torch.equal(torch.exp(x), torch.exp(strided_copy(x)))
+
+
+def test_torch_log_vector_and_scalar_loops_agree():
+    # bik.softplus relies on it: its log argument lies in [1, 2]; a wider sample besides.
+    for x in (torch.linspace(1.0, 2.0, 400_000), torch.logspace(-30, 30, 400_000)):
+        assert torch.equal(torch.log(x), torch.log(strided_copy(x)))
 
 
 def test_torch_tanh_vector_and_scalar_loops_agree():
