@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 import bik
 from bik.backends.triton import _common
-from bik.tools.bench import cases
+from bik.tools.bench import cases, graphs
 
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
@@ -137,43 +137,21 @@ def eager_us(fn: Callable[[], object], device: torch.device, calls: int = 50) ->
     return statistics.median(times) * 1e6
 
 
-def host_us(fn: Callable[[], object], device: torch.device, calls: int = 100) -> float:
-    """Host time to issue one call: ``calls`` calls issued with no wait, per call (the GPU
-    queue takes them without blocking at decode shapes), median of 5."""
-    fn()
-    times = []
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-        sync(device)
-    return statistics.median(times) * 1e6
-
-
 def graph_us(fn: Callable[[], object], calls: int = 20) -> tuple[float, object]:
     """(per-call us of ``calls`` calls captured in one CUDA graph and replayed, the first
-    call's output from the last replay): CUDA events, median of 5 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [fn() for _ in range(calls)]
-    graph.replay()
+    captured call's output after a replay): CUDA events, median of 5 replays."""
+    outputs: list[object] = []
+    replay = graphs.graphed(lambda: outputs.append(fn()), calls)
+    replay()
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times), outputs[0]
+    return statistics.median(times), outputs[2]  # after the two warm-up calls
 
 
 @contextlib.contextmanager
@@ -217,14 +195,14 @@ def part_host(record: Recorder, device, dtype, deadline: float, tiny: bool) -> N
         row: dict[str, Any] = dict(part="host", op=case.op, shape=case.shape)
         with launch_plans(False):
             reference = bik_fn()
-            row["jit_host_us"] = host_us(bik_fn, device)
+            row["jit_host_us"] = graphs.host_us(bik_fn, device)
             row["jit_eager_us"] = eager_us(bik_fn, device)
         with launch_plans(True):
             bik_fn()  # the first call builds the plan
             row["plans_equal_jit"] = same(bik_fn(), reference)
-            row["host_us"] = host_us(bik_fn, device)
+            row["host_us"] = graphs.host_us(bik_fn, device)
             row["eager_us"] = eager_us(bik_fn, device)
-        row["torch_host_us"] = host_us(torch_fn, device)
+        row["torch_host_us"] = graphs.host_us(torch_fn, device)
         row["torch_eager_us"] = eager_us(torch_fn, device)
         if device.type == "cuda":
             row["graph_us"], replayed = graph_us(bik_fn)

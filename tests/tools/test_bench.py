@@ -272,7 +272,7 @@ def test_the_gpu_path_rotates_enough_copies_for_the_l2_size(monkeypatch):
         return bench.Timing(2.0, 1.0, 0.01)
 
     monkeypatch.setattr(bench, "time_pair", fake_time_pair)
-    timing, copies, set_bytes = bench._time_case(
+    timing, copies, set_bytes, _ = bench._time_case(
         _recording_case(seen), torch.device("cpu"), torch.float32, l2=100, min_time=0.5
     )
     assert (timing.bik_ms, timing.base_ms, set_bytes, timed) == (2.0, 1.0, 16, [0.5])
@@ -280,7 +280,7 @@ def test_the_gpu_path_rotates_enough_copies_for_the_l2_size(monkeypatch):
     assert len({p for _, p, _ in seen}) == 13
     seen.clear()
     assert bench._time_case(_recording_case(seen), torch.device("cpu"), torch.float32, 0, 0.5)[
-        1:
+        1:3
     ] == (1, 16)  # no L2 given (the CPU): one copy, as before
     assert len({p for _, p, _ in seen}) == 1
 
@@ -299,6 +299,54 @@ def test_the_cpu_bench_does_not_rotate(monkeypatch):
     (record,) = result["records"]
     assert record["ratio"] == 1.5 and "copies" not in record
     assert result["timer"] == "wall clock" and "l2_bytes" not in result
+
+
+def _gpu_case_on_the_cpu(seen):
+    """A kernel case whose "GPU" inputs live on the CPU; each call says who made it."""
+    return cases.Case(
+        "probe",
+        "n=4",
+        8e9,
+        8e6,
+        lambda device, dtype: (torch.zeros(4, dtype=dtype), 3),
+        lambda x, three: seen.append("bik"),
+        lambda x, three: seen.append("baseline"),
+    )
+
+
+def test_a_gpu_case_is_recorded_eager_with_host_costs_and_replayed_from_graphs(monkeypatch):
+    """The GPU records of a kernel case, the GPU parts faked on the CPU: the eager record
+    with each side's host cost, then the graph record, per call of the captured calls."""
+    seen: list[str] = []
+    case = _gpu_case_on_the_cpu(seen)
+    calls = bench.graphs.GRAPH_CALLS
+    fake_pair = lambda b, base, device, t: (b(), base(), bench.Timing(2.0, 1.0, 0.01))[-1]
+    monkeypatch.setattr(bench, "time_pair", fake_pair)
+    monkeypatch.setattr(bench.graphs, "graphed", lambda fn: lambda: [fn() for _ in range(calls)])
+    monkeypatch.setattr(bench.graphs, "host_us", lambda fn, device: 42.0)
+    eager, graph = bench._case_records(
+        case, torch.device("cuda"), "float32", l2=100, min_time=0.1, backend="triton"
+    )
+    assert (eager["mode"], eager["host_us"], eager["baseline_host_us"]) == ("eager", 42.0, 42.0)
+    assert (eager["bik_ms"], eager["ratio"], eager["l2_cold"]) == (2.0, 0.5, True)
+    assert (graph["mode"], graph["bik_ms"], graph["ratio"]) == ("graph", 2.0 / calls, 0.5)
+    assert seen.count("bik") == 1 + calls  # one eager sample, one replay of the captured calls
+    graph.update(bench._rates(case, graph, 1e12, 1e11))
+    assert bench._row(graph).startswith("| probe (graph) | n=4 | float32 |")
+
+
+def test_a_failed_capture_keeps_the_eager_record(monkeypatch):
+    monkeypatch.setattr(bench, "time_pair", lambda b, base, device, t: bench.Timing(1, 1, 0))
+    monkeypatch.setattr(bench.graphs, "host_us", lambda fn, device: 1.0)
+
+    def no_graph(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench.graphs, "graphed", no_graph)
+    eager, graph = bench._case_records(
+        _gpu_case_on_the_cpu([]), torch.device("cuda"), "float32", 100, 0.1, "triton"
+    )
+    assert eager["ratio"] == 1 and graph["error"].startswith("RuntimeError: operation not")
 
 
 def _result(backend, **extra):

@@ -27,6 +27,7 @@ model and prompts, each engine in its own process (:mod:`bik.tools.bench.vllm_th
 """
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -55,7 +56,7 @@ from ..cli import (
     positive_int,
 )
 from . import cases as case_lib
-from . import vllm_throughput
+from . import graphs, vllm_throughput
 
 MIN_TIME = 0.2  # seconds per timed sample set
 TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}
@@ -134,16 +135,35 @@ class Timing(NamedTuple):
     spread: float
 
 
+class Timed(NamedTuple):
+    """One case timed eagerly: its timing, the input copies rotated over, the bytes of one
+    copy, and the two timed functions (bik's, the baseline's)."""
+
+    timing: Timing
+    copies: int
+    set_bytes: int
+    fns: tuple[Callable[[], object], Callable[[], object]]
+
+
 def _time_case(
     case: case_lib.Case, device: torch.device, dtype: torch.dtype, l2: int, min_time: float
-) -> tuple[Timing, int, int]:
-    """(timing, copies, bytes of one copy) of one case on ``device``."""
+) -> Timed:
+    """One case on ``device``, timed eagerly."""
     args = case.inputs(device, dtype)
     set_bytes = case_lib.input_bytes(args) if case.rotate else 0
     copies = rotation_copies(set_bytes, l2) if l2 and case.rotate else 1
     fns = case.make(device, dtype, copies, args)
     del args
-    return time_pair(*fns, device, min_time), copies, set_bytes
+    return Timed(time_pair(*fns, device, min_time), copies, set_bytes, fns)
+
+
+def _time_graphs(fns, device: torch.device, min_time: float) -> Timing:
+    """Both functions replayed from CUDA graphs of ``graphs.GRAPH_CALLS`` calls each, timed
+    as :func:`time_pair` times eager calls; ms per call."""
+    replays = [graphs.graphed(fn) for fn in fns]
+    timing = time_pair(*replays, device, min_time)
+    calls = graphs.GRAPH_CALLS
+    return Timing(timing.bik_ms / calls, timing.base_ms / calls, timing.spread)
 
 
 def _spread(samples: list[float]) -> float:
@@ -240,54 +260,100 @@ def run(
             peak_flops, peak_bw = measure_peaks(device, dtype, quick)
             peaks[dtype_name] = {"tflops": peak_flops / 1e12, "gbps": peak_bw / 1e9}
             for case in selected:
-                record: dict[str, Any] = {"op": case.op, "shape": case.shape, "dtype": dtype_name}
-                record["backend"] = backend
-                records.append(record)
-                try:
-                    timing, copies, set_bytes = _time_case(case, device, dtype, l2, min_time)
-                except models.ModelOfflineError as error:  # BIK_OFFLINE=1: not a failure
-                    record["skipped"] = str(error)
+                for record in _case_records(case, device, dtype_name, l2, min_time, backend):
+                    record.update(_rates(case, record, peak_flops, peak_bw))
+                    records.append(record)
                     say(_row(record))
-                    continue
-                except Exception as error:
-                    if not gpu:  # the CPU bench stops at the first failure
-                        raise
-                    record["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-                    say(_row(record))
-                    continue
-                finally:
-                    if gpu:
-                        gc.collect()
-                        torch.cuda.empty_cache()
-                bik_ms, base_ms = timing.bik_ms, timing.base_ms
-                flops, traffic = case.flops / (bik_ms * 1e-3), case.bytes / (bik_ms * 1e-3)
-                record.update(
-                    bik_ms=bik_ms,
-                    baseline_ms=base_ms,
-                    ratio=base_ms / bik_ms,
-                    spread=timing.spread,
-                    reliable=timing.spread <= SPREAD_LIMIT,
-                    bik_tflops=flops / 1e12,
-                    bik_gbps=traffic / 1e9,
-                    peak_share=max(flops / peak_flops, traffic / peak_bw),
-                )
-                if gpu:  # the rotation: copies of the inputs, and whether they exceed L2
-                    record.update(copies=copies, rotated_mib=copies * set_bytes / 2**20)
-                    record["l2_cold"] = not case.rotate or copies * set_bytes > l2
-                if case.tokens:  # end-to-end: patched vs unpatched model throughput
-                    record.update(
-                        bik_tokens_per_s=case.tokens / (bik_ms * 1e-3),
-                        baseline_tokens_per_s=case.tokens / (base_ms * 1e-3),
-                    )
-                say(_row(record))
-    except KeyboardInterrupt:
-        if records and not {"bik_ms", "error", "skipped"} & records[-1].keys():
-            records.pop()  # the case being timed
+    except KeyboardInterrupt:  # the case being timed has no record yet
         result["interrupted"] = True
         say(f"interrupted: {len(records)} records kept")
     result["load_after"] = machine_load()
     save(result, json_path, plot_path)
     return result
+
+
+def _case_records(case, device, dtype_name, l2, min_time, backend) -> list[dict[str, Any]]:
+    """The records of one case: eager (with each side's host cost on a GPU), and on a GPU
+    the same calls replayed from CUDA graphs (kernel cases; a model's generate cannot be
+    captured). A failure on a GPU is recorded, on a CPU raised."""
+    dtype = DTYPE_NAMES[dtype_name]
+    base = {"op": case.op, "shape": case.shape, "dtype": dtype_name, "backend": backend}
+    record: dict[str, Any] = {**base, "mode": "eager"}
+    gpu = device.type == "cuda"
+    pinned = contextlib.nullcontext()
+    if gpu and case.op.startswith("attention"):  # the baseline's SDPA kernel, recorded
+        from torch.nn.attention import sdpa_kernel
+
+        backend_choice = graphs.sdpa_backend(dtype)
+        pinned = sdpa_kernel([backend_choice])
+        base["sdpa_backend"] = record["sdpa_backend"] = backend_choice.name
+    try:
+        with pinned:
+            timed = _time_case(case, device, dtype, l2, min_time)
+            records = [{**record, **_timing_fields(timed.timing)}]
+            if gpu:
+                record = records[0]
+                record["host_us"], record["baseline_host_us"] = (
+                    graphs.host_us(fn, device) for fn in timed.fns
+                )
+                record.update(
+                    copies=timed.copies, rotated_mib=timed.copies * timed.set_bytes / 2**20
+                )
+                record["l2_cold"] = not case.rotate or timed.copies * timed.set_bytes > l2
+                if case.rotate:
+                    records.append(_graph_record(base, timed.fns, device, min_time))
+    except models.ModelOfflineError as error:  # BIK_OFFLINE=1: not a failure
+        return [{**record, "skipped": str(error)}]
+    except Exception as error:
+        if not gpu:  # the CPU bench stops at the first failure
+            raise
+        return [{**record, "error": _error_line(error)}]
+    finally:
+        if gpu:
+            gc.collect()
+            torch.cuda.empty_cache()
+    return records
+
+
+def _graph_record(base, fns, device, min_time) -> dict[str, Any]:
+    """The graph-mode record of a case whose eager calls were timed; a capture that fails is
+    recorded as this record's error (the eager record stands)."""
+    try:
+        return {**base, "mode": "graph", **_timing_fields(_time_graphs(fns, device, min_time))}
+    except Exception as error:
+        return {**base, "mode": "graph", "error": _error_line(error)}
+
+
+def _error_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
+
+
+def _timing_fields(timing: Timing) -> dict[str, Any]:
+    return dict(
+        bik_ms=timing.bik_ms,
+        baseline_ms=timing.base_ms,
+        ratio=timing.base_ms / timing.bik_ms,
+        spread=timing.spread,
+        reliable=timing.spread <= SPREAD_LIMIT,
+    )
+
+
+def _rates(case, record, peak_flops, peak_bw) -> dict[str, Any]:
+    """Throughput fields of a timed record: TFLOP/s, GB/s and the share of the peaks, or an
+    end-to-end case's tokens/s; nothing for a failed or skipped one."""
+    if "bik_ms" not in record:
+        return {}
+    bik_s, base_s = record["bik_ms"] * 1e-3, record["baseline_ms"] * 1e-3
+    if case.tokens:  # end-to-end: patched vs unpatched model throughput
+        return dict(
+            bik_tokens_per_s=case.tokens / bik_s, baseline_tokens_per_s=case.tokens / base_s
+        )
+    flops, traffic = case.flops / bik_s, case.bytes / bik_s
+    return dict(
+        bik_tflops=flops / 1e12,
+        bik_gbps=traffic / 1e9,
+        peak_share=max(flops / peak_flops, traffic / peak_bw),
+    )
 
 
 def _version(package):
@@ -340,14 +406,18 @@ HEADER = (
 )
 
 
+def _op_label(r):
+    """The op, and "(graph)" for a record replayed from CUDA graphs."""
+    return r["op"] + (" (graph)" if r.get("mode") == "graph" else "")
+
+
 def _row(r):
+    op = _op_label(r)
     if "error" in r:
-        return f"| {r['op']} | {r['shape']} | {r['dtype']} | failed: {r['error']} |"
+        return f"| {op} | {r['shape']} | {r['dtype']} | failed: {r['error']} |"
     if "skipped" in r:
-        return f"| {r['op']} | {r['shape']} | {r['dtype']} | skipped: {r['skipped']} |"
-    head = (
-        f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
-    )
+        return f"| {op} | {r['shape']} | {r['dtype']} | skipped: {r['skipped']} |"
+    head = f"| {op} | {r['shape']} | {r['dtype']} | {r['bik_ms']:.4f} | {r['baseline_ms']:.4f} "
     ratio = f"{r['ratio']:.2f}" + ("" if r.get("reliable", True) else " ?")
     if "bik_tokens_per_s" in r:  # end-to-end rows report tokens/s instead of TFLOP/s and GB/s
         return (
@@ -440,7 +510,7 @@ def plot(result: dict, path: str) -> None:
     except ImportError as error:
         raise ImportError(f"--plot {PLOT_NEEDS}") from error
     records = [r for r in result["records"] if "ratio" in r]
-    labels = [f"{r['op']} {r['shape']} {r['dtype']}" for r in records]
+    labels = [f"{_op_label(r)} {r['shape']} {r['dtype']}" for r in records]
     fig, ax = plt.subplots(figsize=(12, 0.28 * len(records) + 1.5))
     ratios = [r["ratio"] for r in records]
     ax.barh(range(len(records)), ratios)
