@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bik.contract import DTYPE_NAMES, TP_CHUNKS, check_split_size
-from bik.families import MOE_FAMILIES, SUPPORTED_FAMILIES
+from bik.families import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES
 from bik.models import MODELS
 
 from . import remedies, tasks
@@ -540,11 +540,19 @@ class Config(_Section):
                 "task.name=chat_addition: its questions are words, which need a model.path "
                 "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
             )
-        if self.model.moe and self.rollout.engine == "vllm":
-            raise ConfigError(
-                f"rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
-                f"(model.family={self.model.family}); use rollout.engine=hf"
+        if self.rollout.engine == "vllm" and self.model.path is None:
+            kind = (
+                "mixture-of-experts"
+                if self.model.moe
+                else "linear-attention"
+                if FAMILIES[self.model.family].linear_attention
+                else None
             )
+            if kind:
+                raise ConfigError(
+                    f"rollout.engine=vllm: bik.vllm does not run {kind} models "
+                    f"(model.family={self.model.family}); use rollout.engine=hf"
+                )
 
     @property
     def precision(self) -> Precision:

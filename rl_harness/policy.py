@@ -88,15 +88,31 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     Mixture-of-experts families (bik.families.MOE_FAMILIES): ``model.experts`` experts,
     ``model.experts_per_token`` per token, each 4 x hidden / experts_per_token wide (a
     token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
-    wide; router jitter off (it would make a token's routing a random draw)."""
-    if not model_cfg.moe:
-        return {}
-    return FAMILIES[model_cfg.family].moe_config(
-        experts=model_cfg.experts,
-        top_k=model_cfg.experts_per_token,
-        width=max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token),
-        shared_width=4 * model_cfg.hidden_size,
-    )
+    wide; router jitter off (it would make a token's routing a random draw).
+
+    Linear-attention families (Qwen3.5, Qwen3-Next): Gated DeltaNet layers with the attention's
+    head counts and head dim (``model.kv_heads`` key heads, ``model.heads`` value heads), the
+    last layer a full-attention one."""
+    family = FAMILIES[model_cfg.family]
+    args: dict[str, Any] = {}
+    if family.linear_attention:
+        args.update(
+            layer_types=["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"],
+            linear_num_key_heads=model_cfg.kv_heads,
+            linear_num_value_heads=model_cfg.heads,
+            linear_key_head_dim=model_cfg.head_dim,
+            linear_value_head_dim=model_cfg.head_dim,
+        )
+    if model_cfg.moe:
+        args.update(
+            family.moe_config(
+                experts=model_cfg.experts,
+                top_k=model_cfg.experts_per_token,
+                width=max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token),
+                shared_width=4 * model_cfg.hidden_size,
+            )
+        )
+    return args
 
 
 def working_copy(

@@ -84,7 +84,7 @@ def sample(
     for i, p in enumerate(prompts[rows]):
         ids[i, width - len(p) :] = torch.tensor(p)
         attention[i, width - len(p) :] = 1
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # the layers generate() would build
     step_ids, positions = ids, generation_position_ids(attention)
     tokens: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
