@@ -62,6 +62,11 @@ gated delta rule (linear attention: Qwen3.5, Qwen3-Next; bik.layers.delta_rule)
     taps in ascending order in fp32 (oldest input first, missing inputs as exact zeros) and
     rounds once; the decay ``g`` and the write strength ``beta`` are elementwise formulas
     (``bik.softplus``, ``bik.sigmoid``) whose bits do not depend on the tensor's layout.
+Mamba2 selective scan (the state-space layers of Nemotron-H; bik.layers.mamba2)
+    The same discipline: the fp32 state runs token by token in position order, decayed by
+    ``exp(dt * A)``, written with ``(dt * x) (x) B``, read as one fixed pairwise tree over the
+    state dimension against ``C``, plus ``D * x``; the convolution before it as above, with its
+    bias added after the taps; the step ``dt`` through ``bik.softplus``.
 
 The compiled backends read the same numbers from ``csrc/include/bik/contract.h``; their
 bindings export them and a test asserts that the two agree. docs/design.md explains the whole

@@ -48,7 +48,8 @@ class Family:
     family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
     linear_attention: a hybrid of Gated DeltaNet layers and gated full attention (Qwen3-Next,
-    Qwen3.5; bik.hf.linear_attention).
+    Qwen3.5; bik.hf.linear_attention). mamba2: a hybrid of Mamba2 mixers, attention and MLP
+    layers (Nemotron-H; bik.hf.linear_attention.Mamba2Mixer).
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
@@ -60,6 +61,7 @@ class Family:
     note: str
     gemma_norm: bool = False
     linear_attention: bool = False
+    mamba2: bool = False
     experts_key: str | None = None
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
@@ -80,6 +82,11 @@ class Family:
     @property
     def moe(self) -> bool:
         return self.experts_key is not None
+
+    @property
+    def recurrent(self) -> bool:
+        """Layers with a recurrent state (Gated DeltaNet, Mamba2), which bik.vllm does not run."""
+        return self.linear_attention or self.mamba2
 
     def moe_config(
         self, experts: int, top_k: int, width: int, shared_width: int | None = None
@@ -259,6 +266,27 @@ FAMILIES: dict[str, Family] = {
             expert_width_key="moe_intermediate_size",
             shared_expert_key="shared_expert_intermediate_size",
             tiny_keys=_HYBRID_PRESET,
+        ),
+        Family(
+            "nemotron_h",
+            "Nemotron-H (dense)",
+            "Mamba2 mixers: the causal convolution (with its bias) and the selective scan in "
+            "`bik.layers`' fixed orders (fp32 state, token by token, for a prompt as for a "
+            "decode step), the step through `bik.softplus`, the gated group RMSNorm through "
+            "`bik.rms_norm` and `bik.silu`; attention without RoPE; squared-ReLU MLPs "
+            "(elementwise); RMSNorm through `bik.rms_norm` (the weight applied after the "
+            "rounding, as Llama, not in fp32); MoE layers refused",
+            mamba2=True,
+            tiny_keys=(
+                ("layer_types", ["linear_attention", "full_attention", "mlp"]),
+                ("num_hidden_layers", 3),
+                ("mamba_num_heads", 4),
+                ("mamba_head_dim", 16),
+                ("n_groups", 2),
+                ("ssm_state_size", 16),
+                ("conv_kernel", 4),
+                ("chunk_size", 8),
+            ),
         ),
         Family(
             "qwen3_moe",

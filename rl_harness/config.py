@@ -540,19 +540,13 @@ class Config(_Section):
                 "task.name=chat_addition: its questions are words, which need a model.path "
                 "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
             )
-        if self.rollout.engine == "vllm" and self.model.path is None:
-            kind = (
-                "mixture-of-experts"
-                if self.model.moe
-                else "linear-attention"
-                if FAMILIES[self.model.family].linear_attention
-                else None
+        recurrent = FAMILIES[self.model.family].recurrent and not self.model.path
+        if self.rollout.engine == "vllm" and (self.model.moe or recurrent):
+            kind = "mixture-of-experts" if self.model.moe else "linear-attention"
+            raise ConfigError(
+                f"rollout.engine=vllm: bik.vllm does not run {kind} models "
+                f"(model.family={self.model.family}); use rollout.engine=hf"
             )
-            if kind:
-                raise ConfigError(
-                    f"rollout.engine=vllm: bik.vllm does not run {kind} models "
-                    f"(model.family={self.model.family}); use rollout.engine=hf"
-                )
 
     @property
     def precision(self) -> Precision:

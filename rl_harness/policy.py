@@ -92,7 +92,9 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
 
     Linear-attention families (Qwen3.5, Qwen3-Next): Gated DeltaNet layers with the attention's
     head counts and head dim (``model.kv_heads`` key heads, ``model.heads`` value heads), the
-    last layer a full-attention one."""
+    last layer a full-attention one. Nemotron-H: a Mamba2 mixer (``model.heads`` heads of
+    ``model.head_dim``, ``model.kv_heads`` groups) and an MLP block per layer, the last
+    layer's mixer attention."""
     family = FAMILIES[model_cfg.family]
     args: dict[str, Any] = {}
     if family.linear_attention:
@@ -102,6 +104,15 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
             linear_num_value_heads=model_cfg.heads,
             linear_key_head_dim=model_cfg.head_dim,
             linear_value_head_dim=model_cfg.head_dim,
+        )
+    if family.mamba2:  # a Mamba2 mixer and an MLP per layer, the last mixer attention
+        mixers = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
+        args.update(
+            layer_types=[kind for mixer in mixers for kind in (mixer, "mlp")],
+            mamba_num_heads=model_cfg.heads,
+            mamba_head_dim=model_cfg.head_dim,
+            n_groups=model_cfg.kv_heads,
+            ssm_state_size=model_cfg.head_dim,
         )
     if model_cfg.moe:
         args.update(

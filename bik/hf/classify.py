@@ -92,7 +92,7 @@ _COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE", "DeepseekV3MoE")
 def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     """'linear', 'rms_norm', 'gemma_rms_norm', 'attention', 'rotary', 'silu', 'gelu_tanh',
     an MoE kind (see _moe_kind), a linear-attention kind (see _linear_attention_kind),
-    'unpatched' (reduces, but bik cannot vouch for its order) or
+    'mamba2_mixer', 'unpatched' (reduces, but bik cannot vouch for its order) or
     None (does no reduction of its own). ``family``: None for a family bik does not support."""
     moe_kind = _moe_kind(module) if family is not None and family.moe else None
     if moe_kind is not None:
@@ -102,6 +102,8 @@ def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     linear_attention_kind = _linear_attention_kind(module) if family is not None else None
     if family is not None and family.linear_attention and linear_attention_kind is not None:
         return linear_attention_kind
+    if family is not None and family.mamba2 and type(module).__name__.endswith("Mamba2Mixer"):
+        return "mamba2_mixer"
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):

@@ -1,5 +1,6 @@
-"""The forwards patch_model installs on the hybrid linear-attention families (Qwen3-Next,
-Qwen3.5): the Gated DeltaNet layer, its gated RMSNorm, and the gated full attention.
+"""The forwards patch_model installs on the hybrid linear-attention families: Qwen3-Next and
+Qwen3.5 (the Gated DeltaNet layer, its gated RMSNorm, the gated full attention) and Nemotron-H
+(the Mamba2 mixer).
 
 Each follows transformers' forward step by step, with every computation that is not a
 reshape or a cache call replaced by its bik counterpart: the projections are the layer's own
@@ -15,14 +16,37 @@ from typing import Any
 import torch
 
 from ..layers.delta_rule import causal_conv1d, gated_delta_rule
+from ..layers.mamba2 import selective_scan
 from ..ops.activations import sigmoid, silu, softplus
-from ..ops.rms_norm import rms_norm_like_transformers
+from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from .autocast import autocast_inputs, run
 
 
 def _modeling(module: torch.nn.Module) -> Any:
     """The transformers modeling module ``module``'s class comes from."""
     return sys.modules[type(module).__module__]
+
+
+def convolve(module: Any, mixed: torch.Tensor, cache: Any) -> torch.Tensor:
+    """The layer's short causal convolution over ``mixed [B, C, T]`` (bik.layers.delta_rule's
+    order): from the cached inputs when a cache has them, through transformers' own cache
+    calls (a decode step updates the cached window in place, as transformers' decode kernel
+    does), else from zeros."""
+    length = mixed.shape[-1]
+    window = mixed
+    if cache is not None:
+        layer = cache.layers[module.layer_idx]
+        decoding = cache.has_previous_state(module.layer_idx) and length == 1
+        if decoding and not layer.record_past:  # the state holds the last inputs
+            state = layer.conv_states[0]
+            window = torch.cat([state, mixed.to(state.dtype)], dim=-1)
+            state.copy_(window[:, :, -state.shape[-1] :])
+        else:
+            window = cache.update_conv_state(
+                mixed, module.layer_idx, conv_kernel_size=module.conv_kernel_size
+            )
+    conv = module.conv1d
+    return causal_conv1d(window, conv.weight.squeeze(1), conv.bias)[:, :, -length:].to(mixed.dtype)
 
 
 class GatedRMSNorm:
@@ -68,28 +92,6 @@ class GatedDeltaNet:
             m.in_proj_a(hidden_states),
         )
 
-    def _convolve(self, mixed: torch.Tensor, cache: Any) -> torch.Tensor:
-        """The short causal convolution and its activation over ``mixed [B, C, T]``: from the
-        cached inputs when a cache has them (transformers' cache calls), else from zeros."""
-        m: Any = self.module
-        length = mixed.shape[-1]
-        window = mixed
-        if cache is not None:
-            layer = cache.layers[m.layer_idx]
-            decoding = cache.has_previous_state(m.layer_idx) and length == 1
-            if decoding and not layer.record_past:  # the state holds the last inputs
-                state = layer.conv_states[0]
-                window = torch.cat([state, mixed.to(state.dtype)], dim=-1)
-                state.copy_(window[:, :, -state.shape[-1] :])
-            else:
-                window = cache.update_conv_state(
-                    mixed, m.layer_idx, conv_kernel_size=m.conv_kernel_size
-                )
-        out = causal_conv1d(window, m.conv1d.weight.squeeze(1))[:, :, -length:]
-        if m.conv1d.bias is not None:
-            raise NotImplementedError("bik: a Gated DeltaNet convolution with a bias")
-        return silu(out).to(mixed.dtype)
-
     def __call__(
         self,
         hidden_states: torch.Tensor,
@@ -104,7 +106,7 @@ class GatedDeltaNet:
         batch, length = hidden_states.shape[:2]
         previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
         mixed, z, b, a = self._projections(hidden_states)
-        mixed = self._convolve(mixed.transpose(1, 2), cache_params).transpose(1, 2)
+        mixed = silu(convolve(m, mixed.transpose(1, 2), cache_params)).transpose(1, 2)
         query, key, value = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         query = query.reshape(batch, length, -1, m.head_k_dim)
         key = key.reshape(batch, length, -1, m.head_k_dim)
@@ -168,3 +170,61 @@ class GatedAttention:
         )
         out = out.reshape(*shape, -1).contiguous() * sigmoid(gate.reshape(*shape, -1))
         return m.o_proj(out), weights
+
+
+class Mamba2Mixer:
+    """A Mamba2 mixer's forward (``NemotronHMamba2Mixer``): transformers' steps with the
+    convolution, its SiLU, the step's softplus and the scan in bik's orders, and the gated
+    group RMSNorm (``x * silu(z)``, then an RMSNorm per group of channels, the weight in fp32)
+    through bik.rms_norm and bik.silu."""
+
+    def __init__(self, module: torch.nn.Module, backend: str):
+        self.module, self.backend = module, backend
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        m: Any = self.module
+        if m.activation != "silu":
+            raise NotImplementedError(f"bik: a Mamba2 mixer with activation {m.activation!r}")
+        mask_padding = _modeling(m).apply_mask_to_padding_states
+        batch, length, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
+        projected = m.in_proj(mask_padding(hidden_states, attention_mask))
+        gate, mixed, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        mixed = silu(convolve(m, mixed.transpose(1, 2), cache_params)).transpose(1, 2)
+        mixed = mask_padding(mixed, attention_mask)
+        state_width = m.n_groups * m.ssm_state_size
+        x, b, c = torch.split(mixed, [m.intermediate_size, state_width, state_width], dim=-1)
+        low, high = m.time_step_limit
+        step = softplus(dt.float() + m.dt_bias.float()).clamp(min=low, max=high)
+        state = cache_params.layers[m.layer_idx].recurrent_states[0] if previous else None
+        y, state = selective_scan(
+            x.reshape(batch, length, m.num_heads, m.head_dim),
+            step,
+            -torch.exp(m.A_log.float()),
+            b.reshape(batch, length, m.n_groups, m.ssm_state_size),
+            c.reshape(batch, length, m.n_groups, m.ssm_state_size),
+            m.D,
+            state,
+        )
+        if cache_params is not None:
+            cache_params.update_recurrent_state(state, layer_idx=m.layer_idx)
+        y = self._gated_group_norm(y.reshape(batch, length, -1), gate)
+        return m.out_proj(y.to(dtype))
+
+    def _gated_group_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``weight * rms_norm_per_group(y * silu(gate))`` in fp32 (transformers'
+        ``Zamba2RMSNormGated`` on the scan's fp32 output)."""
+        norm: Any = self.module.norm
+        gated = y * silu(gate.float())
+        groups = gated.reshape(-1, norm.group_size)
+        ones = torch.ones(norm.group_size, dtype=torch.float32, device=y.device)
+        autocast_on, _ = autocast_inputs(y.device.type)
+        normed = run(self.backend, autocast_on, rms_norm, groups, ones, norm.variance_epsilon)
+        return norm.weight.float() * normed.reshape(y.shape)

@@ -14,7 +14,7 @@ from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
-from .linear_attention import GatedAttention, GatedDeltaNet, GatedRMSNorm
+from .linear_attention import GatedAttention, GatedDeltaNet, GatedRMSNorm, Mamba2Mixer
 from .moe import Experts, GroupedSigmoidRouter, MoeBlock, Router
 
 if TYPE_CHECKING:
@@ -99,9 +99,17 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
         lambda m, backend, _: GatedAttention(m),
         "bik.attention, its output gate through bik.sigmoid",
     ),
+    "mamba2_mixer": (
+        lambda m, backend, _: Mamba2Mixer(m, backend),
+        "Mamba2 mixer (bik.layers: causal_conv1d, selective_scan; gated group RMSNorm)",
+    ),
 }
 # Modules that a patched parent computes itself: (the parent's kind, the child's name).
-_COMPUTED_BY_PARENT = (("gated_delta_net", "conv1d"),)
+_COMPUTED_BY_PARENT = (
+    ("gated_delta_net", "conv1d"),
+    ("mamba2_mixer", "conv1d"),
+    ("mamba2_mixer", "norm"),
+)
 
 
 def _check_model(model: torch.nn.Module) -> None:

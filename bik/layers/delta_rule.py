@@ -26,14 +26,17 @@ import torch
 from .. import _checks
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The depthwise causal convolution before the rule: ``x [B, C, L]`` (channels first, as
     transformers' ``causal_conv1d_fn``), ``weight [C, W]`` -> ``[B, C, L]`` in x's dtype.
 
     Output ``t`` of channel ``c`` is ``sum_j weight[c, j] * x[c, t - W + 1 + j]`` over the taps
     ``j = 0 .. W - 1`` in ascending order, in fp32, with inputs before the first as exact
-    zeros, rounded once. Elementwise per (row, channel, position): a decode step that
-    convolves its cached window gets the bits of the same position in a prompt."""
+    zeros, then ``+ bias[c]`` (Mamba2's), rounded once. Elementwise per (row, channel,
+    position): a decode step that convolves its cached window gets the bits of the same
+    position in a prompt."""
     _checks.floating("x", x)
     _checks.rank("x", x, 3)
     _checks.rank("weight", weight, 2)
@@ -47,6 +50,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = padded[:, :, 0:length] * taps[:, 0]
     for j in range(1, width):  # ascending taps: the order's one reduction
         out = out + padded[:, :, j : j + length] * taps[:, j]
+    if bias is not None:
+        out = out + bias.float()[:, None]
     return out.to(x.dtype)
 
 

@@ -208,7 +208,7 @@ def test_mixture_of_experts_is_refused(model_dir):
 def test_linear_attention_is_refused_before_vllm_builds_it(family):
     from bik.vllm.config import check_hf_config
 
-    with pytest.raises(NotImplementedError, match="linear-attention .* not bik's"):
+    with pytest.raises(NotImplementedError, match=r"linear-attention .* not bik's"):
         check_hf_config(FAMILIES[family].tiny_config())
 
 

@@ -36,6 +36,17 @@ def test_a_hybrid_policy_with_native_rollout_kernels_is_measured(tmp_path, cache
     assert history[0]["mismatch/tokens_unequal_count"] > 0
 
 
-def test_a_hybrid_policy_is_refused_on_the_vllm_engine():
-    with pytest.raises(ConfigError, match=r"does not run linear-attention models"):
-        config.build({}, ["model.family=qwen3_5_text", "rollout.engine=vllm"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "nemotron_h"])
+def test_a_hybrid_policy_is_refused_on_the_vllm_engine(family):
+    with pytest.raises(ConfigError, match=r"does not run (linear-attention|mixture-of)"):
+        config.build({}, [f"model.family={family}", "rollout.engine=vllm"])
+
+
+def test_a_nemotron_h_policy_pairs_mamba2_mixers_with_mlps_and_has_zero_mismatch(tmp_path, cache):
+    cfg = config.build({}, [*TINY, "model.family=nemotron_h"])
+    master = policy.build_master(cfg.model, cfg.seed)
+    kinds = [layer.block_type for layer in master.model.layers]
+    assert kinds == ["linear_attention", "mlp", "full_attention", "mlp"]
+    history = run_metrics(tmp_path, cache, "nemotron", [*HYBRID, "model.family=nemotron_h"])
+    for m in history:
+        assert m["mismatch/tokens_unequal_count"] == 0 and m["mismatch/logprob_abs_diff_max"] == 0
