@@ -320,6 +320,18 @@ def test_non_strict_lists_what_it_cannot_patch():
     assert any("Conv1D" in entry for entry in report.unpatched)
 
 
+def test_nemotron_h_moe_layers_are_refused_by_name():
+    """Nemotron-H's MoE blocks (squared-ReLU experts, a sigmoid router) are not patched: a
+    strict patch names them instead of running them with torch's order."""
+    from transformers import AutoModelForCausalLM
+
+    layer_types = ["linear_attention", "moe", "full_attention", "mlp"]
+    config = FAMILIES["nemotron_h"].tiny_config(layer_types=layer_types, num_hidden_layers=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match=r"cannot make these modules invariant: .*NemotronHMoE"):
+        bik.patch_model(model)
+
+
 def test_an_active_sliding_window_of_olmo3_is_refused_not_approximated():
     """OLMo-3's sliding-window layers are exact while a sequence fits the window; past it
     transformers' window would hide keys, which bik's attention does not implement."""
