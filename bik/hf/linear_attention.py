@@ -68,7 +68,9 @@ class GatedRMSNorm:
 
 class GatedDeltaNet:
     """A Gated DeltaNet layer's forward (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``:
-    they differ in how the projections are laid out, nothing else)."""
+    they differ in how the projections are laid out, nothing else). Eager even inside
+    torch.compile (one graph break per layer): inductor's ``exp`` and fused multiply-adds
+    would change the recurrence's bits against an eager trainer."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -92,6 +94,7 @@ class GatedDeltaNet:
             m.in_proj_a(hidden_states),
         )
 
+    @torch.compiler.disable
     def __call__(
         self,
         hidden_states: torch.Tensor,
@@ -176,11 +179,12 @@ class Mamba2Mixer:
     """A Mamba2 mixer's forward (``NemotronHMamba2Mixer``): transformers' steps with the
     convolution, its SiLU, the step's softplus and the scan in bik's orders, and the gated
     group RMSNorm (``x * silu(z)``, then an RMSNorm per group of channels, the weight in fp32)
-    through bik.rms_norm and bik.silu."""
+    through bik.rms_norm and bik.silu. Eager inside torch.compile, as :class:`GatedDeltaNet`."""
 
     def __init__(self, module: torch.nn.Module, backend: str):
         self.module, self.backend = module, backend
 
+    @torch.compiler.disable
     def __call__(
         self,
         hidden_states: torch.Tensor,
