@@ -17,6 +17,11 @@
 #        shapes, MoE), quick (every op, small), all (long);
 #        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
 #
+#   bash benchmarks/gpu_run.sh probe [PROBE ARGS]
+#        benchmarks/gpu_probe.py for the step's time (host cost, the bucket table and
+#        candidates against cuBLAS, attention, patched decode); PROBE ARGS go to it
+#        (e.g. --parts host,table); no build needed (the Triton kernels only)
+#
 #   bash benchmarks/gpu_run.sh lease [SECONDS]
 #        a short GPU loan in one command of SECONDS (default 540): build, the fast invariance
 #        suite (kernels, then models), the quick bench in bf16 and fp32, then the whole bench
@@ -41,6 +46,7 @@
 #   build: <gpu>-build-<date>.log (pip's full output, then which backends load)
 #   test:  <gpu>-test-<part>-<date>.{log,xml} (the pytest log with a failure/skip summary and
 #          the slowest tests; JUnit XML of every test)
+#   probe: <gpu>-probe-<date>/probe.{jsonl,md} and <gpu>-probe-<date>.log
 #   bench: <gpu>-<group>-<date>.{json,md,png,log} (with BIK_BACKEND=cuda:
 #          <gpu>-<group>-cuda-<date>.*, the portable reference backend)
 # The bench JSON and markdown record the torch, Triton and CUDA versions, the GPU's L2 size
@@ -299,6 +305,18 @@ step_test() {
   return "$rc"
 }
 
+step_probe() {
+  need_gpu
+  local name="$OUT_DIR/$TAG-probe-$DATE" budget extra=()
+  [ "$REHEARSE" = 1 ] && extra=(--rehearse) # no GPU: sm_90a compiles, the interpreter
+  budget=$(remaining)
+  [ "$budget" -gt 60 ] || die "probe: only ${budget}s left of BIK_STEP_SECONDS=$STEP_SECONDS"
+  echo "gpu_run.sh: probe, its parts within $((budget - 30))s"
+  timeout -k 20 "$budget" "$PY" benchmarks/gpu_probe.py --budget $((budget - 30)) \
+    --out "$name" "${extra[@]}" "$@" 2>&1 | tee "$name.log"
+  echo "wrote $name/probe.{jsonl,md} and $name.log (probe exit status ${PIPESTATUS[0]})"
+}
+
 step_bench() {
   [ $# -gt 0 ] || die "bench: expected a group: matmul, attention, rows, e2e, quick or all"
   local group=$1 ops=() extra=()
@@ -406,9 +424,10 @@ main() {
   test) step_test "$@" ;;
   lease) step_lease "$@" ;;
   bench) step_bench "$@" ;;
+  probe) step_probe "$@" ;;
   rehearse)
     [ $# -gt 0 ] && [ "$1" != rehearse ] ||
-      die "rehearse: expected a step: env, build, test, bench or lease"
+      die "rehearse: expected a step: env, build, test, bench, probe or lease"
     REHEARSE=1
     main "$@"
     ;;
