@@ -51,11 +51,12 @@ row-parallel linear, tensor-parallel-invariant order (opt-in: ``tp_invariant=Tru
     Column-parallel linears and attention (whole heads per rank) keep their order; a
     vocab-parallel embedding and LM head are exact (logits are gathered before the
     log-softmax).
-gated delta rule (linear attention: Qwen3.5, Qwen3-Next; bik.layers.delta_rule)
+gated delta rule (linear attention: Qwen3.5, Qwen3-Next, Kimi Linear; bik.layers.delta_rule)
     The recurrent state is fp32 and runs token by token in position order, for a prompt as
     for a decode step (a prefill is the recurrence over its tokens); each token decays the
-    state, reads it at the key, writes the gated correction and reads the output at the query,
-    every sum over the key dimension one fixed pairwise tree (zero-padded to a power of two),
+    state (one factor per head, or per key channel for Kimi Delta Attention), reads it at
+    the key, writes the gated correction and reads the output at the query, every sum over
+    the key dimension one fixed pairwise tree (zero-padded to a power of two),
     all elementwise per row. Batch, padding, thread count and where calls cut the sequence
     (the state is carried exactly) do not move a bit. The chunked parallel form is not used:
     it sums in another order than decode. The short causal convolution before it sums its

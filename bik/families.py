@@ -39,6 +39,9 @@ _TINY = dict(
 _TINY_EXPERTS = dict(experts=8, top_k=2, width=64, shared_width=128)
 
 
+RECURRENT_KINDS = (None, "gated_deltanet", "kimi_delta", "mamba2")
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One supported model family.
@@ -47,9 +50,10 @@ class Family:
     Linear, RMSNorm, attention, SiLU and RoPE (the second column of docs/huggingface.md's
     family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
-    linear_attention: a hybrid of Gated DeltaNet layers and gated full attention (Qwen3-Next,
-    Qwen3.5; bik.hf.linear_attention). mamba2: a hybrid of Mamba2 mixers, attention and MLP
-    layers (Nemotron-H; bik.hf.linear_attention.Mamba2Mixer).
+    recurrent: the kind of recurrent (linear-attention or state-space) layers of a hybrid
+    family, None for none: "gated_deltanet" (Gated DeltaNet layers beside gated full
+    attention: Qwen3-Next, Qwen3.5), "kimi_delta" (Kimi Delta Attention beside latent
+    attention: Kimi Linear), "mamba2" (Mamba2 mixers: Nemotron-H); bik.hf.linear_attention.
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
@@ -60,8 +64,7 @@ class Family:
     name: str
     note: str
     gemma_norm: bool = False
-    linear_attention: bool = False
-    mamba2: bool = False
+    recurrent: str | None = None
     experts_key: str | None = None
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
@@ -73,6 +76,11 @@ class Family:
     moe_keys: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.recurrent not in RECURRENT_KINDS:
+            raise ValueError(
+                f"{self.model_type}: recurrent: expected None or one of {RECURRENT_KINDS[1:]}, "
+                f"got {self.recurrent!r}"
+            )
         if (self.experts_key is None) != (self.expert_width_key is None):
             raise ValueError(
                 f"{self.model_type}: experts_key and expert_width_key: expected both (a "
@@ -82,11 +90,6 @@ class Family:
     @property
     def moe(self) -> bool:
         return self.experts_key is not None
-
-    @property
-    def recurrent(self) -> bool:
-        """Layers with a recurrent state (Gated DeltaNet, Mamba2), which bik.vllm does not run."""
-        return self.linear_attention or self.mamba2
 
     def moe_config(
         self, experts: int, top_k: int, width: int, shared_width: int | None = None
@@ -252,7 +255,7 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5",
             _HYBRID_NOTE,
             gemma_norm=True,
-            linear_attention=True,
+            recurrent="gated_deltanet",
             tiny_keys=_HYBRID_PRESET,
         ),
         Family(
@@ -261,11 +264,35 @@ FAMILIES: dict[str, Family] = {
             "as Qwen3.5, with MoE layers as Qwen2-MoE (a shared expert gated through "
             "`bik.sigmoid`)",
             gemma_norm=True,
-            linear_attention=True,
+            recurrent="gated_deltanet",
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
             shared_expert_key="shared_expert_intermediate_size",
             tiny_keys=_HYBRID_PRESET,
+        ),
+        Family(
+            "kimi_linear",
+            "Kimi Linear",
+            "Kimi Delta Attention layers: the gated delta rule with a decay per key channel "
+            "(`bik.layers.delta_rule`'s order), the forget gate through `bik.softplus`, `beta` "
+            "through `bik.sigmoid`, the output's gated RMSNorm (sigmoid, in fp32) through "
+            "`bik.rms_norm`; latent attention without RoPE and the router as DeepSeek-V3",
+            recurrent="kimi_delta",
+            experts_key="num_experts",
+            expert_width_key="moe_intermediate_size",
+            moe_keys=_GROUPED_ROUTER_KEYS,
+            tiny_keys=(
+                ("layer_types", ["linear_attention", "full_attention"]),
+                ("linear_num_heads", 4),
+                ("linear_head_dim", 16),
+                ("q_lora_rank", 48),
+                ("kv_lora_rank", 32),
+                ("qk_nope_head_dim", 16),
+                ("qk_rope_head_dim", 8),
+                ("num_key_value_heads", 4),  # latent attention expands to every query head
+                ("v_head_dim", 16),
+                *_GROUPED_ROUTER_PRESET,
+            ),
         ),
         Family(
             "nemotron_h",
@@ -276,7 +303,7 @@ FAMILIES: dict[str, Family] = {
             "`bik.rms_norm` and `bik.silu`; attention without RoPE; squared-ReLU MLPs "
             "(elementwise); RMSNorm through `bik.rms_norm` (the weight applied after the "
             "rounding, as Llama, not in fp32); MoE layers refused",
-            mamba2=True,
+            recurrent="mamba2",
             tiny_keys=(
                 ("layer_types", ["linear_attention", "full_attention", "mlp"]),
                 ("num_hidden_layers", 3),

@@ -540,11 +540,11 @@ class Config(_Section):
                 "task.name=chat_addition: its questions are words, which need a model.path "
                 "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
             )
-        recurrent = FAMILIES[self.model.family].recurrent and not self.model.path
+        recurrent = FAMILIES[self.model.family].recurrent is not None and not self.model.path
         if self.rollout.engine == "vllm" and (self.model.moe or recurrent):
-            kind = "mixture-of-experts" if self.model.moe else "linear-attention"
+            what = "mixture-of-experts" if self.model.moe else "linear-attention"
             raise ConfigError(
-                f"rollout.engine=vllm: bik.vllm does not run {kind} models "
+                f"rollout.engine=vllm: bik.vllm does not run {what} models "
                 f"(model.family={self.model.family}); use rollout.engine=hf"
             )
 

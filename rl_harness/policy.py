@@ -82,6 +82,9 @@ def build_master(model_cfg: ModelConfig, seed: int) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config).train()
 
 
+LATENT_ATTENTION_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+
+
 def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config keys a family adds to (or replaces in) the common ones.
 
@@ -90,22 +93,37 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
     wide; router jitter off (it would make a token's routing a random draw).
 
-    Linear-attention families (Qwen3.5, Qwen3-Next): Gated DeltaNet layers with the attention's
-    head counts and head dim (``model.kv_heads`` key heads, ``model.heads`` value heads), the
-    last layer a full-attention one. Nemotron-H: a Mamba2 mixer (``model.heads`` heads of
+    Linear-attention families (Qwen3.5, Qwen3-Next, Kimi Linear): Gated DeltaNet (Kimi Delta
+    Attention) layers with the attention's head counts and head dim (``model.kv_heads`` key
+    heads, ``model.heads`` value heads; Kimi: ``model.heads`` of each), the last layer a
+    full-attention one. Nemotron-H: a Mamba2 mixer (``model.heads`` heads of
     ``model.head_dim``, ``model.kv_heads`` groups) and an MLP block per layer, the last
     layer's mixer attention."""
     family = FAMILIES[model_cfg.family]
     args: dict[str, Any] = {}
-    if family.linear_attention:
+    preset = dict(family.tiny_keys)
+    if "kv_lora_rank" in preset:  # latent attention (DeepSeek-V3, Kimi Linear): the tiny
+        # preset's ranks and head dims, RoPE over model.head_dim, every query head its own
+        # key and value head
+        args.update({key: preset[key] for key in LATENT_ATTENTION_KEYS})
+        args.update(qk_rope_head_dim=model_cfg.head_dim, num_key_value_heads=model_cfg.heads)
+    if family.recurrent in ("gated_deltanet", "kimi_delta"):
+        args["layer_types"] = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
         args.update(
-            layer_types=["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"],
             linear_num_key_heads=model_cfg.kv_heads,
             linear_num_value_heads=model_cfg.heads,
             linear_key_head_dim=model_cfg.head_dim,
             linear_value_head_dim=model_cfg.head_dim,
         )
-    if family.mamba2:  # a Mamba2 mixer and an MLP per layer, the last mixer attention
+        if family.recurrent == "kimi_delta":  # one head count and head dim for q, k and v
+            args = {
+                **args,
+                "linear_num_heads": model_cfg.heads,
+                "linear_head_dim": model_cfg.head_dim,
+            }
+    if (
+        family.recurrent == "mamba2"
+    ):  # a Mamba2 mixer and an MLP per layer, the last mixer attention
         mixers = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
         args.update(
             layer_types=[kind for mixer in mixers for kind in (mixer, "mlp")],

@@ -24,15 +24,23 @@ def _moe_kind(module):
     return None
 
 
-def _linear_attention_kind(module):
-    """'gated_delta_net', 'gated_rms_norm' or 'gated_attention' for the modules of a hybrid
-    linear-attention family (Qwen3-Next, Qwen3.5)."""
+def _recurrent_kind(module, recurrent):
+    """The kind of a module of a hybrid family whose recurrent layers are of kind ``recurrent``
+    (bik.families.Family.recurrent): its recurrent layer, its gated RMSNorm, and (Qwen3-Next,
+    Qwen3.5) its gated full attention; None for the others."""
     name = type(module).__name__
-    if name.endswith("GatedDeltaNet"):
-        return "gated_delta_net"
+    layer = {
+        "gated_deltanet": ("GatedDeltaNet", "gated_delta_net"),
+        "kimi_delta": ("DeltaAttention", "kimi_delta_attention"),
+        "mamba2": ("Mamba2Mixer", "mamba2_mixer"),
+    }[recurrent]
+    if name.endswith(layer[0]):
+        return layer[1]
+    if recurrent == "mamba2":  # its gated norm belongs to the mixer (group-wise)
+        return None
     if name.endswith("RMSNormGated") and hasattr(module, "variance_epsilon"):
         return "gated_rms_norm"
-    if name.endswith("Attention") and hasattr(module, "config"):
+    if recurrent == "gated_deltanet" and name.endswith("Attention") and hasattr(module, "config"):
         return "gated_attention"
     return None
 
@@ -86,24 +94,24 @@ _REDUCING_SUFFIXES = (
 
 # MoE blocks whose forward only composes their children (router, experts, a shared-expert MLP)
 # with elementwise additions: they reduce nothing themselves (read from transformers' source).
-_COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE", "DeepseekV3MoE")
+_COMPOSING_MOE_BLOCKS = ("Glm4MoeMoE", "DeepseekV3MoE", "KimiLinearMoE")
 
 
 def module_kind(module: torch.nn.Module, family: Family | None) -> str | None:
     """'linear', 'rms_norm', 'gemma_rms_norm', 'attention', 'rotary', 'silu', 'gelu_tanh',
-    an MoE kind (see _moe_kind), a linear-attention kind (see _linear_attention_kind),
-    'mamba2_mixer', 'unpatched' (reduces, but bik cannot vouch for its order) or
+    an MoE kind (see _moe_kind), a recurrent family's kind (see _recurrent_kind),
+    'unpatched' (reduces, but bik cannot vouch for its order) or
     None (does no reduction of its own). ``family``: None for a family bik does not support."""
     moe_kind = _moe_kind(module) if family is not None and family.moe else None
     if moe_kind is not None:
         return moe_kind
     if family is not None and type(module).__name__ in _COMPOSING_MOE_BLOCKS:
         return None
-    linear_attention_kind = _linear_attention_kind(module) if family is not None else None
-    if family is not None and family.linear_attention and linear_attention_kind is not None:
-        return linear_attention_kind
-    if family is not None and family.mamba2 and type(module).__name__.endswith("Mamba2Mixer"):
-        return "mamba2_mixer"
+    recurrent_kind = (
+        _recurrent_kind(module, family.recurrent) if family and family.recurrent else None
+    )
+    if recurrent_kind is not None:
+        return recurrent_kind
     if isinstance(module, torch.nn.Linear):
         return "linear"
     if _is_rms_norm(module):

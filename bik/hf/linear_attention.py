@@ -50,20 +50,27 @@ def convolve(module: Any, mixed: torch.Tensor, cache: Any) -> torch.Tensor:
 
 
 class GatedRMSNorm:
-    """``rms_norm(x) * silu(gate)`` (transformers' ``RMSNormGated``): the norm as the
-    family's RMSNorm (bik.rms_norm, rounded to x's dtype), then bik.silu of the fp32 gate,
-    the product in fp32, rounded once."""
+    """transformers' ``RMSNormGated`` in its two forms: Qwen's ``rms_norm(x) * silu(gate)``
+    (the norm as the family's RMSNorm, rounded to x's dtype, then the product in fp32) and
+    Kimi's ``rms_norm(x) * sigmoid(gate)`` (the norm and its weight in fp32); the gate through
+    bik.silu / bik.sigmoid, one rounding at the end."""
 
     def __init__(self, module: torch.nn.Module, backend: str):
         self.module, self.backend = module, backend
+        activation = getattr(module, "activation", "silu")
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(f"bik: a gated RMSNorm with activation {activation!r}")
+        self.activation = activation
 
     def __call__(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         m: Any = self.module
         autocast_on, _ = autocast_inputs(x.device.type)
-        normed = run(
-            self.backend, autocast_on, rms_norm_like_transformers, x, m.weight, m.variance_epsilon
-        )
-        return (normed.float() * silu(gate.float())).to(x.dtype)
+        eps = m.variance_epsilon
+        if self.activation == "silu":
+            normed = run(self.backend, autocast_on, rms_norm_like_transformers, x, m.weight, eps)
+            return (normed.float() * silu(gate.float())).to(x.dtype)
+        normed = run(self.backend, autocast_on, rms_norm, x.float(), m.weight.float(), eps)
+        return (normed * sigmoid(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet:
@@ -232,3 +239,42 @@ class Mamba2Mixer:
         autocast_on, _ = autocast_inputs(y.device.type)
         normed = run(self.backend, autocast_on, rms_norm, groups, ones, norm.variance_epsilon)
         return norm.weight.float() * normed.reshape(y.shape)
+
+
+class KimiDeltaAttention:
+    """Kimi Delta Attention's forward (``KimiLinearDeltaAttention``): the Gated DeltaNet's
+    steps with a decay per key channel: q, k, v through their own projections and the
+    convolution, the forget gate's two projections then ``-exp(A_log) * softplus(. + dt_bias)``
+    through bik.softplus, beta through bik.sigmoid, the output through the gated (sigmoid)
+    RMSNorm. Eager inside torch.compile, as :class:`GatedDeltaNet`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    @torch.compiler.disable
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        m: Any = self.module
+        hidden_states = _modeling(m).apply_mask_to_padding_states(hidden_states, attention_mask)
+        batch, length = hidden_states.shape[:2]
+        heads = (batch, length, -1, m.head_dim)
+        previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
+        projections = (m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states))
+        mixed = torch.cat(projections, dim=-1).transpose(1, 2)
+        mixed = silu(convolve(m, mixed, cache_params)).transpose(1, 2)
+        query, key, value = (t.reshape(heads) for t in torch.split(mixed, [m.qkv_dim] * 3, -1))
+        forget = m.forget_gate
+        raw = forget.f_b_proj(forget.f_a_proj(hidden_states)).float() + forget.dt_bias.float()
+        g = -torch.exp(forget.A_log.float()) * softplus(raw.reshape(heads))
+        beta = sigmoid(m.b_proj(hidden_states))
+        state = cache_params.layers[m.layer_idx].recurrent_states[0] if previous else None
+        out, state = gated_delta_rule(query, key, value, g, beta, state, use_qk_l2norm=True)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(state, m.layer_idx)
+        gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
+        return m.o_proj(m.o_norm(out, gate).reshape(batch, length, -1))

@@ -14,7 +14,13 @@ from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
-from .linear_attention import GatedAttention, GatedDeltaNet, GatedRMSNorm, Mamba2Mixer
+from .linear_attention import (
+    GatedAttention,
+    GatedDeltaNet,
+    GatedRMSNorm,
+    KimiDeltaAttention,
+    Mamba2Mixer,
+)
 from .moe import Experts, GroupedSigmoidRouter, MoeBlock, Router
 
 if TYPE_CHECKING:
@@ -93,11 +99,15 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
     ),
     "gated_rms_norm": (
         lambda m, backend, _: GatedRMSNorm(m, backend),
-        "bik.rms_norm * bik.silu(gate)",
+        "bik.rms_norm times its gate through bik.silu or bik.sigmoid",
     ),
     "gated_attention": (
         lambda m, backend, _: GatedAttention(m),
         "bik.attention, its output gate through bik.sigmoid",
+    ),
+    "kimi_delta_attention": (
+        lambda m, backend, _: KimiDeltaAttention(m),
+        "Kimi Delta Attention (bik.layers.delta_rule, a decay per key channel)",
     ),
     "mamba2_mixer": (
         lambda m, backend, _: Mamba2Mixer(m, backend),
@@ -107,6 +117,8 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
 # Modules that a patched parent computes itself: (the parent's kind, the child's name).
 _COMPUTED_BY_PARENT = (
     ("gated_delta_net", "conv1d"),
+    ("kimi_delta_attention", "conv1d"),
+    ("kimi_delta_attention", "forget_gate"),
     ("mamba2_mixer", "conv1d"),
     ("mamba2_mixer", "norm"),
 )

@@ -89,9 +89,11 @@ def gated_delta_rule(
     """The gated delta rule over ``T`` tokens from ``initial_state`` (zeros when None).
 
     Shapes as transformers' ``torch_recurrent_gated_delta_rule``: ``query``, ``key``
-    ``[B, T, H, K]``; ``value`` ``[B, T, H, V]``; ``g`` (the log decay) and ``beta``
-    ``[B, T, H]``; the state ``[B, H, K, V]``. Returns the output ``[B, T, H, V]`` in the
-    query's dtype and the fp32 final state, which a later call continues from bit for bit.
+    ``[B, T, H, K]``; ``value`` ``[B, T, H, V]``; ``g`` (the log decay) ``[B, T, H]``, or
+    ``[B, T, H, K]`` for a decay per key channel (Kimi Delta Attention: the state's row k decays
+    by ``exp(g[..., k])``); ``beta`` ``[B, T, H]``; the state ``[B, H, K, V]``. Returns the
+    output ``[B, T, H, V]`` in the query's dtype and the fp32 final state, which a later call
+    continues from bit for bit.
     """
     for name, t in (("query", query), ("key", key), ("value", value), ("g", g), ("beta", beta)):
         _checks.floating(name, t)
@@ -106,11 +108,15 @@ def gated_delta_rule(
             f"value: expected [B, T, H, V] = [{batch}, {tokens}, {heads}, V], got "
             f"{tuple(value.shape)}"
         )
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (batch, tokens, heads):
-            raise ValueError(
-                f"{name}: expected shape ({batch}, {tokens}, {heads}), got {tuple(t.shape)}"
-            )
+    if beta.shape != (batch, tokens, heads):
+        raise ValueError(
+            f"beta: expected shape ({batch}, {tokens}, {heads}), got {tuple(beta.shape)}"
+        )
+    if g.shape not in ((batch, tokens, heads), (batch, tokens, heads, k_dim)):
+        raise ValueError(
+            f"g: expected shape ({batch}, {tokens}, {heads}) or ({batch}, {tokens}, {heads}, "
+            f"{k_dim}), got {tuple(g.shape)}"
+        )
     v_dim = value.shape[-1]
     state_shape = (batch, heads, k_dim, v_dim)
     if initial_state is None:
@@ -126,8 +132,10 @@ def gated_delta_rule(
         q, k = l2norm(q), l2norm(k)
     q = q / (k_dim**0.5)
     out = []
+    per_channel = g.dim() == 4
     for step in range(tokens):  # position order: the recurrence's only order
-        state = state * decay[:, :, step].exp()[..., None, None]
+        factor = decay[:, :, step].exp()
+        state = state * (factor[..., None] if per_channel else factor[..., None, None])
         k_t = k[:, :, step, :, None]
         read = tree_sum(state * k_t, -2)  # [B, H, 1, V]
         delta = (v[:, :, step, None, :] - read) * b[:, :, step, None, None]

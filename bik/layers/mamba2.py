@@ -69,13 +69,13 @@ def selective_scan(
     bs, cs = (t.float().repeat_interleave(per_group, dim=2) for t in (b, c))  # [B, T, H, N]
     a, d = a.float(), d.float()
     out = []
-    for t in range(tokens):  # position order: the recurrence's only order
-        step = steps[:, t]  # [B, H]
+    for position in range(tokens):  # position order: the recurrence's only order
+        step, x_t = steps[:, position], xs[:, position]  # [B, H], [B, H, P]
         decay = torch.exp(step * a)[..., None, None]
-        write = (step[..., None] * xs[:, t])[..., None] * bs[:, t, :, None, :]
+        write = (step[..., None] * x_t)[..., None] * bs[:, position, :, None, :]
         state = state * decay + write
-        read = tree_sum(state * cs[:, t, :, None, :], -1)[..., 0]  # [B, H, P]
-        out.append(read + d[:, None] * xs[:, t])
+        read = tree_sum(state * cs[:, position, :, None, :], -1)[..., 0]  # [B, H, P]
+        out.append(read + d[:, None] * x_t)
     if not out:
         return xs.new_zeros(x.shape), state
     return torch.stack(out, dim=1), state

@@ -56,6 +56,7 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
         "tiny-qwen3_5_text",
         "tiny-qwen3_next",
         "tiny-nemotron_h",
+        "tiny-kimi_linear",
     ],
 )
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
@@ -63,7 +64,8 @@ def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
     group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, Qwen3.5 and
     Qwen3-Next with a Gated DeltaNet layer beside a gated full-attention one, Nemotron-H with
-    a Mamba2 mixer, an attention layer and an MLP layer (their tiny presets)."""
+    a Mamba2 mixer, an attention layer and an MLP layer, Kimi Linear with a Kimi Delta
+    Attention layer beside latent attention (their tiny presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)

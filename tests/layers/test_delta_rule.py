@@ -169,3 +169,35 @@ def test_causal_conv1d_bad_shapes_name_the_argument():
         causal_conv1d(x, weight[:3])
     with pytest.raises(ValueError, match="x"):
         causal_conv1d(x[0], weight)
+
+
+# ---- a decay per key channel (Kimi Delta Attention) ---------------------------------------
+
+
+def test_a_decay_per_key_channel_keeps_the_order_and_matches_transformers():
+    """Kimi Delta Attention's g [B, T, H, K]: a row alone == in a batch, a cut sequence ==
+    the whole, close to transformers' recurrent form, whose chunked form (its prefill)
+    disagrees with it (the negative control)."""
+    modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    q, k, v, _, beta = inputs(3, 40, k_dim=16, v_dim=16)
+    g = -torch.rand(3, 40, 2, 16, generator=torch.Generator().manual_seed(5))
+    out, state = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    alone, _ = gated_delta_rule(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], use_qk_l2norm=True)
+    assert torch.equal(out[1:2], alone)
+    first, mid = gated_delta_rule(
+        q[:, :17], k[:, :17], v[:, :17], g[:, :17], beta[:, :17], None, True
+    )
+    rest, end = gated_delta_rule(
+        q[:, 17:], k[:, 17:], v[:, 17:], g[:, 17:], beta[:, 17:], mid, True
+    )
+    assert torch.equal(torch.cat([first, rest], 1), out) and torch.equal(end, state)
+    recurrent, _ = modeling.recurrent_kimi_delta_attention(
+        q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+    )
+    chunked, _ = modeling.chunk_kimi_delta_attention(
+        q, k, v, g, beta, chunk_size=16, use_qk_l2norm_in_kernel=True
+    )
+    assert not torch.equal(chunked, recurrent)
+    torch.testing.assert_close(out, recurrent, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"g: expected shape \(3, 40, 2\) or \(3, 40, 2, 16\)"):
+        gated_delta_rule(q, k, v, g[..., :3], beta)

@@ -36,7 +36,7 @@ def test_a_hybrid_policy_with_native_rollout_kernels_is_measured(tmp_path, cache
     assert history[0]["mismatch/tokens_unequal_count"] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "nemotron_h", "kimi_linear"])
 def test_a_hybrid_policy_is_refused_on_the_vllm_engine(family):
     with pytest.raises(ConfigError, match=r"does not run (linear-attention|mixture-of)"):
         config.build({}, [f"model.family={family}", "rollout.engine=vllm"])

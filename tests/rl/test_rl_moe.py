@@ -159,6 +159,15 @@ def test_moe_with_bik_has_zero_mismatch_and_zero_routing_flips(tmp_path, cache):
     assert "routing flips (MoE): mean fraction of response tokens 0.0000" in summary
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear"])
+def test_latent_attention_policies_with_bik_have_zero_mismatch(tmp_path, cache, family):
+    """DeepSeek-V3 and Kimi Linear (latent attention; Kimi's Delta Attention beside it) as
+    harness policies: the tiny preset's latent ranks, RoPE over model.head_dim."""
+    history = _run(tmp_path, cache, family, [*MOE, f"model.family={family}"])
+    for m in history:
+        assert m["mismatch/tokens_unequal_count"] == 0 and m["mismatch/logprob_abs_diff_max"] == 0
+
+
 def test_moe_kernel_swap_measures_routing_flips(tmp_path, cache):
     history = _run(tmp_path, cache, "native", [*MOE, "rollout.kernels=native"])
     assert history[0]["mismatch/tokens_unequal_count"] > 0

@@ -160,8 +160,8 @@ def _time_case(
 def _time_graphs(fns, device: torch.device, min_time: float) -> Timing:
     """Both functions replayed from CUDA graphs of ``graphs.GRAPH_CALLS`` calls each, timed
     as :func:`time_pair` times eager calls; ms per call."""
-    replays = [graphs.graphed(fn) for fn in fns]
-    timing = time_pair(*replays, device, min_time)
+    bik_replay, base_replay = (graphs.graphed(fn) for fn in fns)
+    timing = time_pair(bik_replay, base_replay, device, min_time)
     calls = graphs.GRAPH_CALLS
     return Timing(timing.bik_ms / calls, timing.base_ms / calls, timing.spread)
 
@@ -280,7 +280,7 @@ def _case_records(case, device, dtype_name, l2, min_time, backend) -> list[dict[
     base = {"op": case.op, "shape": case.shape, "dtype": dtype_name, "backend": backend}
     record: dict[str, Any] = {**base, "mode": "eager"}
     gpu = device.type == "cuda"
-    pinned = contextlib.nullcontext()
+    pinned: contextlib.AbstractContextManager = contextlib.nullcontext()
     if gpu and case.op.startswith("attention"):  # the baseline's SDPA kernel, recorded
         from torch.nn.attention import sdpa_kernel
 
