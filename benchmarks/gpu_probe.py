@@ -125,16 +125,7 @@ def sync(device: torch.device) -> None:
 
 def eager_us(fn: Callable[[], object], device: torch.device, calls: int = 50) -> float:
     """Median of 5 timings of ``calls`` calls, per call, waiting for the GPU."""
-    fn()
-    times = []
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+    return graphs.per_call_us(fn, device, calls, wait=True)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20) -> tuple[float, object]:

@@ -73,14 +73,53 @@ class GatedRMSNorm:
         return (normed * sigmoid(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet:
-    """A Gated DeltaNet layer's forward (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``:
-    they differ in how the projections are laid out, nothing else). Eager even inside
-    torch.compile (one graph break per layer): inductor's ``exp`` and fused multiply-adds
-    would change the recurrence's bits against an eager trainer."""
+class RecurrentLayer:
+    """A recurrent layer's forward, as transformers calls it: padded positions zeroed, then
+    :meth:`forward`. Eager even inside torch.compile (one graph break per layer): inductor's
+    ``exp`` and fused multiply-adds would change the recurrence's bits against an eager
+    trainer."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, backend: str = "auto"):
+        self.module, self.backend = module, backend
+
+    @torch.compiler.disable
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise NotImplementedError(
+                f"bik: packed sequences (cu_seq_lens_q) in a {type(self.module).__name__}"
+            )
+        hidden_states = self.mask_padding(hidden_states, attention_mask)
+        return self.forward(hidden_states, cache_params, attention_mask)
+
+    def mask_padding(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return _modeling(self.module).apply_mask_to_padding_states(x, attention_mask)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cached_state(self, cache: Any) -> torch.Tensor | None:
+        """The recurrent state the cache holds for this layer, or None (a first call)."""
+        index = self.module.layer_idx
+        if cache is None or not cache.has_previous_state(index):
+            return None
+        return cache.layers[index].recurrent_states[0]
+
+    def store_state(self, cache: Any, state: torch.Tensor) -> None:
+        if cache is not None:
+            cache.update_recurrent_state(state, self.module.layer_idx)
+
+
+class GatedDeltaNet(RecurrentLayer):
+    """A Gated DeltaNet layer (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``: they
+    differ in how the projections are laid out, nothing else)."""
 
     def _projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(mixed q/k/v channels-last ``[B, T, C]``, z ``[B, T, Hv, V]``, b, a ``[B, T, Hv]``)."""
@@ -101,22 +140,14 @@ class GatedDeltaNet:
             m.in_proj_a(hidden_states),
         )
 
-    @torch.compiler.disable
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        cache_params: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
+    def forward(
+        self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         m: Any = self.module
-        if kwargs.get("cu_seq_lens_q") is not None:
-            raise NotImplementedError("bik: packed sequences (cu_seq_lens_q) in a Gated DeltaNet")
-        hidden_states = _modeling(m).apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, length = hidden_states.shape[:2]
-        previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
+        state = self.cached_state(cache)
         mixed, z, b, a = self._projections(hidden_states)
-        mixed = silu(convolve(m, mixed.transpose(1, 2), cache_params)).transpose(1, 2)
+        mixed = silu(convolve(m, mixed.transpose(1, 2), cache)).transpose(1, 2)
         query, key, value = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         query = query.reshape(batch, length, -1, m.head_k_dim)
         key = key.reshape(batch, length, -1, m.head_k_dim)
@@ -127,10 +158,8 @@ class GatedDeltaNet:
         if heads_per_key > 1:
             query = query.repeat_interleave(heads_per_key, dim=2)
             key = key.repeat_interleave(heads_per_key, dim=2)
-        state = cache_params.layers[m.layer_idx].recurrent_states[0] if previous else None
         out, state = gated_delta_rule(query, key, value, g, beta, state, use_qk_l2norm=True)
-        if cache_params is not None:
-            cache_params.update_recurrent_state(state, m.layer_idx)
+        self.store_state(cache, state)
         out = m.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
         return m.out_proj(out.reshape(batch, length, -1))
 
@@ -182,39 +211,28 @@ class GatedAttention:
         return m.o_proj(out), weights
 
 
-class Mamba2Mixer:
-    """A Mamba2 mixer's forward (``NemotronHMamba2Mixer``): transformers' steps with the
-    convolution, its SiLU, the step's softplus and the scan in bik's orders, and the gated
-    group RMSNorm (``x * silu(z)``, then an RMSNorm per group of channels, the weight in fp32)
-    through bik.rms_norm and bik.silu. Eager inside torch.compile, as :class:`GatedDeltaNet`."""
+class Mamba2Mixer(RecurrentLayer):
+    """A Mamba2 mixer (``NemotronHMamba2Mixer``): transformers' steps with the convolution, its
+    SiLU, the step's softplus and the scan in bik's orders, and the gated group RMSNorm
+    (``x * silu(z)``, then an RMSNorm per group of channels, the weight in fp32) through
+    bik.rms_norm and bik.silu."""
 
-    def __init__(self, module: torch.nn.Module, backend: str):
-        self.module, self.backend = module, backend
-
-    @torch.compiler.disable
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        cache_params: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
+    def forward(
+        self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         m: Any = self.module
         if m.activation != "silu":
             raise NotImplementedError(f"bik: a Mamba2 mixer with activation {m.activation!r}")
-        mask_padding = _modeling(m).apply_mask_to_padding_states
         batch, length, _ = hidden_states.shape
-        dtype = hidden_states.dtype
-        previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
-        projected = m.in_proj(mask_padding(hidden_states, attention_mask))
+        state = self.cached_state(cache)
+        projected = m.in_proj(hidden_states)
         gate, mixed, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
-        mixed = silu(convolve(m, mixed.transpose(1, 2), cache_params)).transpose(1, 2)
-        mixed = mask_padding(mixed, attention_mask)
+        mixed = silu(convolve(m, mixed.transpose(1, 2), cache)).transpose(1, 2)
+        mixed = self.mask_padding(mixed, attention_mask)
         state_width = m.n_groups * m.ssm_state_size
         x, b, c = torch.split(mixed, [m.intermediate_size, state_width, state_width], dim=-1)
         low, high = m.time_step_limit
         step = softplus(dt.float() + m.dt_bias.float()).clamp(min=low, max=high)
-        state = cache_params.layers[m.layer_idx].recurrent_states[0] if previous else None
         y, state = selective_scan(
             x.reshape(batch, length, m.num_heads, m.head_dim),
             step,
@@ -224,10 +242,9 @@ class Mamba2Mixer:
             m.D,
             state,
         )
-        if cache_params is not None:
-            cache_params.update_recurrent_state(state, layer_idx=m.layer_idx)
+        self.store_state(cache, state)
         y = self._gated_group_norm(y.reshape(batch, length, -1), gate)
-        return m.out_proj(y.to(dtype))
+        return m.out_proj(y.to(hidden_states.dtype))
 
     def _gated_group_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``weight * rms_norm_per_group(y * silu(gate))`` in fp32 (transformers'
@@ -241,40 +258,28 @@ class Mamba2Mixer:
         return norm.weight.float() * normed.reshape(y.shape)
 
 
-class KimiDeltaAttention:
-    """Kimi Delta Attention's forward (``KimiLinearDeltaAttention``): the Gated DeltaNet's
-    steps with a decay per key channel: q, k, v through their own projections and the
-    convolution, the forget gate's two projections then ``-exp(A_log) * softplus(. + dt_bias)``
-    through bik.softplus, beta through bik.sigmoid, the output through the gated (sigmoid)
-    RMSNorm. Eager inside torch.compile, as :class:`GatedDeltaNet`."""
+class KimiDeltaAttention(RecurrentLayer):
+    """Kimi Delta Attention (``KimiLinearDeltaAttention``): the Gated DeltaNet's steps with a
+    decay per key channel: q, k, v through their own projections and the convolution, the
+    forget gate's two projections then ``-exp(A_log) * softplus(. + dt_bias)`` through
+    bik.softplus, beta through bik.sigmoid, the output through the gated (sigmoid) RMSNorm."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    @torch.compiler.disable
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        cache_params: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
+    def forward(
+        self, hidden_states: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
         m: Any = self.module
-        hidden_states = _modeling(m).apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, length = hidden_states.shape[:2]
         heads = (batch, length, -1, m.head_dim)
-        previous = cache_params is not None and cache_params.has_previous_state(m.layer_idx)
+        state = self.cached_state(cache)
         projections = (m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states))
         mixed = torch.cat(projections, dim=-1).transpose(1, 2)
-        mixed = silu(convolve(m, mixed, cache_params)).transpose(1, 2)
+        mixed = silu(convolve(m, mixed, cache)).transpose(1, 2)
         query, key, value = (t.reshape(heads) for t in torch.split(mixed, [m.qkv_dim] * 3, -1))
         forget = m.forget_gate
         raw = forget.f_b_proj(forget.f_a_proj(hidden_states)).float() + forget.dt_bias.float()
         g = -torch.exp(forget.A_log.float()) * softplus(raw.reshape(heads))
         beta = sigmoid(m.b_proj(hidden_states))
-        state = cache_params.layers[m.layer_idx].recurrent_states[0] if previous else None
         out, state = gated_delta_rule(query, key, value, g, beta, state, use_qk_l2norm=True)
-        if cache_params is not None:
-            cache_params.update_recurrent_state(state, m.layer_idx)
+        self.store_state(cache, state)
         gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(heads)
         return m.o_proj(m.o_norm(out, gate).reshape(batch, length, -1))

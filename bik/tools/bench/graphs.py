@@ -36,6 +36,12 @@ def host_us(fn: Callable[[], object], device: torch.device, calls: int = HOST_CA
     """Microseconds of host time to issue one call: ``calls`` calls issued with no wait, per
     call, median of 5 (at decode shapes the GPU's queue takes them without blocking, so this
     is the host's cost, whatever the kernels take; on a CPU, simply the call's time)."""
+    return per_call_us(fn, device, calls, wait=False)
+
+
+def per_call_us(fn: Callable[[], object], device: torch.device, calls: int, *, wait: bool) -> float:
+    """Microseconds per call of ``calls`` calls back to back, median of 5; ``wait``: the clock
+    stops once the GPU is done (the eager time), else when the last call is issued."""
     fn()
     samples = []
     for _ in range(5):
@@ -43,6 +49,8 @@ def host_us(fn: Callable[[], object], device: torch.device, calls: int = HOST_CA
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        if wait:
+            _sync(device)
         samples.append((time.perf_counter() - start) / calls)
         _sync(device)
     return statistics.median(samples) * 1e6
