@@ -1,13 +1,14 @@
-"""The forwards patch_model installs on the hybrid linear-attention families: Qwen3-Next and
-Qwen3.5 (the Gated DeltaNet layer, its gated RMSNorm, the gated full attention) and Nemotron-H
-(the Mamba2 mixer).
+"""The forwards patch_model installs on the hybrid families (bik.families.Family.recurrent):
+Qwen3-Next and Qwen3.5 (the Gated DeltaNet layer, its gated RMSNorm, the gated full
+attention), Kimi Linear (Kimi Delta Attention, its gated RMSNorm) and Nemotron-H (the Mamba2
+mixer).
 
 Each follows transformers' forward step by step, with every computation that is not a
 reshape or a cache call replaced by its bik counterpart: the projections are the layer's own
-(patched) Linear modules, the short convolution and the recurrence are
-bik.layers.delta_rule's fixed orders, ``g`` and ``beta`` go through bik.softplus and
-bik.sigmoid, the gate of the attention output through bik.sigmoid. The cache calls are
-transformers' own, so a patched model generates with the cache it builds.
+(patched) Linear modules, the short convolution and the recurrences are bik.layers'
+fixed orders (delta_rule, mamba2), the decays and gates go through bik.softplus, bik.sigmoid
+and bik.silu. The cache calls are transformers' own, so a patched model generates with the
+cache it builds.
 """
 
 import sys

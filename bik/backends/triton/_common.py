@@ -16,8 +16,9 @@ chance (docs/design.md, "GPU binaries"):
 A launch on a GPU goes through a plan (:class:`LaunchPlans`): the first launch of a
 specialisation compiles and launches through ``kernel[grid]`` as usual and keeps the compiled
 kernel; every later launch with the same specialisation calls that compiled kernel directly,
-skipping Triton's binder and cache lookup (about 20 us of host time a call). The plan's key is
-what Triton's binder specialises on, so a plan always runs the binary ``kernel[grid]`` would.
+skipping Triton's binder and cache lookup (2-37 us of host time a call on an H200 host:
+benchmarks/README.md). The plan's key is a superset of what Triton's binder specialises on,
+so a plan always runs the binary ``kernel[grid]`` would.
 
 ``bik.tools.sm90`` compiles the same :class:`Launch` descriptions for Hopper with no GPU and
 reads the instructions they became.
