@@ -21,7 +21,8 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
 - ``attention``: decode over 1k-32k keys at batch 1 and 16, the split kernel and the combine
   kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
-  one; plans on and off, the bits compared) against the unpatched model.
+  one, a Qwen3.5-style hybrid; plans on and off, the bits compared) against the unpatched
+  model.
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -350,7 +351,11 @@ def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool)
 def e2e_cases(tiny: bool) -> list[cases.Case]:
     if tiny:
         return [cases.end_to_end("decode", 2, 8, 64, 2, new_tokens=2)]
-    return [cases.smollm2_decode(16, 512, 8), cases.end_to_end("decode", 16, 512, 2048, 8, 8)]
+    return [
+        cases.smollm2_decode(16, 512, 8),
+        cases.end_to_end("decode", 16, 512, 2048, 8, 8),
+        cases.hybrid_decode(16, 512, 2048, 8, 8),
+    ]
 
 
 def part_e2e(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:

@@ -325,7 +325,7 @@ step_bench() {
   matmul) ops=(linear) ;;
   attention) ops=(attention_decode attention_prefill attention_paged_decode) ;;
   rows) ops=(rms_norm log_softmax token_logprobs) ;;
-  e2e) ops=(e2e_forward e2e_decode moe_block e2e_moe_forward) ;;
+  e2e) ops=(e2e_forward e2e_decode e2e_hybrid_decode moe_block e2e_moe_forward) ;;
   quick) extra=(--quick) ;;
   all) ;;
   *) die "bench: unknown group '$group'; expected matmul, attention, rows, e2e, quick or all" ;;

@@ -246,6 +246,30 @@ def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool
     )
 
 
+def qwen3_5_config(hidden: int, layers: int, vocab: int, positions: int):
+    """A Qwen3.5-style hybrid: three Gated DeltaNet layers in four (the last of each four full
+    attention, as the model's default), linear heads of 128 (hidden / 128 key heads, twice as
+    many value heads), the attention as :func:`qwen3_config`'s."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        linear_num_key_heads=hidden // 128,
+        linear_num_value_heads=2 * (hidden // 128),
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=positions,
+        pad_token_id=0,
+    )
+
+
 def smollm2_config(positions: int):
     """SmolLM2-135M's shapes (the embedded real model: Llama, 30 layers, hidden 576, MLP 1536,
     9 query / 3 KV heads of 64, vocabulary 49152, tied embeddings), to be randomly
@@ -380,6 +404,21 @@ def end_to_end(
     )
 
 
+def hybrid_decode(batch: int, length: int, hidden: int, layers: int, new_tokens: int = 16) -> Case:
+    """Greedy decode with a random-init Qwen3.5-style hybrid (:func:`qwen3_5_config`), patched
+    (its recurrences token by token in PyTorch) vs unpatched (transformers' PyTorch chunked
+    prefill and recurrent decode)."""
+    return _model_case(
+        "e2e_hybrid_decode",
+        "decode",
+        f"B={batch} T={length} hidden={hidden} layers={layers} (Qwen3.5-style)",
+        lambda: qwen3_5_config(hidden, layers, 32000, length + new_tokens),
+        batch,
+        length,
+        new_tokens,
+    )
+
+
 def smollm2_decode(batch: int, length: int, new_tokens: int = 16) -> Case:
     """Greedy decode with a random-init model of SmolLM2-135M's shapes, patched vs unpatched."""
     return _model_case(
@@ -495,7 +534,7 @@ def cuda_cases(quick: bool) -> list[Case]:
     cases += [attention(1, 32, 8, t, t, 128, "Llama-3.1-8B") for t in (512, 2048, 8192)]
     cases += [paged_decode(b, 32, 8, 8192, 128, "Llama-3.1-8B") for b in (1, 16)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8), end_to_end("decode", 16, 512, 2048, 8)]
-    cases += [smollm2_decode(16, 512)]
+    cases += [smollm2_decode(16, 512), hybrid_decode(16, 512, 2048, 8, 8)]
     cases += [moe_block(t, 2048) for t in (1, 256, 8192)]
     cases += [end_to_end("forward", 8, 2048, 2048, 8, moe=True)]
     cases += [real_model("forward", 8, 2048), real_model("decode", 16, 512)]
