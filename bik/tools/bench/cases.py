@@ -224,16 +224,10 @@ def paged_decode(batch: int, heads: int, kv_heads: int, tk: int, dim: int, model
 MOE_EXPERTS, MOE_TOP_K = 16, 4
 
 
-def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool = False):
-    """The benchmarks' Qwen3-style config: head_dim 64, GQA (one KV head per 4 query heads),
-    MLP 3 x hidden; with ``moe``, Qwen3-MoE with MOE_EXPERTS experts, MOE_TOP_K per token."""
-    from transformers import AutoConfig
-
-    family = FAMILIES["qwen3_moe" if moe else "qwen3"]
-    experts = family.moe_config(experts=MOE_EXPERTS, top_k=MOE_TOP_K, width=hidden // 2)
-    return AutoConfig.for_model(
-        family.model_type,
-        **experts,
+def _qwen_shape(hidden: int, layers: int, vocab: int, positions: int) -> dict:
+    """The benchmarks' Qwen-style shape: head_dim 64, GQA (one KV head per 4 query heads),
+    MLP 3 x hidden."""
+    return dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden,
@@ -246,27 +240,31 @@ def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool
     )
 
 
+def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool = False):
+    """The benchmarks' Qwen3-style config (:func:`_qwen_shape`); with ``moe``, Qwen3-MoE with
+    MOE_EXPERTS experts, MOE_TOP_K per token."""
+    from transformers import AutoConfig
+
+    family = FAMILIES["qwen3_moe" if moe else "qwen3"]
+    experts = family.moe_config(experts=MOE_EXPERTS, top_k=MOE_TOP_K, width=hidden // 2)
+    return AutoConfig.for_model(
+        family.model_type, **experts, **_qwen_shape(hidden, layers, vocab, positions)
+    )
+
+
 def qwen3_5_config(hidden: int, layers: int, vocab: int, positions: int):
-    """A Qwen3.5-style hybrid: three Gated DeltaNet layers in four (the last of each four full
-    attention, as the model's default), linear heads of 128 (hidden / 128 key heads, twice as
-    many value heads), the attention as :func:`qwen3_config`'s."""
+    """A Qwen3.5-style hybrid of :func:`_qwen_shape`: three Gated DeltaNet layers in four (the
+    last of each four full attention, as the model's default), linear heads of 128 (hidden /
+    128 key heads, twice as many value heads)."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
         "qwen3_5_text",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        head_dim=64,
+        **_qwen_shape(hidden, layers, vocab, positions),
         linear_num_key_heads=hidden // 128,
         linear_num_value_heads=2 * (hidden // 128),
         linear_key_head_dim=128,
         linear_value_head_dim=128,
-        max_position_embeddings=positions,
-        pad_token_id=0,
     )
 
 
