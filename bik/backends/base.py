@@ -39,6 +39,12 @@ nothing, every call runs matmul):
 Optional accelerator of matmul (None: grouped_linear runs matmul once per group instead):
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
+
+Optional accelerator of the gated delta rule (None: bik.layers.delta_rule runs its torch
+composition token by token; the backend that runs matmul on the device is asked):
+  delta_rule(q, k [B, H, T, K], v [B, H, T, V], decay [B, H, T] or [B, H, T, K], beta [B, H, T],
+             state [B, H, K, V]; all fp32, q scaled, decay = exp(g))
+      -> (fp32 out [B, H, T, V], fp32 final state): the composition's order and bits
 """
 
 from collections.abc import Callable
@@ -56,6 +62,7 @@ ACCELERATORS: dict[str, tuple[str, str]] = {  # field: (base op, the composition
     "grouped_matmul": ("matmul", "matmul once per non-empty group"),
     "chunked_matmul": ("matmul", "one matmul per chunk on fp32 casts, tree-summed"),
     "prepacked_matmul": ("matmul", "matmul, packing the weight on every call"),
+    "delta_rule": ("matmul", "the gated delta rule's torch composition, token by token"),
 }
 
 
@@ -101,6 +108,8 @@ class Backend:
     """A weight's W^T packed once in matmul's layout (bik.packed_weights)."""
     prepacked_matmul: Kernel | None = None
     """matmul reading a weight packed by ``pack_weight``: the same bits."""
+    delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The gated delta rule's recurrence in one call (bik.layers.delta_rule)."""
     attention_sinks: bool = False
     """Its attention takes ``sinks`` (one learned logit per query head, gpt-oss)."""
     invariant: bool = True

@@ -234,6 +234,21 @@ class _NativeKernels:
         )
         return out
 
+    def delta_rule(self, q, k, v, decay, beta, state):
+        """The gated delta rule's recurrence (bik.layers.delta_rule's order; cpu only)."""
+        batch, heads, tokens, k_dim = q.shape
+        out = torch.empty(batch, heads, tokens, v.shape[-1], dtype=torch.float32)
+        state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes it
+        tensors = [t.contiguous() for t in (q, k, v, decay, beta)]
+        self.lib.delta_rule(
+            *(t.data_ptr() for t in tensors),
+            state.data_ptr(),
+            out.data_ptr(),
+            (batch, heads, tokens, k_dim, v.shape[-1]),
+            decay.dim() == 4,
+        )
+        return out, state
+
 
 def _flat_options(options: AttentionOptions) -> tuple[float, int]:
     """``softcap`` and ``window`` as the compiled kernels take them: 0 for "off"."""
@@ -255,11 +270,12 @@ def native_backend(
     paged_attention: bool = False,
     chunked_matmul: bool = False,
     prepacked_matmul: bool = False,
+    delta_rule: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
     ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
     sinks pointer after ``window``); ``paged_attention``, ``chunked_matmul``,
-    ``prepacked_matmul`` (with ``pack_weight``): ``lib`` has that kernel."""
+    ``prepacked_matmul`` (with ``pack_weight``), ``delta_rule``: ``lib`` has that kernel."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name=name,
@@ -275,4 +291,5 @@ def native_backend(
         chunked_matmul=kernels.chunked_matmul if chunked_matmul else None,
         pack_weight=kernels.pack_weight if prepacked_matmul else None,
         prepacked_matmul=kernels.prepacked_matmul if prepacked_matmul else None,
+        delta_rule=kernels.delta_rule if delta_rule else None,
     )

@@ -19,11 +19,18 @@ not on where a call cuts the sequence (the state is carried exactly), not on the
 count. A prefill is this recurrence over the prompt, a decode step one token of it: the same
 function, hence the same bits. The chunked parallel form (fast on a GPU) sums in another
 order and is not used.
+
+:func:`recurrence` is the order's torch composition. A backend may run it in one kernel
+(``Backend.delta_rule``: the cpu backend's C++ loop, the triton backend's register-resident
+state tile) with the same bits; the decay factors ``exp(g)`` are computed once by torch for
+both, so no kernel's own ``exp`` enters. Gradients differentiate the composition (autograd
+runs it whenever an input requires grad): deterministic, and the forward bits do not change.
 """
 
 import torch
 
-from .. import _checks
+from .. import _checks, backends
+from ..ops._dispatch import needs_custom_op
 
 
 def causal_conv1d(
@@ -127,20 +134,42 @@ def gated_delta_rule(
         )
     else:
         state = initial_state.float()
+    if tokens == 0:
+        return value.new_zeros(value.shape), state
     q, k, v, decay, b = (t.float().transpose(1, 2) for t in (query, key, value, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q = q / (k_dim**0.5)
+    inputs = (q / (k_dim**0.5), k, v, decay.exp(), b, state)
+    accelerator = None if needs_custom_op(inputs) else _accelerator(query.device)
+    out, state = (accelerator or recurrence)(*inputs)
+    return out.transpose(1, 2).contiguous().to(query.dtype), state
+
+
+def _accelerator(device: torch.device):
+    """The delta_rule kernel of the backend running matmul on ``device``, or None."""
+    return backends.resolve(device, "matmul").delta_rule
+
+
+def recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's torch composition over fp32 ``[B, H, T, *]`` tensors (``q`` scaled,
+    ``decay = exp(g)``, ``[B, H, T]`` or ``[B, H, T, K]``): (out ``[B, H, T, V]``, final
+    state). Backends' ``delta_rule`` kernels compute these bits in one call; autograd,
+    tracing and fake tensors run this."""
+    per_key = decay.dim() == 4
     out = []
-    per_channel = g.dim() == 4
-    for step in range(tokens):  # position order: the recurrence's only order
-        factor = decay[:, :, step].exp()
-        state = state * (factor[..., None] if per_channel else factor[..., None, None])
+    for step in range(q.shape[2]):  # position order: the recurrence's only order
+        factor = decay[:, :, step]
+        state = state * (factor[..., None] if per_key else factor[..., None, None])
         k_t = k[:, :, step, :, None]
         read = tree_sum(state * k_t, -2)  # [B, H, 1, V]
-        delta = (v[:, :, step, None, :] - read) * b[:, :, step, None, None]
+        delta = (v[:, :, step, None, :] - read) * beta[:, :, step, None, None]
         state = state + k_t * delta
         out.append(tree_sum(state * q[:, :, step, :, None], -2)[:, :, 0])
-    if not out:
-        return value.new_zeros(value.shape), state
-    return torch.stack(out, dim=1).to(query.dtype), state
+    return torch.stack(out, dim=2), state

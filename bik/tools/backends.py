@@ -63,7 +63,7 @@ def table() -> str:
             cells.append(mark.center(len(name)))
         lines.append(op.ljust(width) + "  " + "  ".join(cells))
     lines.append("(x: implemented, -: not, ?: the backend cannot load here)")
-    lines.append("Without an accelerator bik composes its op from the base kernels, same bits:")
+    lines.append("Without an accelerator bik composes the same bits (base kernels, torch):")
     lines += [f"  {field}: {then}" for field, (_, then) in ACCELERATORS.items()]
     lines.append("")
     for name in names:

@@ -79,6 +79,12 @@ void paged_attention(int dtype, uintptr_t q, uintptr_t k_cache, uintptr_t v_cach
   bik::paged_attention(dtype, args);
 }
 
+void delta_rule(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t decay, uintptr_t beta,
+                uintptr_t state, uintptr_t out, std::array<int64_t, 5> sizes, bool decay_per_key) {
+  bik::delta_rule(bik::DeltaRuleArgs{q, k, v, decay, beta, state, out, sizes[0], sizes[1],
+                                     sizes[2], sizes[3], sizes[4], decay_per_key});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -105,4 +111,7 @@ PYBIND11_MODULE(_cpu, m) {
         "sizes = (T, S, Hq, Hkv, D, block_size, split_size, block_table row stride); strides: "
         "q (token, head), caches (block, head, slot); int32 block_table, query_start, "
         "seq_lens; softcap 0, window 0 and sinks 0 mean off");
+  m.def("delta_rule", &delta_rule, release,
+        "the gated delta rule on contiguous fp32 tensors; sizes = (B, H, T, K, V); the state "
+        "[B, H, K, V] is overwritten by the final one (bik.layers.delta_rule's order)");
 }

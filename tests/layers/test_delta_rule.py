@@ -9,16 +9,19 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bik.layers.delta_rule import causal_conv1d, gated_delta_rule, tree_sum
+import bik
+from bik import backends
+from bik.layers.delta_rule import causal_conv1d, gated_delta_rule, l2norm, recurrence, tree_sum
 
 CASES = settings(max_examples=min(10, settings.default.max_examples))
 
 
-def inputs(batch, tokens, heads=2, k_dim=8, v_dim=6, seed=0):
+def inputs(batch, tokens, heads=2, k_dim=8, v_dim=6, seed=0, per_key=False):
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(batch, tokens, heads, k_dim, generator=gen) for _ in range(2))
     v = torch.randn(batch, tokens, heads, v_dim, generator=gen)
-    g = -torch.rand(batch, tokens, heads, generator=gen)  # a log decay: exp(g) in (0.37, 1]
+    # a log decay: exp(g) in (0.37, 1], one per head or one per key channel
+    g = -torch.rand(batch, tokens, heads, *((k_dim,) if per_key else ()), generator=gen)
     beta = torch.rand(batch, tokens, heads, generator=gen)
     return q, k, v, g, beta
 
@@ -124,6 +127,60 @@ def test_bad_shapes_name_the_argument():
         gated_delta_rule(q, k, v, g, beta[..., :1])
     with pytest.raises(ValueError, match=r"initial_state: expected shape \(2, 2, 8, 6\)"):
         gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 2, 8, 5))
+
+
+# ---- the backends' kernels and the gradient ----------------------------------------------
+
+
+def composition(q, k, v, g, beta, state):
+    """What gated_delta_rule runs without a kernel: the torch composition, by hand."""
+    q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))
+    q, k = l2norm(q), l2norm(k)
+    out, state = recurrence(q / q.shape[-1] ** 0.5, k, v, g.exp(), beta, state)
+    return out.transpose(1, 2), state
+
+
+@settings(max_examples=min(6, settings.default.max_examples))
+@given(
+    batch=st.integers(1, 3),
+    tokens=st.integers(1, 6),
+    k_dim=st.sampled_from([1, 5, 8, 12]),
+    v_dim=st.sampled_from([3, 16, 70]),  # 70: a tail past the Triton kernel's 64-wide block
+    per_key=st.booleans(),
+    seed=st.integers(0, 50),
+)
+def test_backend_kernels_give_the_compositions_bits(
+    backend, batch, tokens, k_dim, v_dim, per_key, seed
+):
+    """Each invariant backend's delta_rule kernel (C++, Triton) equals the torch composition
+    bit for bit: outputs and final state, from a random state, every key width (a power of
+    two or padded to one), both decay forms."""
+    assert backends.load(backend).delta_rule is not None
+    q, k, v, g, beta = inputs(batch, tokens, 2, k_dim, v_dim, seed, per_key)
+    state = torch.randn(batch, 2, k_dim, v_dim, generator=torch.Generator().manual_seed(seed))
+    out, end = gated_delta_rule(q, k, v, g, beta, state, use_qk_l2norm=True)
+    with bik.use_backend("reference"):  # it has no kernel: the composition runs
+        plain = gated_delta_rule(q, k, v, g, beta, state, use_qk_l2norm=True)
+    for got, expected in zip((out, end), composition(q, k, v, g, beta, state)):
+        assert torch.equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip((out, end), plain))
+
+
+def test_the_gradient_differentiates_the_same_order():
+    """With inputs that require grad the composition runs (autograd through it): the same
+    forward bits as the kernel, and gradients close to float64 autograd of the formula."""
+    q, k, v, g, beta = inputs(2, 9)
+    kernel_out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    out, state = gated_delta_rule(*leaves, use_qk_l2norm=True)
+    assert torch.equal(out.detach(), kernel_out)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * weights).sum() + state.sum(), leaves)
+    wide = [t.double().requires_grad_() for t in (q, k, v, g, beta)]
+    ref_out, ref_state = float64_reference(*wide, True)
+    ref_grads = torch.autograd.grad((ref_out * weights.double()).sum() + ref_state.sum(), wide)
+    for name, got, ref in zip(["q", "k", "v", "g", "beta"], grads, ref_grads):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---- the short causal convolution ----------------------------------------------------------

@@ -11,6 +11,7 @@ from ...contract import KEY_BLOCK, MATMUL_BLOCK_K
 from ..base import Backend
 from ._common import INTERPRET
 from .attention import attention, paged_attention
+from .delta_rule import delta_rule
 from .log_softmax import log_softmax, token_logprobs
 from .matmul import grouped_matmul, matmul
 from .rms_norm import rms_norm
@@ -39,6 +40,7 @@ BACKEND = Backend(
     attention=attention,
     paged_attention=paged_attention,
     grouped_matmul=grouped_matmul,
+    delta_rule=delta_rule,
     attention_sinks=True,
     extra_device_check=_needs_interpreter_on_cpu,
 )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import bik
 from bik.families import FAMILIES
+from bik.layers.delta_rule import gated_delta_rule
 from bik.layers.paged_attention import paged_attention
 
 if TYPE_CHECKING:
@@ -328,6 +329,51 @@ def moe_block(tokens: int, hidden: int) -> Case:
     )
 
 
+def delta_rule(batch: int, tokens: int, heads: int, k_dim: int = 128, v_dim: int = 128) -> Case:
+    """The gated delta rule (Gated DeltaNet's recurrence, from a cached state) vs the
+    non-invariant form transformers runs without flash-linear-attention: its chunked form for
+    a prompt, its recurrent form for a decode step (``tokens == 1``)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as plain
+
+    def inputs(device, dtype):
+        q, k = (_randn(batch, tokens, heads, k_dim, device=device, dtype=dtype) for _ in "qk")
+        v = _randn(batch, tokens, heads, v_dim, device=device, dtype=dtype)
+        g = -torch.rand(batch, tokens, heads, device=device)  # a log decay in [-1, 0]
+        beta = torch.rand(batch, tokens, heads, device=device)
+        state = torch.randn(batch, heads, k_dim, v_dim, device=device) / k_dim
+        return q, k, v, g.to(dtype), beta.to(dtype), state
+
+    def ours(q, k, v, g, beta, state):
+        return gated_delta_rule(q, k, v, g, beta, state, use_qk_l2norm=True)
+
+    baseline_form = (
+        plain.torch_recurrent_gated_delta_rule
+        if tokens == 1
+        else plain.torch_chunk_gated_delta_rule
+    )
+
+    def baseline(q, k, v, g, beta, state):
+        return baseline_form(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    # per token and head: decay, two reads and the write over the K x V state (7 K V flops);
+    # the state is read and written once a call, the inputs and output once
+    flops = 7 * batch * tokens * heads * k_dim * v_dim
+    traffic = 8 * batch * heads * k_dim * v_dim + 2 * batch * tokens * heads * (
+        2 * k_dim + 2 * v_dim
+    )
+    label = f"B={batch} T={tokens} H={heads} K={k_dim} V={v_dim}"
+    return Case("delta_rule", label, flops, traffic, inputs, ours, baseline)
+
+
 def _generate_or_forward(
     model: PreTrainedModel, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
 ) -> torch.Tensor:
@@ -465,6 +511,7 @@ def cpu_cases(quick: bool) -> list[Case]:
             attention(1, 4, 4, 1, 256, 64),
             attention(1, 4, 4, 64, 64, 64),
             moe_block(16, 256),
+            delta_rule(1, 64, 2, 64, 64),
             end_to_end("forward", 2, 32, 256, 2),
         ]
     cases = [linear(m, h, h) for h in (256, 1024) for m in (1, 64, 256, 1024, 4096)]
@@ -477,6 +524,7 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases += [attention(1, 8, 8, 512, 512, 64)]
     cases += [end_to_end("forward", 4, 256, 512, 4), end_to_end("decode", 4, 64, 512, 4)]
     cases += [moe_block(t, 512) for t in (1, 64, 1024)]
+    cases += [delta_rule(b, t, 4) for b, t in ((1, 1), (8, 1), (1, 256), (4, 512))]
     cases += [end_to_end("forward", 4, 256, 512, 4, moe=True)]
     cases += [end_to_end("decode", 4, 64, 512, 4, moe=True)]
     cases += [real_model("forward", 4, 256), real_model("decode", 4, 64)]

@@ -59,4 +59,15 @@ inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintp
   return args;
 }
 
+struct DeltaRuleArgs {  // see bik/layers/delta_rule.py; every tensor fp32 and contiguous
+  uintptr_t q, k;         // [B, H, T, K], q already scaled (and both L2-normed if asked)
+  uintptr_t v;            // [B, H, T, V]
+  uintptr_t decay;        // exp(g): [B, H, T], or [B, H, T, K] when decay_per_key
+  uintptr_t beta;         // [B, H, T]
+  uintptr_t state;        // [B, H, K, V]: the initial state, overwritten by the final one
+  uintptr_t out;          // [B, H, T, V]
+  int64_t B, H, T, K, V;
+  bool decay_per_key;
+};
+
 }  // namespace bik
