@@ -31,7 +31,7 @@ GPU_BUILT := $(GPU_VENV)/.built
 GPU_PINS := triton==3.6.0 transformers==5.17.0 "numpy<2.4"
 # test_hf_compile.py is left out: torch.compile is torch's, the same in both venvs (and slow).
 GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*.py) \
-	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py \
+	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py tests/layers/test_mamba2.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
 .PHONY: install install-vllm build demo test test-fast test-gpu-image wheel wheel-check lint format clean

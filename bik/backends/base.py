@@ -40,11 +40,14 @@ Optional accelerator of matmul (None: grouped_linear runs matmul once per group 
   grouped_matmul(a [R, K], b [G, K, N] (any strides), offsets int64 [G + 1]) -> [R, N]:
       rows offsets[g]:offsets[g+1] of a times b[g], each row in matmul's order
 
-Optional accelerator of the gated delta rule (None: bik.layers.delta_rule runs its torch
-composition token by token; the backend that runs matmul on the device is asked):
+Optional accelerators of the recurrences (None: bik.layers runs their torch compositions token
+by token; the backend that runs matmul on the device is asked), all tensors fp32:
   delta_rule(q, k [B, H, T, K], v [B, H, T, V], decay [B, H, T] or [B, H, T, K], beta [B, H, T],
-             state [B, H, K, V]; all fp32, q scaled, decay = exp(g))
-      -> (fp32 out [B, H, T, V], fp32 final state): the composition's order and bits
+             state [B, H, K, V]; q scaled, decay = exp(g))
+      -> (out [B, H, T, V], final state): bik.layers.delta_rule.recurrence's order and bits
+  selective_scan(decay [B, H, T], dtx [B, H, T, P], b, c [B, G, T, N], state [B, H, P, N];
+                 decay = exp(dt A), dtx = dt x)
+      -> (read [B, H, T, P], final state): bik.layers.mamba2.recurrence's order and bits
 """
 
 from collections.abc import Callable
@@ -63,6 +66,7 @@ ACCELERATORS: dict[str, tuple[str, str]] = {  # field: (base op, the composition
     "chunked_matmul": ("matmul", "one matmul per chunk on fp32 casts, tree-summed"),
     "prepacked_matmul": ("matmul", "matmul, packing the weight on every call"),
     "delta_rule": ("matmul", "the gated delta rule's torch composition, token by token"),
+    "selective_scan": ("matmul", "the Mamba2 scan's torch composition, token by token"),
 }
 
 
@@ -110,6 +114,8 @@ class Backend:
     """matmul reading a weight packed by ``pack_weight``: the same bits."""
     delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     """The gated delta rule's recurrence in one call (bik.layers.delta_rule)."""
+    selective_scan: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The Mamba2 scan's recurrence in one call (bik.layers.mamba2)."""
     attention_sinks: bool = False
     """Its attention takes ``sinks`` (one learned logit per query head, gpt-oss)."""
     invariant: bool = True

@@ -28,5 +28,5 @@ BACKEND = native_backend(
     paged_attention=True,
     chunked_matmul=True,
     prepacked_matmul=True,
-    delta_rule=True,
+    recurrences=True,
 )

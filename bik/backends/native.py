@@ -249,6 +249,20 @@ class _NativeKernels:
         )
         return out, state
 
+    def selective_scan(self, decay, dtx, b, c, state):
+        """The Mamba2 scan's recurrence (bik.layers.mamba2's order; cpu only)."""
+        (batch, heads, tokens, head_dim), (groups, state_dim) = dtx.shape, b.shape[1::2]
+        out = torch.empty(batch, heads, tokens, head_dim, dtype=torch.float32)
+        state = state.clone(memory_format=torch.contiguous_format)  # the kernel writes it
+        tensors = [t.contiguous() for t in (decay, dtx, b, c)]
+        self.lib.selective_scan(
+            *(t.data_ptr() for t in tensors),
+            state.data_ptr(),
+            out.data_ptr(),
+            (batch, heads, tokens, head_dim, state_dim, heads // groups),
+        )
+        return out, state
+
 
 def _flat_options(options: AttentionOptions) -> tuple[float, int]:
     """``softcap`` and ``window`` as the compiled kernels take them: 0 for "off"."""
@@ -270,12 +284,13 @@ def native_backend(
     paged_attention: bool = False,
     chunked_matmul: bool = False,
     prepacked_matmul: bool = False,
-    delta_rule: bool = False,
+    recurrences: bool = False,
 ) -> Backend:
     """A :class:`Backend` running the kernels of the compiled extension ``lib``;
     ``attention_sinks``: the backend has attention sinks (its compiled attention then takes a
     sinks pointer after ``window``); ``paged_attention``, ``chunked_matmul``,
-    ``prepacked_matmul`` (with ``pack_weight``), ``delta_rule``: ``lib`` has that kernel."""
+    ``prepacked_matmul`` (with ``pack_weight``): ``lib`` has that kernel; ``recurrences``: it
+    has ``delta_rule`` and ``selective_scan``."""
     kernels = _NativeKernels(name, lib, launch_args, attention_scratch, attention_sinks)
     return Backend(
         name=name,
@@ -291,5 +306,6 @@ def native_backend(
         chunked_matmul=kernels.chunked_matmul if chunked_matmul else None,
         pack_weight=kernels.pack_weight if prepacked_matmul else None,
         prepacked_matmul=kernels.prepacked_matmul if prepacked_matmul else None,
-        delta_rule=kernels.delta_rule if delta_rule else None,
+        delta_rule=kernels.delta_rule if recurrences else None,
+        selective_scan=kernels.selective_scan if recurrences else None,
     )

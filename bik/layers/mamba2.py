@@ -13,11 +13,16 @@ where ``tree_N`` sums over the state dimension by the delta rule's fixed pairwis
 Every step is elementwise on one row's tensors (multiplication, addition, ``exp``), so a
 row's bits depend on its own tokens only. transformers' chunked scan (prefill) and its
 recurrent update (decode) sum in other orders, and disagree with each other.
+
+:func:`recurrence` is the order's torch composition; a backend may run it in one kernel
+(``Backend.selective_scan``: cpu, triton) with the same bits, taking ``exp(dt A)`` and
+``dt x`` from torch, as the delta rule's kernels do (bik.layers.delta_rule).
 """
 
 import torch
 
-from .. import _checks
+from .. import _checks, backends
+from ..ops._dispatch import needs_custom_op
 from .delta_rule import tree_sum
 
 
@@ -64,18 +69,38 @@ def selective_scan(
         if initial_state is None
         else initial_state.float()
     )
-    per_group = heads // groups
-    xs, steps = x.float(), dt.float()
-    bs, cs = (t.float().repeat_interleave(per_group, dim=2) for t in (b, c))  # [B, T, H, N]
-    a, d = a.float(), d.float()
-    out = []
-    for position in range(tokens):  # position order: the recurrence's only order
-        step, x_t = steps[:, position], xs[:, position]  # [B, H], [B, H, P]
-        decay = torch.exp(step * a)[..., None, None]
-        write = (step[..., None] * x_t)[..., None] * bs[:, position, :, None, :]
-        state = state * decay + write
-        read = tree_sum(state * cs[:, position, :, None, :], -1)[..., 0]  # [B, H, P]
-        out.append(read + d[:, None] * x_t)
-    if not out:
-        return xs.new_zeros(x.shape), state
-    return torch.stack(out, dim=1), state
+    if tokens == 0:
+        return x.new_zeros(x.shape, dtype=torch.float32), state
+    xs, steps = x.float().transpose(1, 2), dt.float().transpose(1, 2)  # [B, H, T, P], [B, H, T]
+    inputs = (
+        torch.exp(steps * a.float()[:, None]),  # the decay, every token at once
+        steps[..., None] * xs,  # the write's scale dt x
+        *(t.float().transpose(1, 2) for t in (b, c)),  # [B, G, T, N]
+        state,
+    )
+    accelerator = None if needs_custom_op(inputs) else _accelerator(x.device)
+    read, state = (accelerator or recurrence)(*inputs)
+    out = read + d.float()[:, None, None] * xs  # the skip D x
+    return out.transpose(1, 2).contiguous(), state
+
+
+def _accelerator(device: torch.device):
+    """The selective_scan kernel of the backend running matmul on ``device``, or None."""
+    return backends.resolve(device, "matmul").selective_scan
+
+
+def recurrence(
+    decay: torch.Tensor, dtx: torch.Tensor, b: torch.Tensor, c: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan's torch composition over fp32 ``decay [B, H, T]`` (``exp(dt A)``), ``dtx
+    [B, H, T, P]`` (``dt x``), ``b``, ``c`` ``[B, G, T, N]``: (read ``tree_N(S * C)``
+    ``[B, H, T, P]``, final state). Backends' ``selective_scan`` kernels compute these bits
+    in one call; autograd, tracing and fake tensors run this."""
+    per_group = dtx.shape[1] // b.shape[1]
+    bs, cs = (t.repeat_interleave(per_group, dim=1) for t in (b, c))  # [B, H, T, N]
+    reads = []
+    for position in range(dtx.shape[2]):  # position order: the recurrence's only order
+        write = dtx[:, :, position, :, None] * bs[:, :, position, None, :]
+        state = state * decay[:, :, position, None, None] + write
+        reads.append(tree_sum(state * cs[:, :, position, None, :], -1)[..., 0])  # [B, H, P]
+    return torch.stack(reads, dim=2), state

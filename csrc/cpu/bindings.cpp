@@ -85,6 +85,12 @@ void delta_rule(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t decay, uintptr_
                                      sizes[2], sizes[3], sizes[4], decay_per_key});
 }
 
+void selective_scan(uintptr_t decay, uintptr_t dtx, uintptr_t b, uintptr_t c, uintptr_t state,
+                    uintptr_t out, std::array<int64_t, 6> sizes) {
+  bik::selective_scan(bik::SelectiveScanArgs{decay, dtx, b, c, state, out, sizes[0], sizes[1],
+                                             sizes[2], sizes[3], sizes[4], sizes[5]});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -114,4 +120,7 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("delta_rule", &delta_rule, release,
         "the gated delta rule on contiguous fp32 tensors; sizes = (B, H, T, K, V); the state "
         "[B, H, K, V] is overwritten by the final one (bik.layers.delta_rule's order)");
+  m.def("selective_scan", &selective_scan, release,
+        "the Mamba2 scan on contiguous fp32 tensors; sizes = (B, H, T, P, N, heads per group); "
+        "the state [B, H, P, N] is overwritten by the final one (bik.layers.mamba2's order)");
 }

@@ -15,6 +15,7 @@ from .delta_rule import delta_rule
 from .log_softmax import log_softmax, token_logprobs
 from .matmul import grouped_matmul, matmul
 from .rms_norm import rms_norm
+from .selective_scan import selective_scan
 
 
 def _needs_interpreter_on_cpu(device: torch.device) -> None:
@@ -41,6 +42,7 @@ BACKEND = Backend(
     paged_attention=paged_attention,
     grouped_matmul=grouped_matmul,
     delta_rule=delta_rule,
+    selective_scan=selective_scan,
     attention_sinks=True,
     extra_device_check=_needs_interpreter_on_cpu,
 )

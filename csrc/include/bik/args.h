@@ -70,4 +70,13 @@ struct DeltaRuleArgs {  // see bik/layers/delta_rule.py; every tensor fp32 and c
   bool decay_per_key;
 };
 
+struct SelectiveScanArgs {  // see bik/layers/mamba2.py; every tensor fp32 and contiguous
+  uintptr_t decay;           // exp(dt * A): [B, H, T]
+  uintptr_t dtx;             // dt * x: [B, H, T, P]
+  uintptr_t b, c;            // [B, G, T, N], head h reading group h / heads_per_group
+  uintptr_t state;           // [B, H, P, N]: the initial state, overwritten by the final one
+  uintptr_t out;             // [B, H, T, P]: tree_N(S * C), before the skip D x
+  int64_t B, H, T, P, N, heads_per_group;
+};
+
 }  // namespace bik

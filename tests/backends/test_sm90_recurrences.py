@@ -1,5 +1,6 @@
-"""Hopper (sm_90a) proof on a machine with no GPU: the gated delta rule's Triton kernel at the
-head widths of Qwen3.5 / Qwen3-Next (K = V = 128) and Kimi Linear (a decay per key channel).
+"""Hopper (sm_90a) proof on a machine with no GPU: the recurrences' Triton kernels, the gated
+delta rule at the head widths of Qwen3.5 / Qwen3-Next (K = V = 128) and Kimi Linear (a decay
+per key channel), the Mamba2 scan at Nemotron-H's (head dim 64, state 128, 8 groups).
 
 - the fp32 state tile stays in registers: no local-memory spills;
 - no FMA: the kernel's every product and sum round on their own, as the torch composition's;
@@ -17,9 +18,10 @@ if not (sm90.TOOLS / "ptxas").exists():
     pytest.skip("the triton wheel ships no ptxas", allow_module_level=True)
 
 rule = importlib.import_module("bik.backends.triton.delta_rule")
+scan = importlib.import_module("bik.backends.triton.selective_scan")
 
 
-def launch(batch, heads, tokens, k_dim=128, v_dim=128, per_key=False):
+def delta_rule(batch, heads, tokens, k_dim=128, v_dim=128, per_key=False):
     f32 = torch.float32
     q, k = (sm90.meta(batch, heads, tokens, k_dim, dtype=f32) for _ in range(2))
     v, out = (sm90.meta(batch, heads, tokens, v_dim, dtype=f32) for _ in range(2))
@@ -31,10 +33,21 @@ def launch(batch, heads, tokens, k_dim=128, v_dim=128, per_key=False):
     return rule.delta_rule_launch(q, k, v, decay, beta, state, out)
 
 
+def selective_scan(batch, heads, tokens, head_dim=64, groups=8, state_dim=128):
+    f32 = torch.float32
+    decay = sm90.meta(batch, heads, tokens, dtype=f32)
+    dtx, out = (sm90.meta(batch, heads, tokens, head_dim, dtype=f32) for _ in range(2))
+    b, c = (sm90.meta(batch, groups, tokens, state_dim, dtype=f32) for _ in range(2))
+    state = sm90.meta(batch, heads, head_dim, state_dim, dtype=f32)
+    return scan.selective_scan_launch(decay, dtx, b, c, state, out)
+
+
 LAUNCHES = {
-    "decode": launch(1, 16, 1),
-    "prefill": launch(8, 32, 4097),
-    "per key": launch(2, 16, 33, per_key=True),
+    "decode": delta_rule(1, 16, 1),
+    "prefill": delta_rule(8, 32, 4097),
+    "per key": delta_rule(2, 16, 33, per_key=True),
+    "scan decode": selective_scan(1, 128, 1),
+    "scan prefill": selective_scan(8, 128, 4097),
 }
 
 
@@ -51,7 +64,8 @@ def test_the_state_tile_stays_in_registers_and_nothing_fuses(binary, name):
     assert compiled.count("FMUL") > 0 and compiled.count("FADD") > 0
 
 
-def test_the_binary_is_the_same_for_a_decode_step_and_a_prompt(binary):
-    decode, prefill = binary["decode"], binary["prefill"]
+@pytest.mark.parametrize("kernel", ["", "scan "])
+def test_the_binary_is_the_same_for_a_decode_step_and_a_prompt(binary, kernel):
+    decode, prefill = binary[kernel + "decode"], binary[kernel + "prefill"]
     assert decode.specialization == prefill.specialization
     assert decode.sass == prefill.sass
