@@ -271,6 +271,17 @@ FAMILIES: dict[str, Family] = {
             tiny_keys=_HYBRID_PRESET,
         ),
         Family(
+            "qwen3_5_moe_text",
+            "Qwen3.5 MoE",
+            "as Qwen3-Next",
+            gemma_norm=True,
+            recurrent="gated_deltanet",
+            experts_key="num_experts",
+            expert_width_key="moe_intermediate_size",
+            shared_expert_key="shared_expert_intermediate_size",
+            tiny_keys=_HYBRID_PRESET,
+        ),
+        Family(
             "kimi_linear",
             "Kimi Linear",
             "Kimi Delta Attention layers: the gated delta rule with a decay per key channel "

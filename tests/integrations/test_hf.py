@@ -55,6 +55,7 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
         "tiny-deepseek_v3",
         "tiny-qwen3_5_text",
         "tiny-qwen3_next",
+        "tiny-qwen3_5_moe_text",
         "tiny-nemotron_h",
         "tiny-kimi_linear",
     ],
@@ -62,10 +63,10 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
     sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
-    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, Qwen3.5 and
-    Qwen3-Next with a Gated DeltaNet layer beside a gated full-attention one, Nemotron-H with
-    a Mamba2 mixer, an attention layer and an MLP layer, Kimi Linear with a Kimi Delta
-    Attention layer beside latent attention (their tiny presets)."""
+    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, Qwen3.5,
+    Qwen3-Next and Qwen3.5 MoE with a Gated DeltaNet layer beside a gated full-attention one,
+    Nemotron-H with a Mamba2 mixer, an attention layer and an MLP layer, Kimi Linear with a
+    Kimi Delta Attention layer beside latent attention (their tiny presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)
     gen = torch.Generator().manual_seed(0)
