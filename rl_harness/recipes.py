@@ -12,6 +12,8 @@ _DRIFTING = {"train.lr": 1e-3, "rollout.logit_noise_bias": 2.0}
 _VLLM = {"rollout.engine": "vllm", "model.head_dim": 32}
 # A tiny Qwen3-MoE policy: 8 experts, 2 per token (model.experts, model.experts_per_token).
 _MOE = {"model.family": "qwen3_moe"}
+# A tiny Qwen3.5 policy: Gated DeltaNet layers beside a gated full-attention one.
+_HYBRID = {"model.family": "qwen3_5_text"}
 
 # The real model (bik.models, SmolLM2-135M-Instruct) on a task it can partly do, asked through
 # its chat template; no warm-up (it is pretrained); bf16 on both sides, as trainers run it.
@@ -173,6 +175,16 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "moe_dtype_swap": (
         "Qwen3-MoE policy, rollout in bfloat16, trainer in float32",
         {**_MOE, "rollout.dtype": "bfloat16"},
+    ),
+    "hybrid_zero_mismatch": (
+        "Qwen3.5 hybrid policy (Gated DeltaNet + attention), bik on both sides: every mismatch "
+        "metric is exactly 0",
+        _HYBRID,
+    ),
+    "hybrid_kernel_swap": (
+        "Qwen3.5 hybrid policy, rollout on transformers' own kernels (chunked prefill, "
+        "recurrent decode), trainer on bik",
+        {**_HYBRID, "rollout.kernels": "native"},
     ),
     "smollm2": (
         "SmolLM2-135M-Instruct, chat addition, bf16, bik on both sides: the PPO ratio is 1",
