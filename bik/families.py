@@ -58,6 +58,8 @@ class Family:
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
     weights (the others cast them to the logits' dtype first, as transformers does).
+    bik_rotary: its RoPE cos/sin come from bik.layers.rotary, the formula bik's vLLM layer
+    uses (False: transformers' own code, run eagerly; gpt-oss's returns half-width cos/sin).
     """
 
     model_type: str
@@ -69,6 +71,7 @@ class Family:
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
     fp32_router_weights: bool = False
+    bik_rotary: bool = True
     # the tiny preset's own keys beyond the shared shape: what makes it exercise the family's
     # features (a NoPE layer, a sliding-window layer beside a full one)
     tiny_keys: tuple[tuple[str, Any], ...] = ()
@@ -152,7 +155,11 @@ FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
         Family("llama", "Llama", _DENSE),
-        Family("mistral", "Mistral", "nothing more (its sliding window: see docs/design.md)"),
+        Family(
+            "mistral",
+            "Mistral",
+            "its sliding window: a mask over whole cache layers (docs/huggingface.md)",
+        ),
         Family("qwen2", "Qwen2", "biased q/k/v (bias added in bik.linear's fp32 epilogue)"),
         Family("qwen3", "Qwen3", "per-head q/k RMSNorm"),
         Family("phi3", "Phi-3", "fused `qkv_proj` and `gate_up_proj` (plain Linear layers)"),
@@ -160,8 +167,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             "olmo3",
             "OLMo-3",
-            "as OLMo-2, with sliding-window layers (3 in 4) exact while sequences fit the "
-            "window (4096 tokens), refused beyond",
+            "as OLMo-2, with sliding-window layers (3 in 4): the window a mask over whole "
+            "cache layers",
             tiny_keys=(("layer_types", ["sliding_attention", "full_attention"]),),
         ),
         Family(
@@ -182,7 +189,7 @@ FAMILIES: dict[str, Family] = {
             "gemma2",
             "Gemma 2",
             "+ attention-logit soft-capping (`bik.attention(softcap=)`), final-logit "
-            "soft-capping (elementwise); sliding-window layers while sequences fit the window",
+            "soft-capping (elementwise); sliding-window layers as OLMo-3",
             gemma_norm=True,
         ),
         Family(
@@ -324,6 +331,24 @@ FAMILIES: dict[str, Family] = {
                 ("ssm_state_size", 16),
                 ("conv_kernel", 4),
                 ("chunk_size", 8),
+            ),
+        ),
+        Family(
+            "gpt_oss",
+            "gpt-oss",
+            "attention sinks (`bik.attention`'s `sinks`), sliding-window layers beside full "
+            "ones (the window a mask over whole cache layers), biased q/k/v/o projections; "
+            "router: `bik.linear` with its bias, then as Qwen3-MoE (the softmax of the top-k "
+            "logits, renormalised); experts: `bik.grouped_linear` with biases added in fp32 "
+            "and the clamped SwiGLU (its sigmoid through `bik.sigmoid`), summed in rank order",
+            experts_key="num_local_experts",
+            expert_width_key="intermediate_size",
+            bik_rotary=False,
+            tiny_keys=(
+                ("layer_types", ["sliding_attention", "full_attention"]),
+                ("sliding_window", 8),  # the tests' sequences outgrow it
+                ("swiglu_limit", 0.2),  # tiny random weights reach it: the clamp is exercised
+                ("max_position_embeddings", 131072),  # YaRN's factor 32 over its 4096
             ),
         ),
         Family(

@@ -6,8 +6,8 @@ attention through ``bik.attention``, registered in transformers' attention-funct
 as "bik". Then the log-probs of tokens sampled by ``model.generate`` (KV cache, left-padded
 batches) equal those of one full forward of the finished sequences, bit for bit.
 
-What bik cannot compute is never ignored: attention keywords it does not implement (sinks,
-an active sliding window, dropout...) raise when the model runs. Under
+What bik cannot compute is never ignored: attention keywords it does not implement
+(dropout, non-causal attention...) raise when the model runs. Under
 ``torch.autocast`` each patched module returns the dtype the unpatched one would, and the
 kernels run on the cast inputs with autocast off, so results stay batch-invariant.
 

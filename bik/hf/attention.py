@@ -51,37 +51,41 @@ _last_bounds: list[tuple[weakref.ref[torch.Tensor], tuple[Any, ...], Any] | None
 
 
 @torch.compiler.disable  # reads the mask's values: one graph break per layer under compile
-def _cached_kv_bounds(mask, batch, tq, tk, window):
-    """:func:`_kv_bounds`, computed once per forward: all layers share the mask object."""
+def _cached_kv_bounds(mask, batch, tq, tk, window, position_ids):
+    """:func:`_kv_bounds`, computed once per forward: all layers share the mask object (and
+    the position ids, read only under a sliding window)."""
+    if window is None:
+        position_ids = None
     if mask is None:
-        return _kv_bounds(None, batch, tq, tk, window)
-    # mask._version changes with every in-place edit of the mask
-    key = (batch, tq, tk, mask.shape, mask.dtype, mask._version, window)
+        return _kv_bounds(None, batch, tq, tk, window, position_ids)
+    # a tensor's _version changes with every in-place edit of it
+    ids = None if position_ids is None else (position_ids.data_ptr(), position_ids._version)
+    key = (batch, tq, tk, mask.shape, mask.dtype, mask._version, window, ids)
     cached = _last_bounds[0]  # one read: the entry is replaced whole, never edited
     if cached is not None and cached[0]() is mask and cached[1] == key:
         return cached[2]
-    bounds = _kv_bounds(mask, batch, tq, tk, window)
+    bounds = _kv_bounds(mask, batch, tq, tk, window, position_ids)
     _last_bounds[0] = (weakref.ref(mask), key, bounds)
     return bounds
 
 
-class _WindowActive(Exception):
-    """A sliding window hides keys some query would otherwise see."""
-
-
-def _kv_bounds(mask, batch, tq, tk, window):
-    """Each row's first valid key and the number of keys in use, read off the mask.
+def _kv_bounds(mask, batch, tq, tk, window, position_ids):
+    """Each row's first valid key, the number of keys in use, and whether the sliding
+    ``window`` hides keys some query would otherwise see, read off the mask.
 
     A row's valid keys must be one contiguous run [start, end): left padding before it, and
     zeros after it (a sequence that stopped at EOS, or right padding), and every query inside
     the run must see exactly the keys from start to itself. Trailing zeros are exact under
     causal attention: no query before ``end`` sees a key at or after it. Queries outside the
     run are padding; no real query sees their outputs, and bik computes them causally from
-    ``start`` (transformers' mask may give them other keys)."""
+    ``start`` (transformers' mask may give them other keys).
+
+    Under an active window a decode step (or a later prefill chunk) sees no key before its
+    window, so the mask cannot show where the row begins; the position ids can (see
+    :func:`_first_keys`)."""
     if mask is None:
-        if window is not None and tk > window:
-            raise _WindowActive
-        return torch.zeros(batch, dtype=torch.int32, device="cpu"), tk
+        active = window is not None and tk > window
+        return torch.zeros(batch, dtype=torch.int32, device="cpu"), tk, active
     allowed = mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 = attend
     allowed = allowed[:, 0].expand(batch, tq, tk)
     seen = allowed.any(1)  # [B, Tk]: keys some query sees (a window hides none of them)
@@ -102,6 +106,8 @@ def _kv_bounds(mask, batch, tq, tk, window):
             "and, if any, zeros after its last token only"
         )
     kv_len = int(kv_end.max())
+    if window is not None:
+        kv_start = _first_keys(kv_start, position_ids, tq, tk, window)
     positions = keys[tk - tq :]
     real = (positions >= kv_start[:, None]) & (positions < kv_end[:, None])  # [B, Tq]
     expected = reference.attention_mask(tq, tk, kv_start, causal=True)[:, 0]
@@ -110,15 +116,38 @@ def _kv_bounds(mask, batch, tq, tk, window):
         if windowed is not None and torch.equal(
             allowed & real[..., None], windowed & real[..., None]
         ):
-            raise _WindowActive
+            return kv_start.to(torch.int32), kv_len, True
         raise RuntimeError(
             "bik attention: attention_mask is not causal within a row (a query sees keys "
             "after itself, or misses keys of its own sequence), which bik cannot make "
             "invariant; pass the causal LM's own padding mask (1 for tokens, 0 for padding)"
         )
-    if window is not None and int((kv_end - kv_start).max()) > window:
-        raise _WindowActive
-    return kv_start.to(torch.int32), kv_len
+    active = window is not None and int((kv_end - kv_start).max()) > window
+    return kv_start.to(torch.int32), kv_len, active
+
+
+def _first_keys(seen_from, position_ids, tq, tk, window):
+    """Each row's first key under a sliding window: the first key some query sees
+    (``seen_from``), unless the window of the call's first query starts there, so that an
+    earlier key may be hidden; then the last query's index minus its position id, as
+    transformers' generate and bik.sequence_logprobs number a row's tokens from 0 (no
+    position ids: the indices themselves, a row without padding). A start after the first seen
+    key means position ids that do not count the row's tokens: refused."""
+    hidden = seen_from <= (tk - tq) - window + 1  # no query of this call sees an earlier key
+    if not bool(hidden.any()):
+        return seen_from
+    if position_ids is None:
+        counted = torch.zeros_like(seen_from)
+    else:
+        last = position_ids[:, -1].to(seen_from.device).expand(seen_from.shape[0])
+        counted = (tk - 1) - last
+    if bool(((counted > seen_from) | (counted < 0))[hidden].any()):
+        raise RuntimeError(
+            "bik attention: under a sliding window, position_ids must number each row's "
+            "tokens from 0 at its first token (as generate and bik.sequence_logprobs do), so "
+            "that a decode step finds where its row begins; got position ids that do not"
+        )
+    return torch.where(hidden, counted, seen_from)
 
 
 def _windowed(visible, tq, tk, window):
@@ -149,11 +178,11 @@ _UNSUPPORTED = {
         "attention dropout",
         "call model.eval(), or set attention_dropout = 0.0 on the attention modules",
     ),
-    "s_aux": ("attention sinks", _UNPATCH_ADVICE),
     "sliding_window": (
-        "an active sliding window (a query would see more keys than the window allows; "
-        "transformers' sliding-window cache then drops keys, which moves bik's key blocks)",
-        "keep each sequence within the window, or " + _UNPATCH_ADVICE,
+        "an active sliding window in a module patch_model did not give whole cache layers "
+        "(a sliding-window cache drops keys, which moves bik's key blocks)",
+        "patch the model with bik.patch_model, keep each sequence within the window, or "
+        + _UNPATCH_ADVICE,
     ),
     "is_causal": ("non-causal attention", _UNPATCH_ADVICE),
     "output_attentions": (
@@ -193,8 +222,8 @@ def _check_keywords(module, dropout, kwargs):
     for keyword, value in kwargs.items():
         if keyword in _BOOKKEEPING or keyword == "sliding_window" or value is None:
             continue  # sliding_window is checked against the mask, in _kv_bounds
-        if keyword == "softcap":
-            continue  # computed: bik.attention's softcap
+        if keyword in ("softcap", "s_aux"):
+            continue  # computed: bik.attention's softcap and sinks (gpt-oss's s_aux)
         if keyword == "is_causal" and value is True:
             continue
         if value is False and keyword != "is_causal":
@@ -217,10 +246,11 @@ def attention_forward(
     _check_keywords(module, dropout, kwargs)
     window = kwargs.get("sliding_window")
     batch, _, tq, _ = query.shape
-    try:
-        kv_start, kv_len = _cached_kv_bounds(attention_mask, batch, tq, key.shape[2], window)
-    except _WindowActive:
-        raise _unsupported(module, "sliding_window", window) from None
+    kv_start, kv_len, window_active = _cached_kv_bounds(
+        attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
+    )
+    if window_active and not isinstance(vars(module).get("forward"), WholeCacheAttention):
+        raise _unsupported(module, "sliding_window", window)
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
     value_dim = value.shape[-1]
     if value_dim > query.shape[-1]:
@@ -244,5 +274,48 @@ def attention_forward(
         kv_start=kv_start.to(query.device),
         split_size=settings.split_size,
         softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+        window=window if window_active else None,  # a window that hides nothing: the same bits
     )
     return out[..., :value_dim].transpose(1, 2), None
+
+
+class WholeCacheAttention:
+    """The forward of an attention module with a sliding window: before the module's first
+    cache update, a sliding-window cache layer (which would keep only the last window of keys)
+    is swapped for a whole one, so a decode step sees every key, as the trainer's forward
+    does, and bik's key blocks stay counted from each row's first key; the window is then a
+    mask (bik.attention's ``window``). A sliding layer already filled (it may have dropped
+    keys) is refused. Then the module's own forward runs."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module: Any = self.module
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            keep_every_key(cache, module.layer_idx)
+        return type(module).forward(module, *args, **kwargs)
+
+
+def keep_every_key(cache: Any, layer_idx: int) -> None:
+    """Swap ``cache``'s layer ``layer_idx`` for a whole one if it is an empty sliding-window
+    layer; NotImplementedError if it is a sliding layer already in use, or of another kind."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return  # a cache that grows its layers on update makes whole ones (DynamicLayer)
+    layer = layers[layer_idx]
+    if not getattr(layer, "is_sliding", False):
+        return
+    if type(layer) is DynamicSlidingWindowLayer and not layer.is_initialized:
+        layers[layer_idx] = DynamicLayer()
+        return
+    raise NotImplementedError(
+        f"bik attention: layer {layer_idx}'s cache is a sliding-window layer "
+        f"({type(layer).__name__}{', already filled' if layer.is_initialized else ''}) that "
+        "keeps only the last window of keys, which moves bik's key blocks; pass a new "
+        "DynamicCache (bik makes its sliding layers whole) or no cache"
+    )

@@ -10,8 +10,8 @@ def _is_silu(module):
 
 
 def _moe_kind(module):
-    """'router', 'grouped_sigmoid_router', 'experts' or 'moe_block' for the MoE modules of a
-    mixture-of-experts family."""
+    """'router', 'grouped_sigmoid_router', 'experts', 'clamped_swiglu_experts' or
+    'moe_block' for the MoE modules of a mixture-of-experts family."""
     name = type(module).__name__
     if name.endswith("TopKRouter"):
         return "router"
@@ -19,6 +19,8 @@ def _moe_kind(module):
         return "grouped_sigmoid_router"  # DeepSeek-V3 style: sigmoid, bias, groups
     if name.endswith("Experts") and _is_silu(getattr(module, "act_fn", None)):
         return "experts"  # other activations: not in the families bik supports; unpatched
+    if name.endswith("Experts") and hasattr(module, "limit") and hasattr(module, "alpha"):
+        return "clamped_swiglu_experts"  # gpt-oss
     if name.endswith("SparseMoeBlock"):
         return "moe_block"
     return None

@@ -1,20 +1,23 @@
 """The forwards patch_model installs on a mixture-of-experts family's router, experts and
 sparse MoE block (bik.families.MOE_FAMILIES)."""
 
+import functools
 from typing import Any
 
 import torch
 
 from ..families import Family
-from ..layers.moe import expert_mlp, route, route_grouped_sigmoid
+from ..layers.moe import clamped_swiglu, expert_mlp, route, route_grouped_sigmoid
 from ..ops.activations import sigmoid
 from ..ops.matmul import linear
 from .autocast import autocast_inputs, run
 
 
 class Router:
-    """A top-k router's forward: logits through bik.linear, then bik.layers.moe.route (softmax,
-    top-k with ties to the lower expert index, renormalisation in rank order)."""
+    """A top-k router's forward: logits through bik.linear (with the router's bias, gpt-oss),
+    then bik.layers.moe.route (softmax, top-k with ties to the lower expert index,
+    renormalisation in rank order). gpt-oss takes the softmax of the top-k logits instead:
+    the same weights in exact arithmetic, renormalised ones here."""
 
     def __init__(self, module: torch.nn.Module, backend: str, family: Family):
         self.module, self.backend = module, backend
@@ -26,10 +29,13 @@ class Router:
     def __call__(
         self, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        m: Any = self.module  # a family's router: its weight and top_k
+        m: Any = self.module  # a family's router: its weight, top_k and perhaps a bias
         x = hidden_states.reshape(-1, m.weight.shape[1])
+        bias = getattr(m, "bias", None)
         autocast_on, (x, weight) = autocast_inputs(x.device.type, x, m.weight)
-        logits = run(self.backend, autocast_on, linear, x, weight)
+        if bias is not None and autocast_on:
+            bias = bias.to(weight.dtype)
+        logits = run(self.backend, autocast_on, linear, x, weight, bias)
         weights, experts = run(self.backend, autocast_on, route, logits, m.top_k, self.normalize)
         return logits, weights if self.fp32_weights else weights.to(logits.dtype), experts
 
@@ -77,6 +83,41 @@ class Experts:
         )
         out = run(
             self.backend, autocast_on, expert_mlp, x, top_k_index, top_k_weights, gate_up, down
+        )
+        return out.to(hidden_states.dtype)
+
+
+class ClampedSwigluExperts:
+    """gpt-oss's experts' forward: weights stored transposed (``gate_up_proj [E, H, 2I]``,
+    gate and up interleaved; ``down_proj [E, I, H]``), each projection with a bias, the
+    clamped SwiGLU between them: bik.layers.moe's expert_mlp with clamped_swiglu."""
+
+    def __init__(self, module: torch.nn.Module, backend: str):
+        self.module, self.backend = module, backend
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        router_indices: torch.Tensor,
+        routing_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        m: Any = self.module  # gpt-oss's experts: the transposed weights, biases, alpha, limit
+        autocast_on, (x, gate_up, down) = autocast_inputs(
+            hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
+        )
+        activation = functools.partial(clamped_swiglu, alpha=m.alpha, limit=m.limit)
+        out = run(
+            self.backend,
+            autocast_on,
+            expert_mlp,
+            x,
+            router_indices,
+            routing_weights,
+            gate_up.transpose(1, 2),  # nn.Linear layout, a view
+            down.transpose(1, 2),
+            m.gate_up_proj_bias,
+            m.down_proj_bias,
+            activation,
         )
         return out.to(hidden_states.dtype)
 

@@ -11,7 +11,7 @@ import torch
 from .. import backends, packed_weights
 from ..contract import TP_CHUNKS, check_split_size
 from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
-from .attention import ATTENTION_NAME, AttentionSettings, register_attention
+from .attention import ATTENTION_NAME, AttentionSettings, WholeCacheAttention, register_attention
 from .classify import module_kind
 from .forwards import Activation, EagerRotary, PatchedForward
 from .linear_attention import (
@@ -21,7 +21,7 @@ from .linear_attention import (
     KimiDeltaAttention,
     Mamba2Mixer,
 )
-from .moe import Experts, GroupedSigmoidRouter, MoeBlock, Router
+from .moe import ClampedSwigluExperts, Experts, GroupedSigmoidRouter, MoeBlock, Router
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -72,7 +72,7 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
         "bik.rms_norm (scale 1 + weight)",
     ),
     "rotary": (
-        lambda m, _, family: EagerRotary(m, family is not None),
+        lambda m, _, family: EagerRotary(m, family is not None and family.bik_rotary),
         "eager rotary (same cos/sin bits under torch.compile)",
     ),
     "silu": (lambda m, backend, _: Activation("silu"), "bik.silu"),
@@ -88,6 +88,10 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
     "experts": (
         lambda m, backend, _: Experts(m, backend),
         "bik.grouped_linear experts (summed in rank order)",
+    ),
+    "clamped_swiglu_experts": (
+        lambda m, backend, _: ClampedSwigluExperts(m, backend),
+        "bik.grouped_linear experts with biases and the clamped SwiGLU (summed in rank order)",
     ),
     "moe_block": (
         lambda m, backend, _: MoeBlock(m),
@@ -124,6 +128,14 @@ _COMPUTED_BY_PARENT = (
 )
 
 
+def _sliding_window(module: torch.nn.Module) -> int | None:
+    """An attention module's sliding window: its own (None on a full-attention layer of a
+    model that alternates), else its config's (Mistral's window for every layer)."""
+    if hasattr(module, "sliding_window"):
+        return cast(int | None, module.sliding_window)
+    return getattr(getattr(module, "config", None), "sliding_window", None)
+
+
 def _check_model(model: torch.nn.Module) -> None:
     from transformers import GenerationMixin, PreTrainedModel
 
@@ -142,6 +154,7 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
+_WHOLE_CACHE = "bik.attention, a sliding window over whole cache layers"
 _ROW_PARALLEL = f"bik.distributed.chunked_linear ({TP_CHUNKS} chunks: TP-invariant)"
 
 
@@ -187,8 +200,10 @@ def patch_model(
 
     strict: a module that reduces but cannot be made invariant (or an unsupported model family)
     raises ``ValueError`` naming it; with ``strict=False`` it is listed in ``report.unpatched``.
-    Attention features bik does not implement (sinks, an active sliding window,
-    dropout...) raise ``NotImplementedError`` when the model runs, strict or not.
+    Attention features bik does not implement (dropout, non-causal attention...) raise
+    ``NotImplementedError`` when the model runs, strict or not. A sliding-window layer's
+    cache is kept whole (bik.hf.attention.WholeCacheAttention): the window masks keys
+    instead of the cache dropping them.
     split_size: the attention's fixed split-KV size (None: ``bik.DEFAULT_SPLIT_SIZE``).
     tp_invariant: the row-parallel linears (``o_proj``, ``down_proj``) reduce K in
     ``bik.contract.TP_CHUNKS`` chunks summed by a fixed tree (``bik.distributed.chunked_linear``),
@@ -240,6 +255,9 @@ def patch_model(
             # torch hints Module.__setattr__ for tensors and modules; any value is allowed
             module._bik_attention = settings  # type: ignore[assignment]
             patched[name] = "bik.attention"
+            if kind == "attention" and _sliding_window(module) is not None:
+                module.forward = WholeCacheAttention(module)
+                patched[name] = _WHOLE_CACHE
             if kind == "gated_attention":
                 make_forward, patched[name] = _FORWARDS[kind]
                 module.forward = make_forward(module, backend, family)

@@ -14,7 +14,8 @@ first; the ``topk_groups`` best groups are kept (ties to the lower group index),
 without the bias; renormalised, the weights are divided by their sum in rank order plus
 1e-20 (transformers' guard), then multiplied by the routed scaling factor.
 
-Experts (:func:`expert_mlp`): each (token, rank) pair runs its expert's gated SiLU MLP through
+Experts (:func:`expert_mlp`): each (token, rank) pair runs its expert's gated MLP (SiLU, or
+gpt-oss's clamped SwiGLU with biases: :func:`clamped_swiglu`) through
 :func:`bik.ops.grouped_linear.grouped_linear`, whose rows never depend on which or how many
 other tokens chose the same expert. A token's k expert outputs are weighted and summed in fp32
 in ascending rank order, then rounded once to the activations' dtype.
@@ -22,6 +23,8 @@ in ascending rank order, then rounded once to the activations' dtype.
 Every elementwise step (exp, division, SiLU) uses a function whose bits do not depend on the
 tensor's layout (see bik.ops.activations), so the whole path is a function of the token alone.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -110,12 +113,18 @@ def expert_mlp(
     weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """The routed experts' SwiGLU MLPs, weighted and summed per token.
+    """The routed experts' gated MLPs, weighted and summed per token.
 
     ``x [T, H]``; ``experts [T, k]`` (int) and ``weights [T, k]`` from :func:`route`;
-    ``gate_up [E, 2I, H]`` (gate rows first, then up) and ``down [E, H, I]`` in nn.Linear
-    layout, as transformers stores an experts module. Returns ``[T, H]`` in x's dtype.
+    ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in nn.Linear layout (any strides), as
+    transformers stores an experts module; ``activation`` maps the gate/up projection
+    ``[R, 2I]`` to ``[R, I]`` (default: SiLU of the first half times the second). With biases
+    (gpt-oss), each is added in fp32 to its projection's rounded output (``activation`` then
+    gets fp32). Returns ``[T, H]`` in x's dtype.
     """
     _checks.rank("experts", experts, 2)
     _checks.dim_size("experts", experts, 0, x.shape[0], "T, the tokens of x")
@@ -126,10 +135,26 @@ def expert_mlp(
         )
     tokens, top_k = experts.shape
     pairs = experts.reshape(-1)  # pair t * k + r: token t's expert of rank r
-    hidden = silu_and_mul(grouped_linear(x.repeat_interleave(top_k, 0), gate_up, pairs))
-    out = grouped_linear(hidden, down, pairs).view(tokens, top_k, -1).float()
+    projected = grouped_linear(x.repeat_interleave(top_k, 0), gate_up, pairs)
+    if gate_up_bias is not None:
+        projected = projected.float() + gate_up_bias.float()[pairs]
+    hidden = activation(projected).to(x.dtype)
+    out = grouped_linear(hidden, down, pairs).float()
+    if down_bias is not None:
+        out = out + down_bias.float()[pairs]
+    out = out.view(tokens, top_k, -1)
     weights = weights.float()
     total = out[:, 0] * weights[:, :1]
     for rank in range(1, top_k):  # ascending rank order, in fp32
         total = total + out[:, rank] * weights[:, rank : rank + 1]
     return total.to(x.dtype)
+
+
+def clamped_swiglu(projected: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on ``projected [R, 2I]`` (gate and up interleaved: columns
+    0, 2, 4... and 1, 3, 5...): ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``
+    with ``g = min(gate, limit)``, elementwise in the input's dtype (fp32 from expert_mlp),
+    the sigmoid through :func:`bik.sigmoid`."""
+    gate = projected[:, ::2].clamp(max=limit)
+    up = projected[:, 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * sigmoid(gate * alpha))

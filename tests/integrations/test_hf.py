@@ -53,6 +53,7 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
         "tiny-smollm3",
         "tiny-glm4_moe",
         "tiny-deepseek_v3",
+        "tiny-gpt_oss",
         "tiny-qwen3_5_text",
         "tiny-qwen3_next",
         "tiny-qwen3_5_moe_text",
@@ -63,12 +64,19 @@ def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
 def test_sampled_rollout_logprobs_equal_training_logprobs(preset, dtype):
     """The KV-cache rollout == one padded batched forward == each row alone. OLMo-3 with a
     sliding-window layer beside a full one, SmolLM3 with a NoPE layer, GLM-4.5 MoE with its
-    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, Qwen3.5,
+    group-limited sigmoid router, DeepSeek-V3 with multi-head latent attention, gpt-oss with
+    sinks, an 8-key sliding window the sequences outgrow and clamped SwiGLU experts, Qwen3.5,
     Qwen3-Next and Qwen3.5 MoE with a Gated DeltaNet layer beside a gated full-attention one,
     Nemotron-H with a Mamba2 mixer, an attention layer and an MLP layer, Kimi Linear with a
     Kimi Delta Attention layer beside latent attention (their tiny presets)."""
     model = tiny(preset, dtype)
     bik.patch_model(model)
+    assert_rollout_equals_training(model)
+
+
+def assert_rollout_equals_training(model):
+    """Four left-padded prompts (2-11 tokens), 10 sampled tokens each: their rollout
+    log-probs equal one padded forward's and each sequence's alone, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen) for n in (5, 11, 2, 7)]
     ids, mask = bik.hf.left_pad(prompts, pad_id=0)
@@ -335,18 +343,52 @@ def test_nemotron_h_moe_layers_are_refused_by_name():
         bik.patch_model(model)
 
 
-def test_an_active_sliding_window_of_olmo3_is_refused_not_approximated():
-    """OLMo-3's sliding-window layers are exact while a sequence fits the window; past it
-    transformers' window would hide keys, which bik's attention does not implement."""
+@pytest.mark.parametrize("family", ["olmo3", "gemma2", "gemma3_text", "mistral"])
+def test_an_active_sliding_window_is_exact(family):
+    """A 4-key window that 7- to 21-token sequences outgrow: transformers' sliding cache layers
+    are kept whole, the window is a mask, and decode steps find their rows' first keys from
+    the position ids: the rollout equals the trainer bit for bit, and the patched model stays
+    within fp32 rounding of transformers' own."""
     from transformers import AutoModelForCausalLM
 
-    config = FAMILIES["olmo3"].tiny_config(sliding_window=8)
+    config = FAMILIES[family].tiny_config(sliding_window=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        report = bik.patch_model(model)
+        torch.testing.assert_close(model(ids).logits, plain, rtol=1e-5, atol=1e-5)
+    assert "bik.attention, a sliding window over whole cache layers" in report.patched.values()
+    assert_rollout_equals_training(model)
+
+
+def test_a_filled_sliding_cache_layer_is_refused():
+    """A sliding-window cache layer filled before patching may have dropped keys: refused, not
+    continued from."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = FAMILIES["olmo3"].tiny_config(sliding_window=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 256, (1, 6)), past_key_values=cache)
+        bik.patch_model(model)
+        with pytest.raises(NotImplementedError, match=r"sliding-window layer .*already filled"):
+            model(torch.randint(3, 256, (1, 1)), past_key_values=cache)
+
+
+def test_position_ids_that_do_not_count_the_tokens_are_refused_under_an_active_window():
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = FAMILIES["olmo3"].tiny_config(sliding_window=4)
     model = AutoModelForCausalLM.from_config(config).eval()
     bik.patch_model(model)
+    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(3, 256, (1, 8)))  # fits the window: runs
-        with pytest.raises(NotImplementedError, match="sliding_window"):
-            model(torch.randint(3, 256, (1, 12)))
+        model(torch.randint(3, 256, (1, 6)), past_key_values=cache)
+        with pytest.raises(RuntimeError, match="position_ids must number each row's tokens"):
+            step = torch.randint(3, 256, (1, 1))
+            model(step, past_key_values=cache, position_ids=torch.tensor([[9]]))
 
 
 def test_latent_attention_with_narrower_value_heads_matches_transformers():
