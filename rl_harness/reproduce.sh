@@ -40,6 +40,9 @@ $PY -m rl_harness compare $OUT/high_lr $OUT/drifting $OUT/drifting_* --out $OUT/
 # A Qwen3-MoE policy: mismatch and routing flips (mismatch/routing_flip_*)
 $PY -m rl_harness compare $OUT/moe_zero_mismatch $OUT/moe_kernel_swap $OUT/moe_dtype_swap \
   --out $OUT/compare_moe
+# A Qwen3.5-style hybrid policy (Gated DeltaNet layers): zero mismatch vs its own kernels (section 15)
+rm -rf "${OUT:?}"/compare_hybrid
+$PY -m rl_harness compare $OUT/hybrid_zero_mismatch $OUT/hybrid_kernel_swap --out $OUT/compare_hybrid
 # Three seeds of two realistic sources, each beside its zero-mismatch twin (section 7)
 rm -rf "${OUT:?}/sweep_sources"
 $PY -m rl_harness sweep --recipe dtype_swap --recipe fp8_weights --seeds 3 \
