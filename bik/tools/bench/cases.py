@@ -450,13 +450,41 @@ def end_to_end(
 
 def hybrid_decode(batch: int, length: int, hidden: int, layers: int, new_tokens: int = 16) -> Case:
     """Greedy decode with a random-init Qwen3.5-style hybrid (:func:`qwen3_5_config`), patched
-    (its recurrences token by token in PyTorch) vs unpatched (transformers' PyTorch chunked
-    prefill and recurrent decode)."""
+    (its recurrences token by token, through the backend's delta-rule kernel) vs unpatched
+    (transformers' PyTorch chunked prefill and recurrent decode)."""
     return _model_case(
         "e2e_hybrid_decode",
         "decode",
         f"B={batch} T={length} hidden={hidden} layers={layers} (Qwen3.5-style)",
         lambda: qwen3_5_config(hidden, layers, 32000, length + new_tokens),
+        batch,
+        length,
+        new_tokens,
+    )
+
+
+def family_decode(family: str, batch: int, length: int, layers: int, new_tokens: int = 16) -> Case:
+    """Greedy decode with a random-init model of ``family``'s tiny preset (bik.families: its
+    features switched on, e.g. DeepSeek-V3's latent attention, gpt-oss's sinks and sliding
+    window) at hidden 512 and ``layers`` layers, patched vs unpatched."""
+
+    def config():
+        record = FAMILIES[family]
+        pattern = dict(record.tiny_keys).get("layer_types")  # repeated over the layers
+        types = {} if pattern is None else {"layer_types": (pattern * layers)[:layers]}
+        return record.tiny_config(
+            vocab_size=32000,
+            hidden_size=512,
+            num_hidden_layers=layers,
+            max_position_embeddings=max(4096, length + new_tokens),
+            **types,
+        )
+
+    return _model_case(
+        f"e2e_{family}_decode",
+        "decode",
+        f"B={batch} T={length} hidden=512 layers={layers} ({FAMILIES[family].name} tiny preset)",
+        config,
         batch,
         length,
         new_tokens,
@@ -525,6 +553,7 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases += [end_to_end("forward", 4, 256, 512, 4), end_to_end("decode", 4, 64, 512, 4)]
     cases += [moe_block(t, 512) for t in (1, 64, 1024)]
     cases += [delta_rule(b, t, 4) for b, t in ((1, 1), (8, 1), (1, 256), (4, 512))]
+    cases += [family_decode(family, 4, 64, 4) for family in ("deepseek_v3", "gpt_oss")]
     cases += [end_to_end("forward", 4, 256, 512, 4, moe=True)]
     cases += [end_to_end("decode", 4, 64, 512, 4, moe=True)]
     cases += [real_model("forward", 4, 256), real_model("decode", 4, 64)]
