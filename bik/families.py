@@ -151,6 +151,16 @@ _HYBRID_PRESET = (
     ("linear_key_head_dim", 16),
     ("linear_value_head_dim", 16),
 )
+
+# Qwen3-Next and Qwen3.5 MoE: the hybrid with MoE layers (a shared expert beside the routed ones).
+_HYBRID_MOE: dict[str, Any] = dict(
+    gemma_norm=True,
+    recurrent="gated_deltanet",
+    experts_key="num_experts",
+    expert_width_key="moe_intermediate_size",
+    shared_expert_key="shared_expert_intermediate_size",
+    tiny_keys=_HYBRID_PRESET,
+)
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
@@ -270,23 +280,13 @@ FAMILIES: dict[str, Family] = {
             "Qwen3-Next",
             "as Qwen3.5, with MoE layers as Qwen2-MoE (a shared expert gated through "
             "`bik.sigmoid`)",
-            gemma_norm=True,
-            recurrent="gated_deltanet",
-            experts_key="num_experts",
-            expert_width_key="moe_intermediate_size",
-            shared_expert_key="shared_expert_intermediate_size",
-            tiny_keys=_HYBRID_PRESET,
+            **_HYBRID_MOE,
         ),
         Family(
             "qwen3_5_moe_text",
             "Qwen3.5 MoE",
             "as Qwen3-Next",
-            gemma_norm=True,
-            recurrent="gated_deltanet",
-            experts_key="num_experts",
-            expert_width_key="moe_intermediate_size",
-            shared_expert_key="shared_expert_intermediate_size",
-            tiny_keys=_HYBRID_PRESET,
+            **_HYBRID_MOE,
         ),
         Family(
             "kimi_linear",

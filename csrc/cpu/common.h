@@ -38,6 +38,13 @@ inline bool worth_a_team(int64_t rows, int64_t work, int64_t threshold) {
   return rows > 1 && work >= threshold;
 }
 
+// The smallest power of two >= n (>= 1): the width the recurrences' trees pad their sums to.
+inline int64_t power_of_two_at_least(int64_t n) {
+  int64_t width = 1;
+  while (width < n) width *= 2;
+  return width;
+}
+
 struct bf16 {
   uint16_t bits;
 };

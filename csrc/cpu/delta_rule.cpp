@@ -70,8 +70,7 @@ void step(float* __restrict S, const Token& x, bool decay_per_key, float* __rest
 
 void delta_rule(const DeltaRuleArgs& a) {
   const int64_t K = a.K, V = a.V, T = a.T, rows = a.B * a.H;
-  int64_t W = 1;
-  while (W < K) W *= 2;
+  const int64_t W = power_of_two_at_least(K);
   const auto* q = reinterpret_cast<const float*>(a.q);
   const auto* k = reinterpret_cast<const float*>(a.k);
   const auto* v = reinterpret_cast<const float*>(a.v);

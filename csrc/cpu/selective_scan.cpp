@@ -32,8 +32,7 @@ float scan_row(float* __restrict s, float decay, float dtx, const float* __restr
 
 void selective_scan(const SelectiveScanArgs& a) {
   const int64_t P = a.P, N = a.N, T = a.T, rows = a.B * a.H;
-  int64_t W = 1;
-  while (W < N) W *= 2;
+  const int64_t W = power_of_two_at_least(N);
   const auto* decay = reinterpret_cast<const float*>(a.decay);
   const auto* dtx = reinterpret_cast<const float*>(a.dtx);
   const auto* b = reinterpret_cast<const float*>(a.b);

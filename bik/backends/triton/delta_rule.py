@@ -4,9 +4,10 @@ its fp32 state tile ``[W, BLOCK_V]`` in registers through the tokens in position
 
 Each token decays the tile, reads it at the key, writes the correction and reads it at the
 query. Every product and sum is its own fp32 rounding (``enable_fp_fusion`` is off, see
-_common), and each read is :func:`_tree_over_keys`: the K products zero-padded to the power of
-two ``W``, first half plus second half until one row is left, as ``tree_sum`` in torch. Value
-columns are independent, so ``BLOCK_V`` decides who computes a column, never how.
+_common), and each read is :func:`~._tree.tree_over_last` over the transposed tile: the K
+products zero-padded to the power of two ``W``, first half plus second half until one is
+left, as ``tree_sum`` in torch. Value columns are independent, so ``BLOCK_V`` decides who
+computes a column, never how.
 """
 
 import torch
@@ -14,21 +15,11 @@ import triton
 import triton.language as tl
 
 from ._common import Launch, aligned, cdiv, next_power_of_2
+from ._tree import tree_over_last
 
 BLOCK_V_CAP = 64
 """Value columns per program at most: a 128 x 64 fp32 state tile is 32 registers a thread at
 four warps."""
-
-
-@triton.jit
-def _tree_over_keys(x, W: tl.constexpr, LEVELS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """``x [W, BLOCK_V]`` (``W = 2**LEVELS``) -> ``[BLOCK_V]``: rows ``0 .. W/2-1`` plus rows
-    ``W/2 .. W-1``, halving until one is left (tree_sum's order)."""
-    for level in tl.static_range(LEVELS):
-        pair = tl.permute(tl.reshape(x, (2, W >> (level + 1), BLOCK_V)), (1, 2, 0))
-        first, second = tl.split(pair)
-        x = first + second
-    return tl.reshape(x, (BLOCK_V,))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -66,10 +57,10 @@ def _delta_rule_kernel(
             state = state * decay[:, None]
         else:
             state = state * tl.load(decay_ptr + token)
-        read = _tree_over_keys(state * k[:, None], W, LEVELS, BLOCK_V)
+        read = tree_over_last(tl.trans(state * k[:, None]), BLOCK_V, W, LEVELS)
         delta = (v - read) * beta
         state = state + k[:, None] * delta[None, :]
-        out = _tree_over_keys(state * q[:, None], W, LEVELS, BLOCK_V)
+        out = tree_over_last(tl.trans(state * q[:, None]), BLOCK_V, W, LEVELS)
         tl.store(out_ptr + token * V + cols, out, mask=col_ok)
     tl.store(state_ptr + row * K * V + tile_offsets, state, mask=tile)
 

@@ -2,9 +2,10 @@
 composition, hence its bits: one program per (row, head, block of state rows) carries its fp32
 state tile ``[BLOCK_P, W]`` in registers through the tokens in position order.
 
-Each token decays the tile and writes ``dt x (x) B`` (two roundings, ``enable_fp_fusion`` off),
-then reads it against ``C`` by :func:`_tree_over_state`: the N products zero-padded to the
-power of two ``W``, first half plus second half until one column is left, as ``tree_sum``.
+Each token decays the tile and writes ``dt x (x) B`` (two roundings, ``enable_fp_fusion``
+off), then reads it against ``C`` by :func:`~._tree.tree_over_last`: the N products
+zero-padded to the power of two ``W``, first half plus second half until one column is left,
+as ``tree_sum``.
 State rows are independent, so ``BLOCK_P`` decides who computes a row, never how.
 """
 
@@ -13,21 +14,11 @@ import triton
 import triton.language as tl
 
 from ._common import Launch, aligned, cdiv, next_power_of_2
+from ._tree import tree_over_last
 
 BLOCK_P_CAP = 32
 """State rows per program at most: a 32 x 128 fp32 tile is 32 registers a thread at four
 warps."""
-
-
-@triton.jit
-def _tree_over_state(x, BLOCK_P: tl.constexpr, W: tl.constexpr, LEVELS: tl.constexpr):
-    """``x [BLOCK_P, W]`` (``W = 2**LEVELS``) -> ``[BLOCK_P]``: columns ``0 .. W/2-1`` plus
-    columns ``W/2 .. W-1``, halving until one is left (tree_sum's order)."""
-    for level in tl.static_range(LEVELS):
-        pair = tl.permute(tl.reshape(x, (BLOCK_P, 2, W >> (level + 1))), (0, 2, 1))
-        first, second = tl.split(pair)
-        x = first + second
-    return tl.reshape(x, (BLOCK_P,))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -62,7 +53,7 @@ def _selective_scan_kernel(
         b = tl.load(b_ptr + shared + cols, mask=col_ok, other=0.0)
         c = tl.load(c_ptr + shared + cols, mask=col_ok, other=0.0)
         state = state * decay + dtx[:, None] * b[None, :]
-        read = _tree_over_state(state * c[None, :], BLOCK_P, W, LEVELS)
+        read = tree_over_last(state * c[None, :], BLOCK_P, W, LEVELS)
         tl.store(out_ptr + token * P + rows, read, mask=row_ok)
     tl.store(state_ptr + row * P * N + tile_offsets, state, mask=tile)
 
