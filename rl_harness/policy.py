@@ -98,10 +98,13 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
     heads, ``model.heads`` value heads; Kimi: ``model.heads`` of each), the last layer a
     full-attention one. Nemotron-H: a Mamba2 mixer (``model.heads`` heads of
     ``model.head_dim``, ``model.kv_heads`` groups) and an MLP block per layer, the last
-    layer's mixer attention."""
+    layer's mixer attention. gpt-oss: its tiny preset's sliding window (8 keys), active in
+    the harness's sequences."""
     family = FAMILIES[model_cfg.family]
     args: dict[str, Any] = {}
     preset = dict(family.tiny_keys)
+    if "sliding_window" in preset:  # gpt-oss: the preset's window, which replies outgrow
+        args["sliding_window"] = preset["sliding_window"]
     if "kv_lora_rank" in preset:  # latent attention (DeepSeek-V3, Kimi Linear): the tiny
         # preset's ranks and head dims, RoPE over model.head_dim, every query head its own
         # key and value head
