@@ -15,13 +15,16 @@ compared with the on-policy arm's, paired batch by batch:
 - ``cosine``: between the arm's and the on-policy mean gradients.
 
 The arms (:data:`ARMS`) are the recipe with the stability-edge doses (rl_harness.edge) and
-remedies. The running sums are saved to ``DIR/state.pt`` every :data:`SAVE_EVERY` batches, so
-a cut run resumes where it stopped; ``DIR/bias.md`` is the table.
+remedies, and a stale-sampler control: with ``stale`` among them every arm is measured after
+one on-policy update and ``stale`` samples with the weights before it (:func:`advance`). The
+running sums are saved to ``DIR/state.pt`` every :data:`SAVE_EVERY` batches, so a cut run
+resumes where it stopped; ``DIR/bias.md`` is the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import random
 import time
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 
 from . import config as config_lib
-from . import edge, policy, recipes, rundir, runner, sweep, tasks, trainer
+from . import edge, engines, policy, recipes, rundir, runner, sweep, tasks, trainer
 from .errors import HarnessError
 
 # arm -> (its dose of rl_harness.edge.DOSES, extra overrides)
@@ -41,7 +44,9 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp8w": ("fp8w", {}),
     "bf16_tis": ("bf16", {"remedy.name": "token_tis"}),
     "fp8w_tis": ("fp8w", {"remedy.name": "token_tis"}),
+    "stale": ("zero", {}),  # the on-policy arm's sampler one update behind (:func:`advance`)
 }
+STALE = "stale"
 SAVE_EVERY = 10
 STATE = "state.pt"
 
@@ -73,6 +78,22 @@ def batch_gradient(job: runner.Run, batch_index: int) -> torch.Tensor:
             for p in job.train_model.parameters()
         ]
     )
+
+
+def advance(jobs: dict[str, runner.Run]) -> None:
+    """One on-policy update for every arm (the on-policy job's step 0 from the warm-up weights
+    theta_0, copied into every master: theta_1), the stale arm's sampler left at theta_0: the
+    control of a sampler one update behind the trainer, as asynchronous RL runs it."""
+    reference = jobs["on_policy"]
+    before = copy.deepcopy(reference.master)
+    reference.step(0)
+    for arm, job in jobs.items():
+        if job is not reference:
+            job.master.load_state_dict(reference.master.state_dict())
+        if arm == STALE:
+            if not isinstance(job.rollout, engines.HfRollout):
+                raise HarnessError("bias: the stale arm needs rollout.engine=hf")
+            job.rollout.master = before  # the sampler refreshes from theta_0
 
 
 class Sums:
@@ -129,6 +150,8 @@ def run(
     """Every arm's gradient on batches 0..batches-1, resuming from ``out/state.pt``; returns
     the batches done, each arm's sums and each arm's paired-difference sums."""
     jobs = {arm: runner.Run(arm_config(recipe, arm, sets), cache_dir) for arm in arms}
+    if STALE in arms:
+        advance(jobs)
     size = sum(p.numel() for p in jobs[arms[0]].train_model.parameters())
     path = out / STATE
     sums = {a: Sums(size) for a in arms}
@@ -164,6 +187,11 @@ def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
     base = sums[arms[0]].mean()
     lines = [
         f"{done} batches an arm, paired against {arms[0]} (same prompts and seeds):",
+        *(
+            [f"every arm after one on-policy update; {STALE} samples with the weights before it"]
+            if STALE in arms
+            else []
+        ),
         "",
         "| arm | bias (relative to the on-policy gradient) | z (bias / its noise) | cosine |",
         "|---|---:|---:|---:|",
@@ -173,7 +201,7 @@ def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
         noise = math.sqrt(float(diffs[arm].variance_of_mean().sum()))
         cosine = float(torch.nn.functional.cosine_similarity(sums[arm].mean(), base, dim=0))
         relative = norm / max(float(base.norm()), 1e-30)
-        z = norm / noise if noise else math.inf
+        z = norm / noise if noise else (math.inf if norm else 0.0)  # no difference at all: 0
         lines.append(f"| {arm} | {relative:.3g} | {z:.2f} | {cosine:.4f} |")
     return "\n".join(lines) + "\n"
 

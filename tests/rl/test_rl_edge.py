@@ -263,6 +263,25 @@ def test_a_batch_gradient_at_fixed_weights_is_repeatable_and_moves_no_weight(tmp
     assert all(torch.equal(v, job.master.state_dict()[k]) for k, v in before.items())
 
 
+def test_the_stale_arm_samples_one_update_behind_every_other_arm(tmp_path):
+    """With the stale control every arm's master is the on-policy job's after one update;
+    the stale arm's sampler alone still refreshes from the weights before it."""
+    from rl_harness import bias
+
+    sets = [*TINY, "rollout.samples_per_prompt=4", "train.entropy_coef=0.01"]  # a gradient always
+    arms = ["on_policy", "fp8w", "stale"]
+    jobs = {a: runner.Run(bias.arm_config("zero_mismatch", a, sets), tmp_path / "c") for a in arms}
+    start = {k: v.clone() for k, v in jobs["stale"].master.state_dict().items()}
+    bias.advance(jobs)
+    after = jobs["on_policy"].master.state_dict()
+    assert any(not torch.equal(after[k], v) for k, v in start.items())  # one update moved it
+    for arm in ("fp8w", "stale"):
+        assert all(torch.equal(v, after[k]) for k, v in jobs[arm].master.state_dict().items())
+    sampler = jobs["stale"].rollout.master.state_dict()
+    assert all(torch.equal(sampler[k], v) for k, v in start.items())
+    assert jobs["fp8w"].rollout.master is jobs["fp8w"].master
+
+
 def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys):
     argv = ["bias", "--recipe", "zero_mismatch", "--arms", "on_policy,fp8w", "--out"]
     argv += [str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")]
