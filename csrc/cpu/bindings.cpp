@@ -81,8 +81,8 @@ void paged_attention(int dtype, uintptr_t q, uintptr_t k_cache, uintptr_t v_cach
 
 void delta_rule(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t decay, uintptr_t beta,
                 uintptr_t state, uintptr_t out, std::array<int64_t, 5> sizes, bool decay_per_key) {
-  bik::delta_rule(bik::DeltaRuleArgs{q, k, v, decay, beta, state, out, sizes[0], sizes[1],
-                                     sizes[2], sizes[3], sizes[4], decay_per_key});
+  bik::delta_rule(bik::DeltaRuleArgs{q, k, v, decay, beta, state, out, sizes[0], sizes[1], sizes[2],
+                                     sizes[3], sizes[4], decay_per_key});
 }
 
 void selective_scan(uintptr_t decay, uintptr_t dtx, uintptr_t b, uintptr_t c, uintptr_t state,

@@ -23,7 +23,7 @@ void token_logprobs(int dtype, uintptr_t x, uintptr_t tokens, uintptr_t out, int
                     int64_t V, int64_t x_row_stride, float temperature);
 void attention(int dtype, const AttentionArgs& args);
 void paged_attention(int dtype, const PagedAttentionArgs& args);
-void delta_rule(const DeltaRuleArgs& args);  // fp32 only
+void delta_rule(const DeltaRuleArgs& args);          // fp32 only
 void selective_scan(const SelectiveScanArgs& args);  // fp32 only
 
 }  // namespace bik

@@ -48,8 +48,8 @@ void selective_scan(const SelectiveScanArgs& a) {
       float* s = state + (r * P + p) * N;
       for (int64_t t = 0; t < T; ++t) {
         const int64_t token = r * T + t, shared = (group_row * T + t) * N;
-        out[token * P + p] = scan_row(s, decay[token], dtx[token * P + p], b + shared,
-                                      c + shared, products.data(), N, W);
+        out[token * P + p] = scan_row(s, decay[token], dtx[token * P + p], b + shared, c + shared,
+                                      products.data(), N, W);
       }
     }
   }

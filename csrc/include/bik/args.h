@@ -60,22 +60,22 @@ inline AttentionArgs attention_args(uintptr_t q, uintptr_t k, uintptr_t v, uintp
 }
 
 struct DeltaRuleArgs {  // see bik/layers/delta_rule.py; every tensor fp32 and contiguous
-  uintptr_t q, k;         // [B, H, T, K], q already scaled (and both L2-normed if asked)
-  uintptr_t v;            // [B, H, T, V]
-  uintptr_t decay;        // exp(g): [B, H, T], or [B, H, T, K] when decay_per_key
-  uintptr_t beta;         // [B, H, T]
-  uintptr_t state;        // [B, H, K, V]: the initial state, overwritten by the final one
-  uintptr_t out;          // [B, H, T, V]
+  uintptr_t q, k;       // [B, H, T, K], q already scaled (and both L2-normed if asked)
+  uintptr_t v;          // [B, H, T, V]
+  uintptr_t decay;      // exp(g): [B, H, T], or [B, H, T, K] when decay_per_key
+  uintptr_t beta;       // [B, H, T]
+  uintptr_t state;      // [B, H, K, V]: the initial state, overwritten by the final one
+  uintptr_t out;        // [B, H, T, V]
   int64_t B, H, T, K, V;
   bool decay_per_key;
 };
 
 struct SelectiveScanArgs {  // see bik/layers/mamba2.py; every tensor fp32 and contiguous
-  uintptr_t decay;           // exp(dt * A): [B, H, T]
-  uintptr_t dtx;             // dt * x: [B, H, T, P]
-  uintptr_t b, c;            // [B, G, T, N], head h reading group h / heads_per_group
-  uintptr_t state;           // [B, H, P, N]: the initial state, overwritten by the final one
-  uintptr_t out;             // [B, H, T, P]: tree_N(S * C), before the skip D x
+  uintptr_t decay;          // exp(dt * A): [B, H, T]
+  uintptr_t dtx;            // dt * x: [B, H, T, P]
+  uintptr_t b, c;           // [B, G, T, N], head h reading group h / heads_per_group
+  uintptr_t state;          // [B, H, P, N]: the initial state, overwritten by the final one
+  uintptr_t out;            // [B, H, T, P]: tree_N(S * C), before the skip D x
   int64_t B, H, T, P, N, heads_per_group;
 };
 
