@@ -142,7 +142,7 @@ def gated_delta_rule(
     inputs = (q / (k_dim**0.5), k, v, decay.exp(), b, state)
     accelerator = None if needs_custom_op(inputs) else _accelerator(query.device)
     out, state = (accelerator or recurrence)(*inputs)
-    return out.transpose(1, 2).contiguous().to(query.dtype), state
+    return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format), state
 
 
 def _accelerator(device: torch.device):
