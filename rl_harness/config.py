@@ -52,6 +52,13 @@ DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
 REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 
+# bik.vllm runs MoE models, but the harness compares the rollout's expert choices with the
+# trainer's (routing flips), which vLLM does not report
+VLLM_MOE_REFUSAL = (
+    "the vLLM rollout does not report the expert choices the harness compares (routing "
+    "flips) for mixture-of-experts policies"
+)
+
 
 def spec(default: Any, **check: Any) -> Any:
     """A field with constraints (``ge``, ``gt``, ``le``, ``lt``, ``choices``, ``multiple_of``)
@@ -542,10 +549,14 @@ class Config(_Section):
             )
         recurrent = FAMILIES[self.model.family].recurrent is not None and not self.model.path
         if self.rollout.engine == "vllm" and (self.model.moe or recurrent):
-            what = "mixture-of-experts" if self.model.moe else "linear-attention"
             raise ConfigError(
-                f"rollout.engine=vllm: bik.vllm does not run {what} models "
-                f"(model.family={self.model.family}); use rollout.engine=hf"
+                "rollout.engine=vllm: "
+                + (
+                    VLLM_MOE_REFUSAL
+                    if self.model.moe
+                    else "bik.vllm does not run linear-attention models"
+                )
+                + f" (model.family={self.model.family}); use rollout.engine=hf"
             )
 
     @property

@@ -47,7 +47,7 @@ import bik
 import bik.vllm
 from bik.vllm.engine import cpu_binding
 
-from . import routing
+from . import config, routing
 from .batch import Rollout
 from .errors import ConfigError
 
@@ -158,8 +158,8 @@ class VllmRollout:
             return
         if routing.routers(master):
             raise ConfigError(
-                "rollout.engine=vllm: bik.vllm does not run mixture-of-experts models "
-                f"({type(master).__name__}); use rollout.engine=hf"
+                f"rollout.engine=vllm: {config.VLLM_MOE_REFUSAL} ({type(master).__name__}); "
+                "use rollout.engine=hf"
             )
         check_available(cfg, head_dim(master.config))
 

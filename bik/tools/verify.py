@@ -422,11 +422,11 @@ def check(args: argparse.Namespace) -> None:
             args.model = str(models.path(args.model))
         except models.ModelUnavailableError as error:
             raise UsageError("--model", str(error)) from None
-    problem = vllm_engine.model_problem(args.model)
-    if problem:
-        raise UsageError("--model", problem)
     if args.tp is not None and (args.tp & (args.tp - 1) or TP_CHUNKS % args.tp):
         raise UsageError("--tp", f"expected a power of two dividing {TP_CHUNKS}, got {args.tp}")
+    problem = vllm_engine.model_problem(args.model, args.tp or 1)
+    if problem:
+        raise UsageError("--tp", problem)
     if args.tp is not None and args.device == "cpu":
         try:
             vllm_engine.cpu_binding(args.tp)

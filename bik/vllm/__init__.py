@@ -154,9 +154,10 @@ def LLM(
 
     from .config import check_hf_config, check_tensor_parallel
 
-    check_tensor_parallel(kwargs.get("tensor_parallel_size", 1), tp_invariant)
+    tensor_parallel = kwargs.get("tensor_parallel_size", 1)
+    check_tensor_parallel(tensor_parallel, tp_invariant)
     trust = kwargs.get("trust_remote_code", False)
-    check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust))
+    check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust), tensor_parallel)
     enable(backend, tp_invariant=tp_invariant)
     kwargs.setdefault("enforce_eager", True)
     if tp_invariant:
@@ -180,9 +181,9 @@ def _install() -> None:
         register_backend(getattr(AttentionBackendEnum, slot), path)
     process = base_loader.process_weights_after_loading
 
-    def process_then_check(model, *args, **kwargs):
-        process(model, *args, **kwargs)
-        check_model(model)
+    def process_then_check(model, model_config, *args, **kwargs):
+        process(model, model_config, *args, **kwargs)
+        check_model(model, model_config.hf_config.model_type)
         _pack_weights(model)
 
     base_loader.process_weights_after_loading = process_then_check

@@ -79,31 +79,43 @@ def check_engine(vllm_config: "VllmConfig") -> None:
         )
 
 
-def check_hf_config(hf_config: "PreTrainedConfig") -> None:
-    """Raise for a model bik.vllm cannot run, read off its transformers config before vLLM
-    builds it: a mixture-of-experts model (vLLM's FusedMoE layer is not bik's) or one with
-    linear-attention layers (vLLM's Gated DeltaNet kernels sum in their own order)."""
+def moe_tensor_parallel_problem(config: dict, tensor_parallel: int) -> str | None:
+    """What is wrong with running a model whose config is ``config`` (config.json's keys) at
+    ``tensor_parallel`` in bik.vllm: a mixture-of-experts model above TP 1, or None."""
+    experts = max((config.get(key) or 0 for key in EXPERT_COUNT_KEYS), default=0)
+    if not experts or tensor_parallel == 1:
+        return None
+    return (
+        f"a mixture-of-experts model ({config.get('model_type')!r}, {experts} experts) at "
+        f"tensor_parallel_size={tensor_parallel}: bik.vllm routes experts at "
+        "tensor_parallel_size=1 only (vLLM would shard the experts and all-reduce them in "
+        "its own order)"
+    )
+
+
+def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> None:
+    """Raise for a model bik.vllm cannot run at ``tensor_parallel``, read off its
+    transformers config before vLLM builds it: one with linear-attention layers (vLLM's Gated
+    DeltaNet kernels sum in their own order) or a mixture-of-experts model above TP 1."""
     if "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
         raise NotImplementedError(
             f"bik.vllm: {hf_config.model_type!r} has linear-attention (Gated DeltaNet) "
             "layers, which vLLM computes with its own kernels, not bik's (bik.patch_model "
             "computes them for Hugging Face models)"
         )
-    experts = max((getattr(hf_config, key, None) or 0) for key in EXPERT_COUNT_KEYS)
-    if experts:
-        raise NotImplementedError(
-            f"bik.vllm: {hf_config.model_type!r} is a mixture-of-experts model ({experts} "
-            "experts): a mixture-of-experts layer, not computed by bik (bik.vllm does not "
-            "route experts; bik.patch_model does, for Hugging Face models)"
-        )
+    problem = moe_tensor_parallel_problem(hf_config.to_dict(), tensor_parallel)
+    if problem is not None:
+        raise NotImplementedError(f"bik.vllm: {problem}")
 
 
-def check_model(model: torch.nn.Module) -> None:
-    """Raise if a loaded model has a layer vLLM would compute with its own numerics: a
-    custom op bik did not replace (a scaled RoPE variant, another norm or activation, MoE),
+def check_model(model: torch.nn.Module, model_type: str) -> None:
+    """Raise if a loaded model (of transformers' ``model_type``) has a layer vLLM would
+    compute with its own numerics: a custom op bik did not replace (a scaled RoPE variant,
+    another norm or activation), a mixture-of-experts layer bik cannot route (bik.vllm.moe),
     a quantized linear layer, or a logits soft-cap/scale; with tp_invariant, a row-parallel
     linear whose K slice does not split into its rank's chunks."""
     from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.linear import (
         LinearBase,
         RowParallelLinear,
@@ -111,7 +123,7 @@ def check_model(model: torch.nn.Module) -> None:
     )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
-    from . import tp_invariant
+    from . import moe, tp_invariant
     from .layers import BIK_LAYERS
 
     problems: list[str] = []
@@ -122,11 +134,9 @@ def check_model(model: torch.nn.Module) -> None:
             continue  # a part of a bik layer that its forward does not call
         if isinstance(module, BIK_LAYERS):
             bik_layers.append(name)
-        elif isinstance(module, CustomOp) and "MoE" in kind:
-            problems.append(
-                f"{name} ({kind}): a mixture-of-experts layer, not computed by bik (bik.vllm "
-                "does not route experts; bik.patch_model does, for Hugging Face models)"
-            )
+        elif isinstance(module, MoERunner):
+            bik_layers.append(name)
+            problems.extend(moe.problems(name, module, model_type))
         elif isinstance(module, CustomOp):
             problems.append(f"{name} ({kind}): not computed by bik")
         elif isinstance(module, LinearBase) and not isinstance(

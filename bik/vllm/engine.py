@@ -34,11 +34,11 @@ def vllm_problem() -> str | None:
     return INSTALL_VLLM if importlib.util.find_spec("vllm") is None else None
 
 
-def model_problem(model_dir: str) -> str | None:
-    """Why bik.vllm cannot run the model in ``model_dir``, read off its config.json before
-    any engine starts (None when it can, or when the directory has no readable config: the
-    loader reports that): a mixture-of-experts model."""
-    from bik.families import EXPERT_COUNT_KEYS
+def model_problem(model_dir: str, tensor_parallel: int = 1) -> str | None:
+    """Why bik.vllm cannot run the model in ``model_dir`` at ``tensor_parallel``, read off
+    its config.json before any engine starts (None when it can, or when the directory has no
+    readable config: the loader reports that): a mixture-of-experts model above TP 1."""
+    from .config import moe_tensor_parallel_problem
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -46,14 +46,8 @@ def model_problem(model_dir: str) -> str | None:
         return None
     if not isinstance(config, dict):
         return None
-    experts = max((config.get(key) or 0 for key in EXPERT_COUNT_KEYS), default=0)
-    if not experts:
-        return None
-    return (
-        f"{model_dir!r} holds a mixture-of-experts model ({config.get('model_type')!r}, "
-        f"{experts} experts): bik.vllm does not run mixture-of-experts layers (bik.patch_model "
-        "does, for Hugging Face models: python -m bik verify --engine hf)"
-    )
+    problem = moe_tensor_parallel_problem(config, tensor_parallel)
+    return None if problem is None else f"{model_dir!r} holds {problem}"
 
 
 def cpu_binding(tensor_parallel: int) -> dict[str, str]:

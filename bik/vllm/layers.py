@@ -38,6 +38,7 @@ from ..layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 from ..ops.activations import silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm_like_transformers
+from . import moe
 
 
 class BikRMSNorm(RMSNorm):
@@ -200,7 +201,7 @@ def install() -> None:
     for name, cls in _REPLACED_OPS.items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
-    for owner, name, method in _PATCHED_METHODS:
+    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS):
         setattr(owner, name, method)
 
 

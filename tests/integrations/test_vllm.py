@@ -124,6 +124,11 @@ CASES = [
     ("qwen3", "bfloat16", "processed_logprobs", 0.7),
     ("llama", "float32", "processed_logprobs", 1.3),
     ("qwen2", "bfloat16", "raw_logprobs", 1.0),
+    # mixture-of-experts (bik.vllm.moe): routing, experts and Qwen2-MoE's gated shared expert;
+    # Mixtral's router hands the experts fp32 weights, the others bf16 ones
+    ("qwen3_moe", "bfloat16", "raw_logprobs", 1.0),
+    ("mixtral", "bfloat16", "raw_logprobs", 1.0),
+    ("qwen2_moe", "float32", "raw_logprobs", 1.0),
 ]
 
 
@@ -198,10 +203,39 @@ def test_compiled_engine_is_refused(model_dir):
     gc.collect()
 
 
-def test_mixture_of_experts_is_refused(model_dir):
-    with pytest.raises(Exception, match="a mixture-of-experts layer, not computed by bik"):
-        bik.vllm.LLM(model_dir("qwen3_moe"), backend="cpu", dtype="float32", **SCHEDULING)
+def test_weights_pushed_into_a_moe_engine_reach_the_experts(model_dir):
+    """An RL weight sync into a Qwen3-MoE engine: the fused expert tensors (transformers'
+    ``experts.gate_up_proj [E, 2I, H]``), the router and the rest, then the engine's
+    log-probs equal the updated trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir("qwen3_moe")
+    llm = bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bik.patch_model(model, backend="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    bik.vllm.update_weights(llm, model.named_parameters())
+    prompt = prompts(1)[0]
+    params = vllm.SamplingParams(max_tokens=8, logprobs=0, detokenize=False)
+    sample = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params)
+    del llm
     gc.collect()
+    tokens = list(sample[0].outputs[0].token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    got = [lp[t].logprob for lp, t in zip(sample[0].outputs[0].logprobs, tokens)]
+    assert torch.equal(torch.tensor(got), bik.token_logprobs(logits, torch.tensor(tokens)))
+
+
+def test_mixture_of_experts_above_tp_1_is_refused_before_vllm_builds_it():
+    from bik.vllm.config import check_hf_config
+
+    config = FAMILIES["qwen3_moe"].tiny_config()
+    check_hf_config(config)  # TP 1: bik routes the experts
+    with pytest.raises(NotImplementedError, match=r"at tensor_parallel_size=2: bik\.vllm routes"):
+        check_hf_config(config, 2)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
@@ -218,3 +252,54 @@ def test_scaled_rope_is_refused(model_dir):
     with pytest.raises(Exception, match="not computed by bik"):
         bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
     gc.collect()
+
+
+def _moe_runner(model_type="qwen3_moe", router=None, **config):
+    """A stand-in MoERunner with the attributes bik.vllm.moe.problems reads."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    if router is None:
+        router = object.__new__(CPURouter)
+        settings = dict(scoring_func="softmax", use_grouped_topk=False, top_k=2)
+        vars(router).update(settings, renormalize=True, e_score_correction_bias=None)
+    sizes = dict(tp_size=1, dp_size=1, ep_size=1, pcp_size=1)
+    parallel = SimpleNamespace(**{**sizes, **config.pop("parallel", {})})
+    moe_config = dict(has_bias=False, activation=MoEActivation.SILU, moe_parallel_config=parallel)
+    return SimpleNamespace(
+        moe_config=SimpleNamespace(**{**moe_config, **config}),
+        router=router,
+        routed_experts=SimpleNamespace(quant_method=object.__new__(UnquantizedFusedMoEMethod)),
+        routed_input_transform=None,
+        routed_output_transform=None,
+        routed_scaling_factor=1.0,
+    )
+
+
+def test_moe_layers_bik_cannot_route_are_refused():
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from bik.vllm.moe import Routing, problems
+
+    runner = _moe_runner()
+    assert problems("mlp.experts", runner, "qwen3_moe") == []
+    assert runner._bik_routing == Routing(top_k=2, normalize=True, fp32_weights=False)
+    grouped = _moe_runner().router
+    grouped.use_grouped_topk = True
+    refused = {
+        "no bik family routes it": _moe_runner(),
+        "bik.vllm runs softmax top-k routers": _moe_runner(router=grouped),
+        "biases or an activation other than SiLU": _moe_runner(has_bias=True),
+        "other than SiLU-and-multiply": _moe_runner(activation=MoEActivation.GELU),
+        "expert parallelism of the experts": _moe_runner(parallel=dict(ep_size=2)),
+    }
+    for message, runner in refused.items():
+        model_type = "llama" if "family" in message else "qwen3_moe"
+        (problem,) = problems("model.layers.0.mlp.experts", runner, model_type)
+        assert problem.startswith("model.layers.0.mlp.experts (SimpleNamespace): ")
+        assert message in problem and not hasattr(runner, "_bik_routing")

@@ -46,7 +46,7 @@ def test_every_supported_family_is_a_valid_model_family(family):
         (["model.family=gpt2"], r"^model\.family: expected one of"),
         (
             ["model.family=mixtral", "rollout.engine=vllm"],
-            r"^rollout\.engine=vllm: bik\.vllm does not run mixture-of-experts models "
+            r"^rollout\.engine=vllm: the vLLM rollout does not report the expert choices .* "
             r"\(model\.family=mixtral\)",
         ),
     ],
@@ -200,6 +200,8 @@ def test_moe_model_path_with_vllm_is_refused_before_the_warm_up(tmp_path):
     cfg = config.build({}, [*MOE, "model.experts=4"])
     policy.build_master(cfg.model, 0).save_pretrained(tmp_path / "model")
     cfg = config.build({}, [*RL_TINY, f"model.path={tmp_path / 'model'}", "rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm: bik\.vllm does not run mixture"):
+    with pytest.raises(
+        ConfigError, match=r"rollout\.engine=vllm: the vLLM rollout does not report the expert"
+    ):
         runner.Run(cfg, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()

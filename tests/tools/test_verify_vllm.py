@@ -157,14 +157,14 @@ def test_model_given_twice_must_agree(capsys, no_work, qwen3_dir):
     assert "argument --model: got 'tiny-qwen3' and MODEL" in line
 
 
-def test_a_mixture_of_experts_model_is_refused_before_any_engine(capsys, no_work, tmp_path):
-    """Issue 25, item 15: given a MoE model directory, ``verify --engine vllm`` ran a whole
-    native sampling and then failed with exit 1; ``bench --vllm`` ended in a traceback. Both
-    now stop at once with status 2 (only config.json is read)."""
+def test_a_mixture_of_experts_model_above_tp_1_is_refused_before_any_engine(
+    capsys, no_work, tmp_path
+):
+    """bik.vllm routes experts at TP 1 (bik.vllm.moe); given a MoE model directory and
+    ``--tp 2``, ``verify --engine vllm`` stops at once with status 2 (only config.json is
+    read)."""
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 4}')
-    expected = f"argument --model: '{tmp_path}' holds a mixture-of-experts model ('qwen3_moe', 4"
-    for argv in (
-        ["verify", "--engine", "vllm", str(tmp_path)],
-        ["bench", "--vllm", "--model", str(tmp_path)],
-    ):
-        assert expected in usage_error(capsys, argv)
+    argv = ["verify", "--engine", "vllm", str(tmp_path), "--tp", "2"]
+    line = usage_error(capsys, argv)
+    assert f"argument --tp: '{tmp_path}' holds a mixture-of-experts model ('qwen3_moe', 4" in line
+    assert "at tensor_parallel_size=2: bik.vllm routes experts at tensor_parallel_size=1" in line
