@@ -16,8 +16,9 @@ the environment variable alone no bik code runs to notice, so set both or neithe
 
 Enabled, bik replaces vLLM's RMSNorm, SiLU-and-multiply and rotary layers through vLLM's
 custom-op registry, runs unquantized linear layers and the LM head through ``bik.linear``,
-the sampler's log-softmax through ``bik.log_softmax`` and attention through bik's backend in
-vLLM's attention-backend registry. What bik cannot make invariant (torch.compile or CUDA
+the sampler's log-softmax through ``bik.log_softmax``, attention through bik's backend in
+vLLM's attention-backend registry and mixture-of-experts layers through bik's routing and
+grouped experts (:mod:`bik.vllm.moe`, at TP 1). What bik cannot make invariant (torch.compile or CUDA
 graphs, speculative decoding, quantization, TP without ``tp_invariant``, PP, LoRA, sliding
 windows, scaled RoPE variants...) is refused when the engine starts. Then vLLM's log-probs equal
 ``bik.token_logprobs`` of the bik-patched Hugging Face model loaded from the same directory,
