@@ -39,6 +39,30 @@ settings.load_profile("bik")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+# An interpreted Triton kernel takes 10-100x a compiled CPU kernel's time a case, so the
+# hypothesis tests of the triton backend run at most this many cases when interpreted (the
+# first ones of the same derandomized sequence). make test-gpu-image runs them again under the
+# GPU image's Triton; on a GPU they run compiled, with every case.
+INTERPRETED_EXAMPLES = int(os.environ.get("BIK_INTERPRETED_EXAMPLES", "6"))
+
+
+@pytest.fixture(autouse=True)
+def fewer_interpreted_cases(request):
+    """Caps the cases of a hypothesis test of the triton backend (a test of a test_triton_*
+    file, or one parametrized with it) at INTERPRETED_EXAMPLES under the interpreter."""
+    test = request.function
+    current = getattr(test, "_hypothesis_internal_use_settings", None)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and "triton" in request.node.nodeid
+    if current is None or not interpreted or current.max_examples <= INTERPRETED_EXAMPLES:
+        yield
+        return
+    # hypothesis reads the settings off the test when it runs: this item's alone
+    test._hypothesis_internal_use_settings = settings(current, max_examples=INTERPRETED_EXAMPLES)
+    try:
+        yield
+    finally:
+        test._hypothesis_internal_use_settings = current
+
 
 def invariant_backends(device=DEVICE):
     """Every registered batch-invariant backend that can run on ``device``."""

@@ -1,7 +1,9 @@
 """rl_harness with a tensor-parallel vLLM rollout (``rollout.tensor_parallel=2``): two vLLM
 worker processes, one core each, run bik's TP-invariant order, and so does the one-process
 trainer, so every mismatch metric is exactly 0; a resumed run equals an uninterrupted one
-(each step seeds the workers' samplers); native vLLM at TP 2 gives a real mismatch."""
+(each step seeds the workers' samplers). Native vLLM's mismatch is measured at TP 1
+(test_rl_vllm.py) and at TP 2 by ``python -m bik verify --engine vllm --tp 2``
+(tests/tools/test_verify_vllm.py)."""
 
 import functools
 import json
@@ -16,7 +18,6 @@ from test_rl_vllm import (
     BIK_RUN,
     VLLM,
     assert_exactly_zero_mismatch_and_trains,
-    assert_native_engine_mismatches,
 )
 
 import bik.vllm
@@ -66,12 +67,6 @@ def test_tp2_resume_equals_an_uninterrupted_run(tp2_run, tmp_path, cache, monkey
     cut = tmp_path / "cut"
     start = functools.partial(_run, cut, cache, BIK_RUN)
     assert cut_and_resume(start, cut, cache, monkeypatch, at=2) == tp2_run[1]
-
-
-@pytest.mark.slow  # a fresh process and a TP 2 engine
-@needs_two_cores
-def test_tp2_native_engine_measures_a_real_mismatch(tmp_path, cache):
-    assert_native_engine_mismatches(tmp_path / "native-tp2", cache, TP2)
 
 
 @pytest.mark.parametrize(
