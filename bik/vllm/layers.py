@@ -64,7 +64,9 @@ class BikSiluAndMul(SiluAndMul):
 
 
 class BikRotaryEmbedding(RotaryEmbedding):
-    """Half-rotation ("neox") RoPE over the whole head, cos/sin from bik's formula."""
+    """Half-rotation ("neox") RoPE over the first ``rotary_dim`` dims of each head (all of
+    them, or part: GLM-4.5's partial rotary), the rest passed through, cos/sin from bik's
+    formula; transformers' partial RoPE rotates and concatenates the same way."""
 
     bik_inv_freq: torch.Tensor  # a buffer (register_buffer below)
 
@@ -78,10 +80,9 @@ class BikRotaryEmbedding(RotaryEmbedding):
         dtype: torch.dtype,
         init_cache: bool = True,
     ) -> None:
-        if rotary_dim != head_size or not is_neox_style:
+        if not is_neox_style:
             raise NotImplementedError(
-                "bik.vllm: rotary embedding over part of the head or interleaved (GPT-J style) "
-                "is not supported"
+                "bik.vllm: interleaved (GPT-J style) rotary embedding is not supported"
             )
         super().__init__(
             head_size,
@@ -98,16 +99,19 @@ class BikRotaryEmbedding(RotaryEmbedding):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         cos, sin = rotary_cos_sin(self.bik_inv_freq, positions, 1.0, query.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, D] against [T, heads, D]
-        return _rotate(query, cos, sin, self.head_size), _rotate(key, cos, sin, self.head_size)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, rotary_dim] against [T, heads, D]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
-
-def _rotate(
-    x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_size: int
-) -> torch.Tensor | None:
-    if x is None:
-        return None
-    return apply_rotary(x.view(x.shape[0], -1, head_size), cos, sin).view(x.shape)
+    def _rotate(
+        self, x: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | None:
+        if x is None:
+            return None
+        heads = x.view(x.shape[0], -1, self.head_size)
+        out = apply_rotary(heads[..., : self.rotary_dim], cos, sin)
+        if self.rotary_dim < self.head_size:
+            out = torch.cat((out, heads[..., self.rotary_dim :]), dim=-1)
+        return out.view(x.shape)
 
 
 def _linear_apply(self, layer, x, bias=None):

@@ -3,49 +3,56 @@ expert compute what the bik-patched Hugging Face model computes (bik.hf.moe), bi
 
 vLLM builds every MoE layer as a ``MoERunner`` (router, ``RoutedExperts`` holding the
 ``w13_weight [E, 2I, H]`` (gate rows, then up rows) and ``w2_weight [E, H, I]`` parameters,
-and perhaps a shared expert). bik replaces the runner's forward: the router logits through
-``bik.linear``, bik's routing (bik.layers.moe.route: softmax, top-k with ties to the lower
-expert, renormalised in rank order), the experts through bik.layers.moe.expert_mlp on the
-weights as loaded (vLLM's CPU method would prepack them for its grouped GEMM; bik keeps them,
-so a weight update written into the parameters is what the next step uses), and a shared
-expert's gate through ``bik.sigmoid``. What the runner supports beyond that (other routers,
-biased or quantised experts, expert or data parallelism, tensor parallelism) is refused when
-the engine starts (:func:`problems`), never run in vLLM's order.
+and perhaps a shared expert). bik replaces the runner's forward and the gate's: the router
+logits through ``bik.linear``; bik's routing (bik.layers.moe.route: softmax, top-k with ties
+to the lower expert, renormalised in rank order; or route_grouped_sigmoid, the sigmoid
+group-limited top-k with a score-correction bias of DeepSeek-V3 and GLM-4.5); the experts
+through bik.layers.moe.expert_mlp on the weights as loaded (vLLM's CPU method would prepack
+them for its grouped GEMM; bik keeps them, so a weight update written into the parameters is
+what the next step uses); a shared expert's gate through ``bik.sigmoid``. What the runner
+supports beyond that (other routers, biased or quantised experts, expert, data or tensor
+parallelism) is refused when the engine starts (:func:`problems`), never run in vLLM's order.
 """
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
 from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod,
 )
 
 from ..families import FAMILIES
-from ..layers.moe import expert_mlp, route
+from ..layers.moe import expert_mlp, route, route_grouped_sigmoid
 from ..ops.activations import sigmoid
 from ..ops.matmul import linear
 
+Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> weights, experts
 
-@dataclass(frozen=True)
-class Routing:
-    """What bik's forward needs of a runner's router, read once when the engine starts."""
 
-    top_k: int
-    normalize: bool
-    fp32_weights: bool  # the family's router hands the experts fp32 weights (Mixtral)
+def _softmax_top_k(
+    logits: torch.Tensor, top_k: int, normalize: bool, fp32_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """bik.hf.moe.Router's routing: the weights cast to the logits' dtype unless the family's
+    router hands the experts fp32 ones (Mixtral), as transformers does."""
+    weights, chosen = route(logits, top_k, normalize)
+    return (weights if fp32_weights else weights.to(logits.dtype)), chosen
 
 
 def _gate_forward(
     self: GateLinear, x: torch.Tensor
 ) -> torch.Tensor | tuple[torch.Tensor, torch.nn.Parameter | None]:
-    """GateLinear.forward through bik.linear: vLLM's specialised router GEMMs (fp32 out,
-    bf16x3, cuBLAS tiers) would reduce in their own order."""
-    output = linear(x, self.weight, None if self.skip_bias_add else self.bias)
+    """GateLinear.forward through bik.linear, in the weight's dtype (an fp32 router, as
+    DeepSeek-V3 and GLM-4.5 keep theirs, takes the activations in fp32, as transformers does):
+    vLLM's specialised router GEMMs (fp32 out, bf16x3, cuBLAS tiers) reduce in their own
+    order."""
+    output = linear(x.to(self.weight.dtype), self.weight, None if self.skip_bias_add else self.bias)
     if not self.return_bias:
         return output
     return output, self.bias if self.skip_bias_add else None
@@ -64,16 +71,16 @@ def _runner_forward(
     x = hidden_states
     if self.gate is not None:
         router_logits, _ = self.gate(x)
-    weights, chosen = route(router_logits, routing.top_k, routing.normalize)
-    if not routing.fp32_weights:  # as transformers casts them for these families
-        weights = weights.to(router_logits.dtype)
+    weights, chosen = routing(router_logits)
     experts: Any = self.routed_experts
     out = expert_mlp(x, chosen, weights, experts.w13_weight, experts.w2_weight)
     if self._shared_experts is None:
         return out
-    shared: Any = self._shared_experts._layer  # gate_up_proj, act_fn, down_proj, expert_gate
+    # a gated MLP (gate_up_proj, act_fn, down_proj); Qwen2-MoE's has an expert_gate, whose
+    # sigmoid its forward takes with torch: bik's is computed here instead
+    shared: Any = self._shared_experts._layer
     mlp, _ = shared.down_proj(shared.act_fn(shared.gate_up_proj(x)[0]))
-    if shared.expert_gate is not None:
+    if getattr(shared, "expert_gate", None) is not None:
         mlp = sigmoid(shared.expert_gate(x)[0]) * mlp
     return out + mlp
 
@@ -89,16 +96,49 @@ PATCHED_METHODS = (
 )
 
 
-def _plain_softmax_top_k(router: Any) -> bool:
-    """Whether ``router`` (the GPU platforms' FusedTopKRouter or the CPU platform's
-    CPURouter) routes by a plain softmax top-k."""
-    return (
+def _routing(router: Any, output_scale: float, fp32_weights: bool) -> Routing | None:
+    """bik's routing for vLLM's ``router``: a plain softmax top-k (the GPU platforms'
+    FusedTopKRouter, the CPU platform's CPURouter) or a sigmoid group-limited top-k with a
+    score-correction bias (GroupedTopKRouter, CPURouter); None for any other.
+    ``output_scale``: the routed scaling factor vLLM applies to the experts' output instead
+    of the router's weights; transformers scales the weights, and so does bik."""
+    scale = router.routed_scaling_factor * output_scale  # one of the two is 1
+    custom = any(
+        getattr(router, name, None) is not None
+        for name in ("custom_routing_function", "_hash_indices_table")
+    )
+    bias: Any = getattr(router, "e_score_correction_bias", None)
+    grouped = isinstance(router, GroupedTopKRouter) or getattr(router, "use_grouped_topk", False)
+    softmax = (
         isinstance(router, (FusedTopKRouter, CPURouter))
+        and not grouped
         and router.scoring_func == "softmax"
-        and not getattr(router, "use_grouped_topk", False)
-        and getattr(router, "custom_routing_function", None) is None
-        and getattr(router, "e_score_correction_bias", None) is None
-        and getattr(router, "_hash_indices_table", None) is None
+        and bias is None
+        and scale == 1.0
+    )
+    sigmoid_grouped = (
+        isinstance(router, (GroupedTopKRouter, CPURouter))
+        and grouped
+        and router.scoring_func == "sigmoid"
+        and bias is not None
+    )
+    if custom or not (softmax or sigmoid_grouped):
+        return None
+    if softmax:
+        return functools.partial(
+            _softmax_top_k,
+            top_k=router.top_k,
+            normalize=router.renormalize,
+            fp32_weights=fp32_weights,
+        )
+    return functools.partial(
+        route_grouped_sigmoid,
+        bias=bias,  # the parameter itself: a weight sync writes into it
+        top_k=router.top_k,
+        groups=router.num_expert_group,
+        topk_groups=router.topk_group,
+        normalize=router.renormalize,
+        scale=scale,
     )
 
 
@@ -112,10 +152,13 @@ def problems(name: str, runner: MoERunner, model_type: str) -> list[str]:
     found = []
     if family is None or not family.moe:
         found.append(f"a {model_type!r} mixture-of-experts layer: no bik family routes it")
-    if not _plain_softmax_top_k(router):
+    fp32_weights = family is not None and family.fp32_router_weights
+    routing = _routing(router, runner.routed_scaling_factor, fp32_weights)
+    if routing is None:
         found.append(
             f"its router ({type(router).__name__}, scoring {getattr(router, 'scoring_func', '?')!r}"
-            "): bik.vllm runs softmax top-k routers (no groups, bias or custom function)"
+            "): bik.vllm runs softmax top-k routers and sigmoid group-limited ones with a "
+            "score-correction bias"
         )
     if not isinstance(experts.quant_method, UnquantizedFusedMoEMethod):
         found.append(f"quantized experts ({type(experts.quant_method).__name__})")
@@ -129,13 +172,7 @@ def problems(name: str, runner: MoERunner, model_type: str) -> list[str]:
         )
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         found.append("latent (transformed) expert inputs or outputs")
-    if runner.routed_scaling_factor != 1.0 or getattr(router, "routed_scaling_factor", 1.0) != 1:
-        found.append("a routed scaling factor")
     if found:
         return [f"{name} ({type(runner).__name__}): {problem}" for problem in found]
-    runner._bik_routing = Routing(
-        top_k=router.top_k,
-        normalize=router.renormalize,
-        fp32_weights=family is not None and family.fp32_router_weights,
-    )
+    runner._bik_routing = routing
     return []

@@ -47,6 +47,11 @@ def tiny_config(family, **overrides):
     return FAMILIES[family].tiny_config(**shape, tie_word_embeddings=False, **overrides)
 
 
+# GLM-4.5 ships bf16 weights and vLLM loads its router in fp32 while transformers loads it in
+# the model's dtype: the two read the same router weights from a bf16 checkpoint only.
+CHECKPOINT_DTYPES = {"glm4_moe": torch.bfloat16}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -56,7 +61,8 @@ def model_dir(tmp_path_factory):
         if not path.exists():
             config = tiny_config(family, **overrides)
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            model = AutoModelForCausalLM.from_config(config)
+            model.to(CHECKPOINT_DTYPES.get(family, torch.float32)).save_pretrained(path)
         return str(path)
 
     return save
@@ -129,6 +135,9 @@ CASES = [
     ("qwen3_moe", "bfloat16", "raw_logprobs", 1.0),
     ("mixtral", "bfloat16", "raw_logprobs", 1.0),
     ("qwen2_moe", "float32", "raw_logprobs", 1.0),
+    # GLM-4.5: an fp32 sigmoid router with a score-correction bias and groups, a shared
+    # expert, a dense first layer, partial RoPE
+    ("glm4_moe", "bfloat16", "raw_logprobs", 1.0),
 ]
 
 
@@ -195,12 +204,22 @@ def test_update_weights_then_generate(model_dir):
     assert torch.equal(got, expected)
 
 
+def assert_engine_refused(path, match, **options):
+    """bik.vllm.LLM on ``path`` raises, naming ``match``. The engine stopped part-way: its
+    process-wide parallel groups are torn down, or the next engine in this process would
+    reuse them (a MoE model needs the expert-parallel group a dense one does not create)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        with pytest.raises(Exception, match=match):
+            bik.vllm.LLM(path, backend="cpu", dtype="float32", **{**SCHEDULING, **options})
+    finally:
+        cleanup_dist_env_and_memory()
+        gc.collect()
+
+
 def test_compiled_engine_is_refused(model_dir):
-    with pytest.raises(Exception, match="enforce_eager=True"):
-        bik.vllm.LLM(
-            model_dir("qwen3"), backend="cpu", dtype="float32", enforce_eager=False, **SCHEDULING
-        )
-    gc.collect()
+    assert_engine_refused(model_dir("qwen3"), "enforce_eager=True", enforce_eager=False)
 
 
 def test_weights_pushed_into_a_moe_engine_reach_the_experts(model_dir):
@@ -248,10 +267,7 @@ def test_linear_attention_is_refused_before_vllm_builds_it(family):
 
 def test_scaled_rope_is_refused(model_dir):
     scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    path = model_dir("llama", rope_parameters=scaled)
-    with pytest.raises(Exception, match="not computed by bik"):
-        bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
-    gc.collect()
+    assert_engine_refused(model_dir("llama", rope_parameters=scaled), "not computed by bik")
 
 
 def _moe_runner(model_type="qwen3_moe", router=None, **config):
@@ -268,6 +284,7 @@ def _moe_runner(model_type="qwen3_moe", router=None, **config):
         router = object.__new__(CPURouter)
         settings = dict(scoring_func="softmax", use_grouped_topk=False, top_k=2)
         vars(router).update(settings, renormalize=True, e_score_correction_bias=None)
+        vars(router).update(routed_scaling_factor=1.0)
     sizes = dict(tp_size=1, dp_size=1, ep_size=1, pcp_size=1)
     parallel = SimpleNamespace(**{**sizes, **config.pop("parallel", {})})
     moe_config = dict(has_bias=False, activation=MoEActivation.SILU, moe_parallel_config=parallel)
@@ -284,13 +301,25 @@ def _moe_runner(model_type="qwen3_moe", router=None, **config):
 def test_moe_layers_bik_cannot_route_are_refused():
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from bik.vllm.moe import Routing, problems
+    from bik.vllm.moe import problems
 
     runner = _moe_runner()
     assert problems("mlp.experts", runner, "qwen3_moe") == []
-    assert runner._bik_routing == Routing(top_k=2, normalize=True, fp32_weights=False)
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0]], dtype=torch.bfloat16)
+    weights, chosen = runner._bik_routing(logits)  # softmax top-2, ties to the lower expert
+    assert chosen.tolist() == [[1, 3]] and weights.dtype == torch.bfloat16
+    sigmoid = _moe_runner().router
+    bias = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    vars(sigmoid).update(
+        scoring_func="sigmoid", use_grouped_topk=True, e_score_correction_bias=bias
+    )
+    vars(sigmoid).update(num_expert_group=2, topk_group=1, routed_scaling_factor=2.5)
+    runner = _moe_runner(router=sigmoid)
+    assert problems("mlp.experts", runner, "glm4_moe") == []
+    weights, chosen = runner._bik_routing(logits.float())  # group 2 (its bias), scaled by 2.5
+    assert chosen.tolist() == [[3, 2]] and weights.sum().item() == pytest.approx(2.5)
     grouped = _moe_runner().router
-    grouped.use_grouped_topk = True
+    grouped.use_grouped_topk = True  # a softmax group-limited router
     refused = {
         "no bik family routes it": _moe_runner(),
         "bik.vllm runs softmax top-k routers": _moe_runner(router=grouped),
