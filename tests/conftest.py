@@ -85,6 +85,35 @@ if os.environ.get("BIK_REQUIRE_CPU") == "1" and "cpu" not in invariant_backends(
     raise RuntimeError("BIK_REQUIRE_CPU=1 but the cpu backend cannot load: run make build")
 
 
+# The files that take minutes (vLLM engines, the real model, interpreted kernels, process
+# groups), slowest first as measured on the 2-core CI machine: pytest-xdist hands files to its
+# workers in collection order (make test passes --no-loadscope-reorder), so the run does not
+# end on one worker with a long file while the others wait. The rest follow in their order.
+SLOWEST_FIRST = (
+    "tests/tools/test_verify_vllm.py",
+    "tests/backends/test_triton_attention.py",
+    "tests/layers/test_paged_attention.py",
+    "tests/ops/test_attention.py",
+    "tests/tools/test_models.py",
+    "tests/integrations/test_vllm.py",
+    "tests/integrations/test_tensor_parallel.py",
+    "tests/tools/test_docs.py",
+    "tests/rl/test_rl_vllm_tp.py",
+    "tests/integrations/test_hf_compile.py",
+    "tests/rl/test_rl_edge.py",
+    "tests/backends/test_triton_rows.py",
+    "tests/rl/test_rl_harness.py",
+    "tests/integrations/test_vllm_tp.py",
+    "tests/integrations/test_trl.py",
+    "tests/rl/test_rl_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
+
+
 @pytest.fixture(params=invariant_backends())
 def backend(request):
     """Runs the test once per invariant backend, with that backend selected."""

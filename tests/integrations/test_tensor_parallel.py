@@ -188,12 +188,12 @@ def test_the_other_splittable_families_at_tp_8(family):
         assert_bitwise(logits, expected, f"{family} rank {rank}")
 
 
-@pytest.mark.slow  # 8 processes on 2 cores (~70 s); the threads above run the same degrees
-def test_four_and_eight_gloo_ranks(tmp_path):
-    results = worker.spawn_tensor_parallel(8, str(tmp_path), (4, 8))
+@pytest.mark.slow  # 4 processes on 2 cores; the threads above run degrees 4 and 8 too
+def test_four_gloo_ranks(tmp_path):
+    results = worker.spawn_tensor_parallel(4, str(tmp_path), (4,))
     for family, dtype in CONFIGS:
         logits, grads = _one_process(family, dtype)
-        for degree in (4, 8):
+        for degree in (4,):
             for rank, result in enumerate(results):
                 assert_bitwise(result["logits", family, dtype, degree], logits, f"rank {rank}")
             run, rerun = results[0]["grads", family, dtype, degree]

@@ -1,8 +1,8 @@
 """python -m bik verify --engine vllm: native vLLM and vLLM with bik against the trainer.
 
-One real run (both engines, each in its own process, on a tiny random-init Qwen3 saved to a
-directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do not (fp32, the
-negative control). The argument cases stop before any model or engine runs.
+One real run (both engines at TP 2, each in its own processes, on a tiny random-init Qwen3
+saved to a directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do not
+(fp32, the negative control). The argument cases stop before any model or engine runs.
 """
 
 import os
@@ -56,33 +56,24 @@ def _verify(qwen3_dir, *options: str, timeout: int) -> str:
     return done.stdout
 
 
-def test_bik_vllm_equals_the_trainer_and_native_vllm_does_not(qwen3_dir):
-    out = _verify(qwen3_dir, "--prompts", "16", "--tokens", "16", timeout=900)
-    assert "| kernels | unequal log-probs vs trainer |" in out
-    bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
-    native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
-    assert total == native_total == 16 * 2 * 16
-    assert bik_unequal == 0
-    assert native_unequal > 0  # the negative control: native fp32 vLLM moves with the batch
-    first = re.search(r"native vLLM vs trainer, first difference: (.*)", out)
-    assert first and re.fullmatch(r"request \d+ \(sample \d\), generated token \d+", first[1])
-    assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
-
-
-@pytest.mark.slow  # minutes: 2 engines of 2 worker processes; TP 1 and emulated TP 2, 4, 8
-# run in test_vllm_tp.py and test_distributed_tp.py
+@pytest.mark.slow  # minutes: 2 engines of 2 worker processes
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
 def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(qwen3_dir):
     """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
     order, equals the trainer patched with tp_invariant=True; native vLLM's does not (fp32,
-    the negative control)."""
+    the negative control). The TP 1 path differs only in the engine keywords; engines at TP 1
+    run in test_vllm.py (bik) and tests/rl/test_rl_vllm.py (native, against the trainer)."""
     out = _verify(qwen3_dir, "--tp", "2", "--prompts", "8", "--tokens", "8", timeout=900)
+    assert "| kernels | unequal log-probs vs trainer |" in out
     assert "TP 2 (TP-invariant order)" in out and "chunked_linear (8 chunks" in out
     bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
     native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
     assert total == native_total == 8 * 2 * 8
     assert bik_unequal == 0
     assert native_unequal > 0
+    first = re.search(r"native vLLM vs trainer, first difference: (.*)", out)
+    assert first and re.fullmatch(r"request \d+ \(sample \d\), generated token \d+", first[1])
+    assert "prompt tokens read from the cache" in out and "verify: vLLM with bik" in out
 
 
 def test_tp_must_divide_the_chunks_and_needs_engine_vllm(capsys, no_work, qwen3_dir):
