@@ -18,9 +18,10 @@ Enabled, bik replaces vLLM's RMSNorm, SiLU-and-multiply and rotary layers throug
 custom-op registry, runs unquantized linear layers and the LM head through ``bik.linear``,
 the sampler's log-softmax through ``bik.log_softmax``, attention through bik's backend in
 vLLM's attention-backend registry and mixture-of-experts layers through bik's routing and
-grouped experts (:mod:`bik.vllm.moe`, at TP 1). What bik cannot make invariant (torch.compile or CUDA
-graphs, speculative decoding, quantization, TP without ``tp_invariant``, PP, LoRA, sliding
-windows, scaled RoPE variants...) is refused when the engine starts. Then vLLM's log-probs equal
+grouped experts (:mod:`bik.vllm.moe`, at TP 1). What bik cannot make invariant
+(torch.compile or CUDA graphs, speculative decoding, quantization, TP without
+``tp_invariant``, MoE above TP 1, PP, LoRA, sliding windows, scaled RoPE variants...) is
+refused when the engine starts. Then vLLM's log-probs equal
 ``bik.token_logprobs`` of the bik-patched Hugging Face model loaded from the same directory,
 for every batch vLLM forms: continuous batching, chunked prefill, prefix caching, ``n > 1``.
 
