@@ -211,13 +211,15 @@ def _pack_weights(model: Any) -> None:
 
 
 def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write new policy weights (``(name, tensor)`` pairs with Hugging Face parameter names,
-    e.g. ``model.named_parameters()``) into a running engine, then drop its prefix cache,
+    """Write new policy weights (``(name, tensor)`` pairs with Hugging Face names, e.g.
+    ``model.named_parameters()``, plus persistent buffers such as DeepSeek-V3 and GLM-4.5's
+    fp32 ``e_score_correction_bias``) into a running engine, then drop its prefix cache,
     whose KV blocks were computed with the old weights. Every pair is checked against the
-    engine's model first (a TypeError or ValueError naming the parameter): a bad one leaves
-    every weight as it was."""
+    engine's model first (a TypeError or ValueError naming it): a bad one leaves every weight
+    as it was. A tensor the model keeps wider than it arrives (an fp32 router bias sent in
+    bf16) is refused: the trainer routes with bits the engine would not have."""
     weights = list(named_tensors)
-    _check_weights(weights, _parameter_shapes(llm))
+    _check_weights(weights, _state_entries(llm))
     weights = [(name, tensor.detach()) for name, tensor in weights]
     # A module-level function, not a closure: under TP > 1 it is pickled to every worker.
     llm.apply_model(functools.partial(_load_weights, weights=weights))
@@ -229,37 +231,52 @@ def _load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     model.load_weights(iter(weights))
 
 
-_SHAPES: weakref.WeakKeyDictionary[Any, dict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_ENTRIES: weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def _parameter_shapes(llm: Any) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face parameter names and shapes of ``llm``'s model (tied ones included),
-    from its config on the meta device: no memory, no weights read."""
-    if llm not in _SHAPES:
+def _state_entries(llm: Any) -> dict[str, torch.Tensor]:
+    """The Hugging Face state-dict entries of ``llm``'s model (parameters, tied ones included,
+    and persistent buffers) as meta tensors in the engine's dtype: each one's shape and the
+    dtype the model keeps it in, built from its config with no memory and no weights read."""
+    if llm not in _ENTRIES:
         from transformers import AutoModelForCausalLM
 
+        model_config = llm.llm_engine.model_config
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(llm.llm_engine.model_config.hf_config)
-        _SHAPES[llm] = {
-            name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)
-        }
-    return _SHAPES[llm]
+            model = AutoModelForCausalLM.from_config(
+                model_config.hf_config, dtype=model_config.dtype
+            )
+        _ENTRIES[llm] = model.state_dict(keep_vars=True)
+    return _ENTRIES[llm]
 
 
-def _check_weights(weights: list[Any], shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_weights(weights: list[Any], entries: dict[str, torch.Tensor]) -> None:
     for i, pair in enumerate(weights):
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
             raise TypeError(f"named_tensors[{i}]: expected a (name, tensor) pair, got {pair!r}")
         name, tensor = pair
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if name not in shapes:
+        if name not in entries:
             raise ValueError(
                 f"{name}: not a parameter of the engine's model (expected Hugging Face names, "
-                f"such as {next(iter(shapes), '?')!r})"
+                f"such as {next(iter(entries), '?')!r})"
             )
-        if tuple(tensor.shape) != shapes[name]:
+        expected = entries[name]
+        if tuple(tensor.shape) != tuple(expected.shape):
             raise ValueError(
-                f"{name}: expected shape {shapes[name]}, got {tuple(tensor.shape)}; no weight "
-                "was written"
+                f"{name}: expected shape {tuple(expected.shape)}, got {tuple(tensor.shape)}; "
+                "no weight was written"
             )
+        if _narrower(tensor.dtype, expected.dtype):
+            raise ValueError(
+                f"{name}: expected {expected.dtype} (the model keeps it so: a {tensor.dtype} "
+                f"copy has lost bits the trainer still uses), got {tensor.dtype}; no weight was "
+                "written"
+            )
+
+
+def _narrower(dtype: torch.dtype, kept: torch.dtype) -> bool:
+    """Whether floating ``dtype`` holds fewer bits than the floating ``kept``."""
+    floating = dtype.is_floating_point and kept.is_floating_point
+    return floating and torch.finfo(dtype).bits < torch.finfo(kept).bits

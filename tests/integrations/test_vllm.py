@@ -222,20 +222,26 @@ def test_compiled_engine_is_refused(model_dir):
     assert_engine_refused(model_dir("qwen3"), "enforce_eager=True", enforce_eager=False)
 
 
-def test_weights_pushed_into_a_moe_engine_reach_the_experts(model_dir):
-    """An RL weight sync into a Qwen3-MoE engine: the fused expert tensors (transformers'
-    ``experts.gate_up_proj [E, 2I, H]``), the router and the rest, then the engine's
-    log-probs equal the updated trainer's."""
+def test_weights_pushed_into_a_moe_engine_reach_the_experts_and_the_router(model_dir):
+    """An RL weight sync into a GLM-4.5 engine (bf16): the fused expert tensors (transformers'
+    ``experts.gate_up_proj [E, 2I, H]``), the router, its fp32 score-correction bias (a
+    buffer, in the state dict) and the rest; then the engine's log-probs equal the updated
+    trainer's. The bias sent in bf16 is refused: the trainer routes with its fp32 bits."""
     from transformers import AutoModelForCausalLM
 
-    path = model_dir("qwen3_moe")
-    llm = bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    path = model_dir("glm4_moe")
+    llm = bik.vllm.LLM(path, backend="cpu", dtype="bfloat16", **SCHEDULING)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     bik.patch_model(model, backend="cpu")
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    bik.vllm.update_weights(llm, model.named_parameters())
+        for tensor in model.state_dict().values():
+            tensor.add_(torch.randn_like(tensor) * 0.05)
+    state = model.state_dict()
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert state[bias].dtype == torch.float32  # transformers keeps it in fp32
+    with pytest.raises(ValueError, match=rf"^{bias}: expected torch\.float32 .* got torch\.bf"):
+        bik.vllm.update_weights(llm, [*state.items(), (bias, state[bias].bfloat16())])
+    bik.vllm.update_weights(llm, state.items())
     prompt = prompts(1)[0]
     params = vllm.SamplingParams(max_tokens=8, logprobs=0, detokenize=False)
     sample = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params)
