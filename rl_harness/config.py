@@ -549,14 +549,14 @@ class Config(_Section):
             )
         recurrent = FAMILIES[self.model.family].recurrent is not None and not self.model.path
         if self.rollout.engine == "vllm" and (self.model.moe or recurrent):
+            why = (
+                VLLM_MOE_REFUSAL
+                if self.model.moe
+                else "bik.vllm does not run linear-attention models"
+            )
             raise ConfigError(
-                "rollout.engine=vllm: "
-                + (
-                    VLLM_MOE_REFUSAL
-                    if self.model.moe
-                    else "bik.vllm does not run linear-attention models"
-                )
-                + f" (model.family={self.model.family}); use rollout.engine=hf"
+                f"rollout.engine=vllm: {why} (model.family={self.model.family}); "
+                "use rollout.engine=hf"
             )
 
     @property
