@@ -1,6 +1,6 @@
 """python -m rl_harness run | sweep | recipes | remedies | compare | world-size | same | edge |
-bias | compact | demo  (see rl_harness/README.md; TOOLS is the table of them). ``run`` under
-``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
+alarms | bias | compact | demo  (see rl_harness/README.md; TOOLS is the table of them).
+``run`` under ``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import (
+    alarms,
     bias,
     demo,
     distributed,
@@ -204,6 +205,11 @@ TOOLS: dict[str, Tool] = {
         "the stability-edge grid: learning rates x mismatch doses x seeds, and its report",
         edge.add_arguments,
         edge.main,
+    ),
+    "alarms": (
+        "early-warning signals, the metric to alarm on and the mismatch budget, from an edge grid",
+        alarms.add_arguments,
+        alarms.main,
     ),
     "bias": (
         "the gradient bias of mismatched rollouts at fixed weights, paired with on-policy",

@@ -485,13 +485,18 @@ def _doses(text: str) -> list[str]:
     return doses
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name a grid (its runs' configs and directory)."""
     parser.add_argument("--recipe", default="edge", help="the base recipe (default edge)")
     parser.add_argument("--lrs", type=_numbers, required=True, help="learning rates, 1e-3,2e-3")
     parser.add_argument("--doses", type=_doses, default=["zero"], help=f"of {', '.join(DOSES)}")
     parser.add_argument("--seeds", type=_seeds, required=True, help="0-9 or 100,101")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every run")
     parser.add_argument("--out", required=True, help="the grid's directory")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_grid_arguments(parser)
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
     parser.add_argument("--report", action="store_true", help="report the complete runs only")
     parser.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")

@@ -198,12 +198,12 @@ def test_edge_names_a_bad_argument(argv, expected, capsys, tmp_path):
 
 def test_the_grid_runs_resumes_and_reports(tmp_path, capsys):
     """Two LRs x two doses x one seed on the tiny policy: every run complete, compacted, the
-    report written; run again, nothing reruns."""
+    report written; run again, nothing reruns; ``alarms`` reads the grid back."""
     sets = [*TINY, "steps=3", "eval.every=1", "eval.prompts=4", "rollout.max_new_tokens=6"]
     sets += ["task.min_digits=2", "task.max_digits=3"]
-    argv = ["edge", "--lrs", "1e-3,4e-3", "--doses", "zero,fp8w", "--seeds", "0"]
-    argv += ["--out", str(tmp_path / "grid"), "--jobs", "2", "--cache-dir", str(tmp_path / "c")]
-    argv += [x for s in sets for x in ("--set", s)]
+    grid = ["--lrs", "1e-3,4e-3", "--doses", "zero,fp8w", "--seeds", "0"]
+    grid += ["--out", str(tmp_path / "grid"), *(x for s in sets for x in ("--set", s))]
+    argv = ["edge", *grid, "--jobs", "2", "--cache-dir", str(tmp_path / "c")]
     assert main(argv) == 0
     text = (tmp_path / "grid" / "edge.md").read_text()
     assert "Complete runs: 4 (1 seeds: 0)" in text and "| 0.001 | fp8w |" in text
@@ -215,6 +215,9 @@ def test_the_grid_runs_resumes_and_reports(tmp_path, capsys):
     assert main(argv) == 0
     assert "4 of 4 runs complete; 0 to run" in capsys.readouterr().out
     assert collapse.endpoint(rundir.read_metrics(run)) is not None  # 3 evaluations or more
+    assert main(["alarms", *grid]) == 0  # the practitioners' read-back of the same grid
+    alarms_text = (tmp_path / "grid" / "alarms.md").read_text()
+    assert "From 4 complete runs (1 seeds)" in alarms_text and "| 0.004 | fp8w |" in alarms_text
 
 
 def test_the_shadow_meter_measures_a_native_engine_and_changes_no_training_bit(tmp_path):
