@@ -217,6 +217,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every arm")
     parser.add_argument("--out", required=True, help="a directory for the state and the table")
     parser.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1, as every edge grid run: the warm-up's bits, and so the "
+        "weights measured at, depend on the thread count)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -228,6 +235,9 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.batches < 2:
         raise HarnessError(f"bias --batches: expected an integer >= 2, got {args.batches}")
+    if args.threads < 1:
+        raise HarnessError(f"bias --threads: expected an integer >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     out = rundir.resolved(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(*run(args.recipe, arms, args.batches, out, args.set or [], args.cache_dir))

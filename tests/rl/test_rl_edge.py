@@ -289,6 +289,7 @@ def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys)
     argv = ["bias", "--recipe", "zero_mismatch", "--arms", "on_policy,fp8w", "--out"]
     argv += [str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")]
     argv += [x for s in [*TINY, "rollout.samples_per_prompt=4"] for x in ("--set", s)]
+    argv += ["--threads", str(torch.get_num_threads())]  # leaves this process's count as it is
     assert main([*argv, "--batches", "2"]) == 0
     assert main([*argv, "--batches", "3"]) == 0  # resumes at batch 2
     text = (tmp_path / "b" / "bias.md").read_text()
@@ -297,3 +298,6 @@ def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main([*argv[:4], "fp8w,on_policy", *argv[5:], "--batches", "3"])
     assert "expected on_policy first" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--batches", "3", "--threads", "0"])
+    assert "bias --threads: expected an integer >= 1" in capsys.readouterr().err
