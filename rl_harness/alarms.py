@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import collapse, edge, rundir
+from . import collapse, edge, report, rundir
 from .edge import Cell
 from .errors import HarnessError
 from .rollout import DIGEST_HEX
@@ -253,6 +253,76 @@ def _batch(results: dict[Cell, History]) -> str:
     return "n/a"
 
 
+PLOT_SIGNALS = ("entropy", "reward/mean", "grad_norm", "response_length/mean")
+PLOT_MISMATCH = ("mismatch/k3_kl", "mismatch/logprob_abs_diff_mean")
+PLOT_STEPS = 30  # every collapse of the grid comes before step 20
+PLOT_TICKS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4)  # a median below the lowest is drawn at it
+
+
+def relative(history: History, key: str) -> list[float]:
+    """``key`` per step over its mean of the first :data:`BASELINE_STEPS` steps (NaN where
+    that mean is not positive): the quantity the alarm rule compares with :data:`FACTOR`."""
+    values = [m[key] for m in history[:PLOT_STEPS] if key in m]
+    baseline = statistics.fmean(values[:BASELINE_STEPS]) if values else 0.0
+    return [v / baseline if baseline > 0 else math.nan for v in values]
+
+
+def plot(results: dict[Cell, History], zero: str, path: Path) -> None:
+    """One panel per signal: the median over runs of the signal relative to its own first
+    steps, for the runs that collapsed and those that survived (mismatch signals: mismatched
+    doses only), with the alarm thresholds dotted. The two groups differ in LR as well (the
+    collapsed runs are mostly the higher LRs'): a description, not a matched comparison."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = PLOT_SIGNALS + PLOT_MISMATCH
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, key in zip(axes.flat, keys):
+        for fell, label, style in ((True, "collapsed", "-"), (False, "survived", "--")):
+            runs = [
+                relative(h, key)
+                for c, h in results.items()
+                if (collapse.persistent_collapse_step(h) is not None) == fell
+                and (c.dose != zero or not key.startswith("mismatch/"))
+            ]
+            runs = [r for r in runs if r and not math.isnan(r[0])]
+            if not runs:
+                continue
+            steps = range(min(len(r) for r in runs))
+            median = [max(statistics.median(r[t] for r in runs), PLOT_TICKS[0]) for t in steps]
+            ax.plot(
+                steps,
+                median,
+                style,
+                marker="o" if fell else "s",
+                markersize=3,
+                label=f"{label} ({len(runs)} runs)",
+            )
+        for level in (FACTOR, 1 / FACTOR):
+            ax.axhline(level, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_yscale("log")
+        ax.set_yticks(PLOT_TICKS, [f"{t:g}" for t in PLOT_TICKS])
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylim(PLOT_TICKS[0] * 0.8, PLOT_TICKS[-1] * 1.25)
+        ax.set_title(key + (" (falls)" if key == "reward/mean" else ""), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(f"median / its first {BASELINE_STEPS} steps", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        "Signals before a collapse: median over runs, relative to each run's start "
+        f"(dotted: the alarm at x{FACTOR:g} and x1/{FACTOR:g}; {PLOT_TICKS[0]:g} or less drawn at "
+        f"{PLOT_TICKS[0]:g})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    rundir.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    plt.close(fig)
+    rundir.shrink_png(path)
+
+
 def report_markdown(
     results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str]
 ) -> str:
@@ -268,7 +338,7 @@ def report_markdown(
         *bulk_tail_lines(results, doses),
         *budget_lines(results, lrs, doses),
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n![alarms](alarms.png)\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -285,5 +355,6 @@ def main(args: argparse.Namespace) -> int:
         raise HarnessError(f"alarms: no complete run under {out} yet")
     text = report_markdown(results, sorted(args.lrs), args.doses)
     rundir.write_atomic(Path(out) / "alarms.md", text)
+    report.plot_or_warn(lambda path: plot(results, args.doses[0], path), out / "alarms.png")
     print(text)
     return 0

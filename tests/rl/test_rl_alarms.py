@@ -1,6 +1,8 @@
 """The practitioners' read-back of the edge grid (rl_harness.alarms): when an alarm is raised,
 how its lead is scored, and the paired test of the budget."""
 
+import math
+
 import pytest
 
 from rl_harness import alarms, collapse
@@ -35,6 +37,12 @@ def test_a_falling_signal_alarms_at_half_its_baseline_and_a_flag_at_its_first_st
     assert alarms.alarm_step(_rows([0.6, 0.6, 0.6, 0.5, 0.1, 0.1], "reward/mean"), FALL) == 5
     assert alarms.alarm_step(_rows([1.0] * 12, length_surge=7), FLAG) == 7
     assert alarms.alarm_step(_rows([1.0] * 12), FLAG) is None
+
+
+def test_the_plotted_signal_is_relative_to_the_runs_own_first_steps():
+    assert alarms.relative(_rows([2, 2, 2, 4, 1]), "mismatch/k3_kl") == [1, 1, 1, 2, 0.5]
+    zero_dose = alarms.relative(_rows([0.0] * 5), "mismatch/k3_kl")
+    assert len(zero_dose) == 5 and all(math.isnan(v) for v in zero_dose)
 
 
 def _run(values, collapse_at=None):

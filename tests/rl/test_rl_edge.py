@@ -218,6 +218,7 @@ def test_the_grid_runs_resumes_and_reports(tmp_path, capsys):
     assert main(["alarms", *grid]) == 0  # the practitioners' read-back of the same grid
     alarms_text = (tmp_path / "grid" / "alarms.md").read_text()
     assert "From 4 complete runs (1 seeds)" in alarms_text and "| 0.004 | fp8w |" in alarms_text
+    assert (tmp_path / "grid" / "alarms.png").exists()
 
 
 def test_the_shadow_meter_measures_a_native_engine_and_changes_no_training_bit(tmp_path):
