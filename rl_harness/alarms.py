@@ -310,7 +310,10 @@ def plot(results: dict[Cell, History], zero: str, path: Path) -> None:
         ax.set_title(key + (" (falls)" if key == "reward/mean" else ""), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel(f"median / its first {BASELINE_STEPS} steps", fontsize=8)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:  # the zero dose alone has no mismatch to draw, a tiny grid may lack a group
+            ax.text(0.5, 0.5, "no run to draw", ha="center", transform=ax.transAxes)
     fig.suptitle(
         "Signals before a collapse: median over runs, relative to each run's start "
         f"(dotted: the alarm at x{FACTOR:g} and x1/{FACTOR:g}; {PLOT_TICKS[0]:g} or less drawn at "
