@@ -200,17 +200,26 @@ SIGNATURES = {  # flag -> the metric whose rise it marks
 }
 
 
+def window_means(history: list[dict[str, Any]], key: str, step: int) -> tuple[float, float]:
+    """``key``'s mean over the first :data:`SIGNATURE_WINDOW` steps and over the
+    :data:`SIGNATURE_WINDOW` steps up to ``step`` (a row without ``key`` counts 0). The two
+    windows overlap when ``step`` comes before step 2 x :data:`SIGNATURE_WINDOW` - 1."""
+    first = history[:SIGNATURE_WINDOW]
+    last = [m for m in history if step - SIGNATURE_WINDOW < m["step"] <= step] or first
+    return (
+        statistics.fmean(m.get(key, 0.0) for m in first),
+        statistics.fmean(m.get(key, 0.0) for m in last),
+    )
+
+
 def signature(history: list[dict[str, Any]], step: int) -> dict[str, bool]:
     """The papers' collapse signature before ``step``: each :data:`SIGNATURES` metric's mean
     over the :data:`SIGNATURE_WINDOW` steps up to ``step`` at least :data:`SIGNATURE_FACTOR`
-    x its mean over the first window (and above 0), and ``length_surge`` (the recorded flag)
-    raised at or before ``step``."""
-    first = history[:SIGNATURE_WINDOW]
-    last = [m for m in history if step - SIGNATURE_WINDOW < m["step"] <= step] or first
+    x its mean over the first window (and above 0; :func:`window_means`), and
+    ``length_surge`` (the recorded flag) raised at or before ``step``."""
     flags = {}
     for flag, key in SIGNATURES.items():
-        before = statistics.fmean(m.get(key, 0.0) for m in first)
-        now = statistics.fmean(m.get(key, 0.0) for m in last)
+        before, now = window_means(history, key, step)
         flags[flag] = now > 0 and now >= SIGNATURE_FACTOR * before
     flags["length_surge"] = any(
         m.get("collapse/length_surge") for m in history if m["step"] <= step

@@ -201,6 +201,41 @@ def _per_seed_lines(results: dict[str, list[History]], evaluated: bool) -> list[
     return lines
 
 
+SHADOW_K3 = "shadow/k3_kl"  # the shadow meter's k3 (rollout.shadow; runner.SHADOW_METRICS)
+
+
+def _shadow_lines(results: dict[str, list[History]]) -> list[str]:
+    """The shadow meter's reading, per run: its k3 and the entropy over the first
+    collapse.SIGNATURE_WINDOW steps and over the window up to the persistent collapse (the
+    last steps for a run that survived); the rise of the shadow k3 is the papers' signature
+    (collapse.SIGNATURE_FACTOR x), readable only where the two windows do not overlap."""
+    window = collapse.SIGNATURE_WINDOW
+    lines = [
+        "",
+        f"Shadow meter (`{SHADOW_K3}`: a native engine's mismatch on these runs' own tokens; "
+        f"means over the first {window} steps and the {window} up to the persistent collapse, "
+        "or the last ones):",
+        "",
+        "| arm | seed | persistent collapse | shadow k3 first | shadow k3 before | ratio | "
+        "entropy first | entropy before | windows |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for arm, histories in results.items():
+        for seed, history in enumerate(histories):
+            fell = collapse.persistent_collapse_step(history)
+            end = history[-1]["step"] if fell is None else fell
+            k3_first, k3_before = collapse.window_means(history, SHADOW_K3, end)
+            entropy = collapse.window_means(history, "entropy", end)
+            ratio = k3_before / k3_first if k3_first > 0 else None
+            windows = "overlap" if end < 2 * window - 1 else "apart"
+            lines.append(
+                f"| {arm} | {seed} | {'none' if fell is None else fell} | {_cell([k3_first])} | "
+                f"{_cell([k3_before])} | {_cell([ratio])} | {_cell([entropy[0]])} | "
+                f"{_cell([entropy[1]])} | {windows} |"
+            )
+    return lines
+
+
 def minus(a: float | None, b: float | None) -> float | None:
     """``a - b``; None (not measured) where either is."""
     return None if a is None or b is None else a - b
@@ -245,6 +280,8 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
             ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += _per_seed_lines(results, evaluated)
+    if any(SHADOW_K3 in m for m in runs[0]):
+        lines += _shadow_lines(results)
     return "\n".join(lines) + f"\n\n![sweep]({plot})\n"
 
 

@@ -152,3 +152,37 @@ def test_bad_sweep_arguments_stop_with_one_line(argv, message, capsys, tmp_path)
     with pytest.raises(SystemExit) as stopped:
         main(["sweep", "--recipe", "kernel_swap", *argv, "--out", str(tmp_path / "s")])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def _shadow_run(shadow_k3, entropy, reward):
+    """A 30-step run's rows with the shadow meter's k3, the entropy and a training reward."""
+    return [
+        {
+            "step": step,
+            "reward/mean": reward(step),
+            "mismatch/k3_kl": 0.0,
+            "mismatch/tokens_unequal_frac": 0.0,
+            "entropy": entropy(step),
+            sweep.SHADOW_K3: shadow_k3(step),
+            "collapse/reward_drop": int(reward(step) < 0.25),
+        }
+        for step in range(30)
+    ]
+
+
+def test_the_sweep_report_reads_the_shadow_meter_before_a_collapse_and_at_a_survivors_end():
+    # collapses persistently at step 20 (the reward flag from there on), shadow k3 x4 before
+    fell = _shadow_run(
+        lambda s: 1e-4 if s < 11 else 4e-4, lambda s: 1.0, lambda s: 0.0 if s >= 20 else 0.5
+    )
+    survived = _shadow_run(
+        lambda s: 2e-4 if s < 10 else 1e-4, lambda s: 2.0 if s < 10 else 0.5, lambda s: 0.5
+    )
+    text = sweep.sweep_markdown({"shadow": [fell, survived]})
+    assert "| shadow | 0 | 20 | 0.0001 | 0.0004 | 4 | 1 | 1 | apart |" in text
+    assert "| shadow | 1 | none | 0.0002 | 0.0001 | 0.5 | 2 | 0.5 | apart |" in text
+    early = _shadow_run(lambda s: 1e-4, lambda s: 1.0, lambda s: 0.0 if s >= 5 else 0.5)
+    assert "| shadow | 0 | 5 |" in sweep.sweep_markdown({"shadow": [early]})
+    assert "| 1 | 1 | overlap |" in sweep.sweep_markdown({"shadow": [early]})
+    plain = [{k: v for k, v in row.items() if k != sweep.SHADOW_K3} for row in fell]
+    assert "Shadow meter" not in sweep.sweep_markdown({"plain": [plain]})
