@@ -19,9 +19,12 @@ bik's paths (bik-patched ``generate``, bik inside vLLM, bik's trainer at micro-b
 rows) are asserted to be exactly 0 against bik's trainer in the same dtype.
 
 Each path's tokens and log-probs are cached under ``--out``/cache (resumable path by path);
-``--out`` gets anatomy.json, anatomy.md, anatomy_bins.csv and the plots.
+``--out`` gets anatomy.json, anatomy.md, anatomy_bins.csv and the plots. ``--policy`` takes
+the weights from a policy an RL run kept (``python -m rl_harness run --keep-policies``): the
+anatomy at a point of training.
 
     python benchmarks/mismatch_anatomy.py --out results/anatomy
+    python benchmarks/mismatch_anatomy.py --policy RUN/policies/step19.pt --paths hf_bf16 ...
 """
 
 from __future__ import annotations
@@ -233,12 +236,17 @@ def cpu_seconds() -> float:
 def settings_of(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """What path ``name``'s record depends on (its cache is read back only with these)."""
     path = PATHS[name]
-    keys = ["model", "prompts", "samples", "seed"]
+    keys = ["model", "policy", "prompts", "samples", "seed"]
     if path.kind == "trainer":
         keys.append("trainer_sequences")
     else:
         keys.append("bik_tokens" if path.bik else "hf_tokens" if path.kind == "hf" else "tokens")
-    return {"temperature": TEMPERATURE, **{k: getattr(args, k) for k in keys}}
+    return {"temperature": TEMPERATURE, **{k: _plain(getattr(args, k)) for k in keys}}
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the cache and anatomy.json store it (a path as its text)."""
+    return str(value) if isinstance(value, Path) else value
 
 
 def cached(name: str, setup: Setup, done: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -485,12 +493,38 @@ def save(fig: Any, title: str, path: Path) -> None:
 # -- main ----------------------------------------------------------------------------------
 
 
+def with_policy(directory: str, policy: Path, out: Path) -> Path:
+    """A model directory at ``out``: ``directory``'s model and tokenizer with the weights of a
+    policy an RL run kept (``rl_harness run --keep-policies``: {"step", "master"}), so that
+    every path, vLLM's included, loads the trained policy. Written once per policy file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stamp = out / "policy.txt"  # which policy the directory holds
+    if stamp.exists():
+        if stamp.read_text() == str(policy.resolve()):
+            return out
+        raise SystemExit(f"--policy: {out} holds {stamp.read_text()}; choose another --out")
+    try:
+        state = torch.load(policy, weights_only=True)["master"]
+    except (OSError, KeyError, RuntimeError) as error:
+        raise SystemExit(f"--policy: cannot read a kept policy from {policy} ({error})") from None
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.load_state_dict(state)  # strict: a policy of another model stops here
+    model.save_pretrained(out)
+    if Path(directory, "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(directory).save_pretrained(out)
+    stamp.write_text(str(policy.resolve()))
+    return out
+
+
 def build_setup(args: argparse.Namespace) -> Setup:
     """The model directory and the prompts: chat prompts through the tokenizer's template,
     or random token ids where the directory has no tokenizer (a tiny test model)."""
     from transformers import AutoConfig, AutoTokenizer
 
     directory = str(models.path(args.model) if args.model in models.MODELS else args.model)
+    if args.policy is not None:
+        directory = str(with_policy(directory, args.policy, args.out / "policy_model"))
     if Path(directory, "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(directory)
         texts = (demo.PROMPTS * args.prompts)[: args.prompts]
@@ -538,6 +572,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     parser.add_argument("--out", type=Path, default=Path("results/anatomy"))
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        help="a policy an RL run kept (DIR/policies/step<k>.pt, run --keep-policies): its weights "
+        "in --model's architecture, the anatomy along training",
+    )
     args = parser.parse_args(argv)
     args.hf_tokens = args.hf_tokens or args.tokens
     wanted = [n for n in PATHS if n in args.paths]
@@ -567,7 +607,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "anatomy.md").write_text(text)
     (args.out / "anatomy.json").write_text(
         json.dumps(
-            {"settings": vars(args) | {"out": str(args.out)}, "machine": machine(), "paths": rows},
+            {
+                "settings": {k: _plain(v) for k, v in vars(args).items()},
+                "machine": machine(),
+                "paths": rows,
+            },
             indent=1,
         )
         + "\n"

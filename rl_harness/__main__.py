@@ -58,6 +58,7 @@ def _run(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 cache_dir=args.cache_dir,
                 trust_task_module=args.trust_task_module,
+                keep_policies=args.keep_policies,
             )
         else:
             recipe = args.recipe or recipes.DEFAULT
@@ -66,7 +67,9 @@ def _run(args: argparse.Namespace) -> int:
                 sets.append(f"steps={args.steps}")
             cfg = config_lib.build(recipes.overrides(recipe), sets)
             out = args.out or f"runs/{recipe}"
-            summary = runner.run(cfg, out, cache_dir=args.cache_dir, name=recipe)
+            summary = runner.run(
+                cfg, out, cache_dir=args.cache_dir, name=recipe, keep_policies=args.keep_policies
+            )
     if world.main:
         print(report.summary_markdown(summary))
     return 0
@@ -134,6 +137,12 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
         "trust it to be imported (run); without it such a directory is refused",
     )
     run.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
+    run.add_argument(
+        "--keep-policies",
+        action="store_true",
+        help="keep the policy's weights at every checkpoint (DIR/policies/step<k>.pt), for "
+        "benchmarks/mismatch_anatomy.py --policy; the run's bits do not depend on it",
+    )
 
 
 def _sweep_arguments(arms: argparse.ArgumentParser) -> None:

@@ -4,8 +4,10 @@ reading metrics.jsonl back.
 A run directory holds ``config.json`` (the resolved config, and ``world_size``: the number of
 processes that ran it), ``metrics.jsonl`` (one JSON object
 per step, appended and flushed every step), ``checkpoint.pt`` (the latest checkpoint),
-``summary.md`` and ``metrics.png``; with ``rollout.engine=vllm`` also ``vllm_model/`` while the
-run goes on (the policy the vLLM engine loaded; removed when the run ends). Every file but
+``summary.md`` and ``metrics.png``; with ``run --keep-policies`` also ``policies/step<k>.pt``
+(the policy's weights after step k at every checkpoint: :func:`policy_path`); with
+``rollout.engine=vllm`` also ``vllm_model/`` while the run goes on (the policy the vLLM engine
+loaded; removed when the run ends). Every file but
 metrics.jsonl is replaced atomically (written beside, then renamed), so a crash leaves the old
 file or the new one, never half of one; a crash in the middle of a metrics line leaves a torn
 last line, which reading drops with a warning. A finished run may be compacted
@@ -36,7 +38,14 @@ METRICS_GZ = METRICS + ".gz"  # a compacted run's metrics (compact)
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 PLOT = "metrics.png"
+POLICIES = "policies"  # run --keep-policies: the policy at each checkpoint (policy_path)
 WORLD_SIZE = "world_size"  # config.json's record of the number of processes (beside the sections)
+
+
+def policy_path(run_dir: str | Path, step: int) -> Path:
+    """Where ``run --keep-policies`` keeps the policy's weights after ``step`` (0-based): a dict
+    {"step": step, "master": the fp32 policy's state dict}, loaded with weights_only."""
+    return Path(run_dir) / POLICIES / f"step{step}.pt"
 
 
 def write_atomic(path: str | Path, data: str | bytes | Callable[[Path], None]) -> None:

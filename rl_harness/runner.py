@@ -442,6 +442,14 @@ class Run:
         return state
 
 
+def _keep_policy(job: Run, out: Path, step: int) -> None:
+    """The policy after ``step``, kept beside the checkpoint (rundir.policy_path)."""
+    path = rundir.policy_path(out, step)
+    path.parent.mkdir(exist_ok=True)
+    state = {"step": step, "master": job.master.state_dict()}
+    rundir.write_atomic(path, functools.partial(torch.save, state))
+
+
 class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the run's config (resume names the files)."""
 
@@ -479,9 +487,12 @@ def run(
     cache_dir: str | Path = ".cache/rl_harness",
     progress: bool = True,
     name: str = "run",
+    keep_policies: bool = False,
 ) -> dict[str, Any]:
     """Run ``cfg`` into ``out_dir`` (new or empty); returns the summary dict (on every
-    rank of a process group)."""
+    rank of a process group). ``keep_policies``: each checkpoint also keeps the policy's
+    weights (rundir.policy_path), for the anatomy of the mismatch along training; an output
+    only, like ``progress``: the run's bits do not depend on it."""
     world = World.current()
     check_world(cfg, world)
 
@@ -490,7 +501,7 @@ def run(
         rundir.write_atomic(out / rundir.CONFIG, rundir.config_text(cfg, world.size))
         return out
 
-    return _loop(cfg, world.on_main(create), None, cache_dir, progress, name)
+    return _loop(cfg, world.on_main(create), None, cache_dir, progress, name, keep_policies)
 
 
 def resume(
@@ -501,6 +512,7 @@ def resume(
     progress: bool = True,
     name: str | None = None,
     trust_task_module: str | None = None,
+    keep_policies: bool = False,
 ) -> dict[str, Any]:
     """Continue the run in ``run_dir`` from its last checkpoint (from step 0 without one),
     with its own config.json; ``steps`` sets a new total number of steps. Steps recorded
@@ -534,7 +546,7 @@ def resume(
 
     out, cfg, state = world.on_main(load)
     check_world(cfg, world)
-    return _loop(cfg, out, state, cache_dir, progress, name or out.name)
+    return _loop(cfg, out, state, cache_dir, progress, name or out.name, keep_policies)
 
 
 def _loop(
@@ -544,6 +556,7 @@ def _loop(
     cache_dir: str | Path,
     progress: bool,
     name: str,
+    keep_policies: bool,
 ) -> dict[str, Any]:
     try:
         job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR, progress=progress)
@@ -580,6 +593,8 @@ def _loop(
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 save = functools.partial(torch.save, job.state_dict(step))
                 rundir.write_atomic(out / rundir.CHECKPOINT, save)
+                if keep_policies:
+                    _keep_policy(job, out, step)
             if progress:
                 _progress(step, cfg.steps, metrics, started, job.start)
     if progress and main:

@@ -9,7 +9,7 @@ import torch
 from rl_helpers import TINY as RL_TINY
 from rl_helpers import resumed_equals_uninterrupted, run_metrics, tiny_model_dir
 
-from rl_harness import config, policy, runner
+from rl_harness import config, policy, rundir, runner
 from rl_harness.logits import round_mantissa
 
 TINY = [*RL_TINY, "steps=3"]
@@ -106,6 +106,25 @@ def test_resume_with_steps_extends_the_run_to_the_new_total(tmp_path, cache):
     runner.resume(tmp_path / "short", steps=4, cache_dir=cache, progress=False)
     assert runner.read_metrics(tmp_path / "short") == full
     assert config.load(tmp_path / "short" / "config.json").steps == 4
+
+
+def test_keep_policies_keeps_the_policy_of_every_checkpoint_and_changes_no_metric(tmp_path, cache):
+    """--keep-policies (checkpoint_every=2, 3 steps): the policy after step 1 (a 2-step run's
+    last checkpoint) and after step 2 (this run's); the metrics are those of a run without."""
+    cfg = config.build({}, [*TINY])
+    runner.run(cfg, tmp_path / "kept", cache_dir=cache, progress=False, keep_policies=True)
+    kept = runner.read_metrics(tmp_path / "kept")
+    assert kept == _run(tmp_path, cache, "plain")
+    files = sorted((tmp_path / "kept" / rundir.POLICIES).iterdir())
+    assert [f.name for f in files] == ["step1.pt", "step2.pt"]
+    last = torch.load(rundir.policy_path(tmp_path / "kept", 2), weights_only=True)
+    checkpoint = torch.load(tmp_path / "kept" / rundir.CHECKPOINT, weights_only=True)
+    assert last["step"] == 2 and last["master"].keys() == checkpoint["master"].keys()
+    assert all(torch.equal(v, checkpoint["master"][k]) for k, v in last["master"].items())
+    first = torch.load(rundir.policy_path(tmp_path / "kept", 1), weights_only=True)["master"]
+    _run(tmp_path, cache, "two", ["steps=2"])  # its checkpoint: the policy after step 1
+    after_one = torch.load(tmp_path / "two" / rundir.CHECKPOINT, weights_only=True)["master"]
+    assert all(torch.equal(v, after_one[k]) for k, v in first.items())
 
 
 def test_resume_drops_a_torn_last_line(tmp_path, cache):

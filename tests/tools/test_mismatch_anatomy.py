@@ -47,3 +47,26 @@ def test_anatomy_on_a_tiny_model_writes_its_tables_and_resumes(tmp_path, capsys)
     assert capsys.readouterr().out.count(": cached (") == len(rows)
     with pytest.raises(ValueError, match="remove the cache folder"):
         anatomy.main([*argv, "--tokens", "5"])  # a cache made with other settings
+
+
+def test_anatomy_of_a_kept_policy_runs_on_its_weights(tmp_path):
+    """--policy: the weights of a policy an RL run kept (keep_policies) in --model's
+    architecture; the paths sample from them, and another policy needs another --out."""
+    import torch
+
+    model = load_model("tiny-llama")
+    model.save_pretrained(tmp_path / "model")
+    trained = {k: v + 0.01 for k, v in model.state_dict().items()}
+    torch.save({"step": 3, "master": trained}, tmp_path / "step3.pt")
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path / "model"), "--prompts", "1", "--tokens", "4"]
+    argv += ["--out", str(out), "--paths", "hf_fp32", "--policy", str(tmp_path / "step3.pt")]
+    anatomy = _anatomy()
+    assert anatomy.main(argv) == 0
+    kept = load_model(str(out / "policy_model")).state_dict()
+    assert all(torch.equal(kept[k], v) for k, v in trained.items())
+    report = json.loads((out / "anatomy.json").read_text())
+    assert report["settings"]["policy"] == str(tmp_path / "step3.pt")
+    torch.save({"step": 4, "master": trained}, tmp_path / "step4.pt")
+    with pytest.raises(SystemExit, match="choose another --out"):
+        anatomy.main([*argv[:-1], str(tmp_path / "step4.pt")])
