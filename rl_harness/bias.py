@@ -149,7 +149,10 @@ def run(
 ) -> tuple[int, dict[str, Sums], dict[str, Sums]]:
     """Every arm's gradient on batches 0..batches-1, resuming from ``out/state.pt``; returns
     the batches done, each arm's sums and each arm's paired-difference sums."""
-    jobs = {arm: runner.Run(arm_config(recipe, arm, sets), cache_dir) for arm in arms}
+    # progress: a warm-up that is not cached yet trains first, minutes of it on the edge recipe
+    jobs = {
+        arm: runner.Run(arm_config(recipe, arm, sets), cache_dir, progress=True) for arm in arms
+    }
     if STALE in arms:
         advance(jobs)
     size = sum(p.numel() for p in jobs[arms[0]].train_model.parameters())
