@@ -12,6 +12,10 @@ every other value by its type and exact repr). Prints a markdown report; the exi
 cannot be read (a metrics.jsonl that is not a regular file, such as a FIFO, included).
 Two runs of one config on one machine must be the same: that is the determinism bik promises,
 checked on whole runs rather than single kernels.
+
+``--ignore PREFIX`` (repeatable) leaves out the metrics whose key starts with PREFIX: a run
+with a measurement-only meter (``rollout.shadow``: ``shadow/...``) against the same run
+without it, whose training must be the same bit for bit.
 """
 
 from __future__ import annotations
@@ -32,13 +36,27 @@ SHOWN = 10  # metric differences listed; the rest are counted
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_a", help="a run directory")
     parser.add_argument("run_b", help="another run directory")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="leave out the metrics whose key starts with PREFIX (e.g. shadow/); repeatable",
+    )
 
 
-def metric_differences(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[str]:
-    """One line per difference: a step count, then each step's keys whose values differ."""
+def metric_differences(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], ignore: tuple[str, ...] = ()
+) -> list[str]:
+    """One line per difference: a step count, then each step's keys whose values differ
+    (keys starting with a prefix of ``ignore`` left out)."""
     lines = [] if len(a) == len(b) else [f"steps logged: {len(a)} and {len(b)}"]
     for row_a, row_b in zip(a, b):
-        keys = sorted(k for k in row_a.keys() | row_b.keys() if _text(row_a, k) != _text(row_b, k))
+        keys = sorted(
+            k
+            for k in row_a.keys() | row_b.keys()
+            if not k.startswith(ignore) and _text(row_a, k) != _text(row_b, k)
+        )
         if keys:
             lines.append(f"step {row_a.get('step')}: {', '.join(keys)}")
     return lines
@@ -127,21 +145,23 @@ def checkpoint_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[s
     return lines, compared
 
 
-def compare(run_a: str | Path, run_b: str | Path) -> tuple[bool, str]:
-    """Whether the two runs are the same, and the markdown report that says why."""
+def compare(run_a: str | Path, run_b: str | Path, ignore: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """Whether the two runs are the same (the metrics of ``ignore``'s prefixes left out), and
+    the markdown report that says why."""
     dirs = [Path(run_a), Path(run_b)]
     for d in dirs:
         if not d.is_dir():
             raise RunDirError(f"same: no run directory at {d}")
     metrics = [rundir.read_metrics(d) for d in dirs]
-    metric_lines = metric_differences(*metrics)
+    metric_lines = metric_differences(metrics[0], metrics[1], ignore)
     checkpoint_lines, elements = checkpoint_differences(*[_load(d) for d in dirs])
     same = not metric_lines and not checkpoint_lines
     report = [
         f"# {dirs[0]} and {dirs[1]}: {'the same' if same else 'different'}",
         "",
         f"- metrics: {len(metrics[0])} and {len(metrics[1])} steps; "
-        + (f"{len(metric_lines)} differences" if metric_lines else "every value equal"),
+        + (f"{len(metric_lines)} differences" if metric_lines else "every value equal")
+        + (f" (left out: {', '.join(p + '*' for p in ignore)})" if ignore else ""),
         *[f"  - {line}" for line in metric_lines[:SHOWN]],
         *([f"  - ... and {len(metric_lines) - SHOWN} more"] if len(metric_lines) > SHOWN else []),
         f"- checkpoint: {elements} elements of weights, optimizer, schedule and detector state "
@@ -152,6 +172,6 @@ def compare(run_a: str | Path, run_b: str | Path) -> tuple[bool, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    same, report = compare(args.run_a, args.run_b)
+    same, report = compare(args.run_a, args.run_b, tuple(args.ignore))
     print(report)
     return 0 if same else 1

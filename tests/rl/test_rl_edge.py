@@ -235,6 +235,9 @@ def test_the_shadow_meter_measures_a_native_engine_and_changes_no_training_bit(t
         assert meter == without  # the meter reaches no training number
         assert set(shadow) == {f"shadow/{n}" for n in runner.SHADOW_METRICS}
         assert shadow["shadow/tokens_unequal_frac"] > 0 and meter["mismatch/k3_kl"] == 0
+    # the same check through `same`: weights and optimizer state too, the meter's keys left out
+    argv = ["same", str(tmp_path / "plain"), str(tmp_path / "metered")]
+    assert main(argv) == 1 and main([*argv, "--ignore", "shadow/"]) == 0
 
 
 def test_a_forced_replay_on_the_same_model_gives_the_samplers_own_log_probs():

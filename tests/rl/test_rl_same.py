@@ -66,6 +66,8 @@ def test_metric_differences_name_the_step_and_keys():
     b = [{"step": 0, "x": 1.0, "y": 2.0000001}]
     assert metric_differences(a, b) == ["steps logged: 2 and 1", "step 0: y"]
     assert metric_differences(a, a) == []
+    assert metric_differences(a[:1], b, ignore=("y",)) == []
+    assert metric_differences([{"step": 0, "shadow/k3": 1.0}], [{"step": 0}], ("shadow/",)) == []
     nan = [{"step": 0, "x": float("nan")}]
     assert metric_differences(nan, nan) == []  # the same bits, though NaN != NaN
     assert metric_differences([{"step": 0, "x": 0.0}], [{"step": 0, "x": -0.0}]) == ["step 0: x"]
