@@ -287,7 +287,7 @@ def sweep_markdown(results: dict[str, list[History]], plot: str = "sweep.png") -
 
 def plot_sweep(results: dict[str, list[History]], path: Path) -> None:
     """Mean reward per step of each arm, with its 95 % interval as a band; beside it the held-out
-    accuracy, the same way, when the runs evaluate."""
+    accuracy, the same way, when the runs evaluate, and the shadow meter's k3 when they log it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,6 +296,8 @@ def plot_sweep(results: dict[str, list[History]], path: Path) -> None:
     panels = [("reward/mean", "reward (mean over seeds, 95 % CI)")]
     if any(collapse.evaluated(h) for histories in results.values() for h in histories):
         panels.append((collapse.EVAL_METRIC, "held-out greedy accuracy (mean, 95 % CI)"))
+    if any(SHADOW_K3 in h[0] for histories in results.values() for h in histories if h):
+        panels.append((SHADOW_K3, "shadow k3: a native engine's mismatch (mean, 95 % CI)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
         report.plot_panel(ax, results, key, title)

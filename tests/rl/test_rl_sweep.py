@@ -170,7 +170,9 @@ def _shadow_run(shadow_k3, entropy, reward):
     ]
 
 
-def test_the_sweep_report_reads_the_shadow_meter_before_a_collapse_and_at_a_survivors_end():
+def test_the_sweep_report_reads_the_shadow_meter_before_a_collapse_and_at_a_survivors_end(
+    tmp_path,
+):
     # collapses persistently at step 20 (the reward flag from there on), shadow k3 x4 before
     fell = _shadow_run(
         lambda s: 1e-4 if s < 11 else 4e-4, lambda s: 1.0, lambda s: 0.0 if s >= 20 else 0.5
@@ -184,5 +186,7 @@ def test_the_sweep_report_reads_the_shadow_meter_before_a_collapse_and_at_a_surv
     early = _shadow_run(lambda s: 1e-4, lambda s: 1.0, lambda s: 0.0 if s >= 5 else 0.5)
     assert "| shadow | 0 | 5 |" in sweep.sweep_markdown({"shadow": [early]})
     assert "| 1 | 1 | overlap |" in sweep.sweep_markdown({"shadow": [early]})
+    sweep.plot_sweep({"shadow": [fell, survived]}, tmp_path / "sweep.png")  # with its panel
+    assert (tmp_path / "sweep.png").stat().st_size > 0
     plain = [{k: v for k, v in row.items() if k != sweep.SHADOW_K3} for row in fell]
     assert "Shadow meter" not in sweep.sweep_markdown({"plain": [plain]})
