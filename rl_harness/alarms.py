@@ -190,12 +190,14 @@ def bulk_tail_lines(results: dict[Cell, History], doses: Sequence[str]) -> list[
         cells = []
         for dose in doses:
             values = _step0(results, dose, signal.key)
-            cells += [f"{statistics.median(values):.3g}" if values else "-", _spread(values)]
+            cells += [_median(values), _spread(values)]
         lines.append(f"| `{signal.key}` | {signal.kind} | " + " | ".join(cells) + " |")
     return lines
 
 
-def budget_lines(results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str]) -> list:
+def budget_lines(
+    results: dict[Cell, History], lrs: Sequence[float], doses: Sequence[str]
+) -> list[str]:
     zero, rest = doses[0], doses[1:]
     lines = [
         "",
