@@ -144,5 +144,36 @@ for seed in 0 1 2; do
     if ((status > 1)); then echo "FAILED: smollm2_confirm same $a $b seed$seed"; fi
   done
 done
+# Section 13, the stability edge: its pilot, then the grid (150 runs, about 10 hours of one
+# core; a cut grid resumes when rerun), and section 16's read-back of the grid
+$PY -m rl_harness edge --lrs 2.5e-4,5e-4,1e-3,2e-3,4e-3 --doses zero --seeds 100,101 \
+  --out "$OUT/edge_pilot" --jobs 2 > /dev/null || echo "FAILED: edge_pilot"
+E13=(--lrs 7.1e-4,1.0e-3,1.4e-3,2.0e-3,2.8e-3 --doses zero,bf16,fp8w --seeds 0-9 --out "$OUT/edge")
+$PY -m rl_harness edge "${E13[@]}" --jobs 2 > /dev/null || echo "FAILED: edge"
+$PY -m rl_harness alarms "${E13[@]}" > /dev/null || echo "FAILED: alarms"
+# Section 14: the gradient bias at fixed weights (a, c; one thread, about 1.5 hours each) and
+# the shadow meter along section 13's zero dose (b; one thread, as the grid's runs, so each
+# run equals its grid run bit for bit: rl_harness same --ignore shadow/)
+$PY -m rl_harness bias --recipe edge --arms on_policy,bf16,fp8w,bf16_tis,fp8w_tis --batches 400 \
+  --out "$OUT/bias" > /dev/null || echo "FAILED: bias"
+$PY -m rl_harness bias --recipe edge --arms on_policy,stale,bf16,fp8w --batches 400 \
+  --out "$OUT/bias_stale" > /dev/null || echo "FAILED: bias_stale"
+for lr in 7.1e-4 1.0e-3 1.4e-3; do
+  OMP_NUM_THREADS=1 $PY -m rl_harness sweep --recipe edge --seeds 3 --set rollout.kernels=bik \
+    --set rollout.shadow=native --set train.lr=$lr --out "$OUT/shadow/lr$lr" > /dev/null 2>&1 \
+    || echo "FAILED: shadow lr$lr"
+done
+# ... and 14d: section 11's tim arm, seed 0, keeping its policies, and the anatomy along it
+A14=results/rl/smollm2_anatomy
+if [[ ! -f $A14/run/summary.md ]]; then
+  $PY -m rl_harness run --recipe smollm2 "${C11[@]}" "${TIM[@]}" --keep-policies \
+    --out "$A14/run" > /dev/null 2>&1 || echo "FAILED: smollm2_anatomy run"
+fi
+$PY benchmarks/mismatch_anatomy.py --paths hf_fp32 hf_bf16 --tokens 64 --out "$A14/pretrained" \
+  > /dev/null || echo "FAILED: anatomy pretrained"
+for step in 19 39 59; do
+  $PY benchmarks/mismatch_anatomy.py --paths hf_fp32 hf_bf16 --tokens 64 --out "$A14/step$step" \
+    --policy "$A14/run/policies/step$step.pt" > /dev/null || echo "FAILED: anatomy step$step"
+done
 # Committed runs are stored small: metrics gzipped, plots as palette PNGs (readers take both)
 $PY -m rl_harness compact "$OUT"
