@@ -11,7 +11,9 @@ grid's own arguments) reads the complete runs under ``DIR`` and writes ``DIR/ala
   apply as the run goes. Over the runs that collapsed persistently (rl_harness.collapse) it
   counts the alarms raised *before* the collapse step and their lead in steps; over the runs
   that survived, the false alarms (raised at any step). Mismatch signals are scored on the
-  mismatched doses only (the zero dose measures exactly 0).
+  mismatched doses only (the zero dose measures exactly 0). Scored over every run, and over
+  the cells where the seed alone decided (:func:`mixed_cells`), since across the grid the LR
+  decides most outcomes and a signal that tracks the LR would score well.
 - **Bulk or tail.** At step 0 every run of a dose has the same weights (the shared warm-up),
   so the spread of a metric over seeds is the sampling noise of one batch: each mismatch
   metric's step-0 median per dose, the ratio of the doses, and its coefficient of variation:
@@ -129,19 +131,10 @@ def _share(part: int, whole: int) -> str:
     return f"{part} of {whole}" if whole else "-"
 
 
-def warning_lines(results: dict[Cell, History], zero: str) -> list[str]:
-    everything = list(results.values())
-    mismatched = [h for c, h in results.items() if c.dose != zero]
+def _score_table(runs: dict[Cell, History], zero: str) -> list[str]:
+    everything = list(runs.values())
+    mismatched = [h for c, h in runs.items() if c.dose != zero]
     lines = [
-        "## Early warning, scored by lead time",
-        "",
-        f"An alarm: the mean of the last {LEVEL_STEPS} steps at {FACTOR:g} x the mean of the "
-        f"first {BASELINE_STEPS} (1 / {FACTOR:g} for a fall), or a recorded flag raised. Lead: "
-        "steps from the alarm to the persistent collapse, over the alarms raised before it (the "
-        "collapse step is where the registered rule sees it: held-out evaluations come every 10 "
-        "steps, so a short lead may be the fall itself). Surviving runs: an alarm at any step. "
-        "Mismatch signals over the mismatched doses only.",
-        "",
         "| signal | kind | collapsed runs warned | median lead (range), steps | "
         "surviving runs alarmed |",
         "|---|---|---:|---|---:|",
@@ -154,6 +147,42 @@ def warning_lines(results: dict[Cell, History], zero: str) -> list[str]:
             f"{_share(s.false_alarms, s.survived)} |"
         )
     return lines
+
+
+def mixed_cells(results: dict[Cell, History]) -> dict[Cell, History]:
+    """The runs of the (LR, dose) cells where some seeds collapsed and some did not: there the
+    seed alone decided, so a signal is compared between runs of one LR and dose."""
+    fell: dict[tuple[float, str], set[bool]] = {}
+    for cell, history in results.items():
+        outcome = collapse.persistent_collapse_step(history) is not None
+        fell.setdefault((cell.lr, cell.dose), set()).add(outcome)
+    return {c: h for c, h in results.items() if len(fell[(c.lr, c.dose)]) == 2}
+
+
+def warning_lines(results: dict[Cell, History], zero: str) -> list[str]:
+    mixed = mixed_cells(results)
+    cells = sorted({(c.lr, c.dose) for c in mixed})
+    return [
+        "## Early warning, scored by lead time",
+        "",
+        f"An alarm: the mean of the last {LEVEL_STEPS} steps at {FACTOR:g} x the mean of the "
+        f"first {BASELINE_STEPS} (1 / {FACTOR:g} for a fall), or a recorded flag raised. Lead: "
+        "steps from the alarm to the persistent collapse, over the alarms raised before it (the "
+        "collapse step is where the registered rule sees it: held-out evaluations come every 10 "
+        "steps, so a short lead may be the fall itself). Surviving runs: an alarm at any step. "
+        "Mismatch signals over the mismatched doses only.",
+        "",
+        "Every run (the collapsed runs are mostly the higher LRs', the survivors the lower: a "
+        "signal that tracks the LR scores well here):",
+        "",
+        *_score_table(results, zero),
+        "",
+        f"Only the cells where the seed alone decided ({len(mixed)} runs of "
+        + ", ".join(f"LR {lr:g} {dose}" for lr, dose in cells)
+        + "): the matched comparison.",
+        "",
+        *(_score_table(mixed, zero) if mixed else ["No cell holds both outcomes."]),
+    ]
 
 
 def _step0(results: dict[Cell, History], dose: str, key: str) -> list[float]:

@@ -65,6 +65,18 @@ def test_lead_counts_alarms_before_the_collapse_and_false_alarms_in_survivors():
     assert scored == alarms.Score(collapsed=2, leads=[4], survived=2, false_alarms=1)
 
 
+def test_mixed_cells_are_the_lr_and_dose_cells_whose_seeds_went_both_ways():
+    fell, survived = _run([1.0] * 26, collapse_at=8), _run([1.0] * 26)
+    results = {
+        alarms.Cell(1e-3, "zero", 0): fell,
+        alarms.Cell(1e-3, "zero", 1): survived,
+        alarms.Cell(2e-3, "zero", 0): fell,
+        alarms.Cell(2e-3, "zero", 1): fell,
+        alarms.Cell(1e-3, "fp8w", 0): survived,
+    }
+    assert set(alarms.mixed_cells(results)) == {alarms.Cell(1e-3, "zero", s) for s in (0, 1)}
+
+
 @pytest.mark.parametrize(
     ("only_dose", "only_zero", "p"),
     [(0, 0, 1.0), (4, 0, 0.125), (0, 4, 0.125), (5, 1, 2 * 7 / 64), (6, 0, 2 / 64), (2, 2, 1.0)],
