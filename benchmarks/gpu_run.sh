@@ -22,6 +22,12 @@
 #        candidates against cuBLAS, attention, patched decode); PROBE ARGS go to it
 #        (e.g. --parts host,table); no build needed (the Triton kernels only)
 #
+#   bash benchmarks/gpu_run.sh anatomy [ANATOMY ARGS]
+#        benchmarks/gpu_anatomy.py on the real model: where a native engine's mismatch comes
+#        from (engine batch 1/8/64, decode vs prefill, fp16, an fp32 head, top-p renormalised);
+#        needs the model unpacked first (`python -m bik model smollm2 --unpack DIR`,
+#        docs/models.md); ANATOMY ARGS go to it (e.g. --top-p 0.9)
+#
 #   bash benchmarks/gpu_run.sh lease [SECONDS]
 #        a short GPU loan in one command of SECONDS (default 540): build, the fast invariance
 #        suite (kernels, then models), the quick bench in bf16 and fp32, then the whole bench
@@ -317,6 +323,17 @@ step_probe() {
   echo "wrote $name/probe.{jsonl,md} and $name.log (probe exit status ${PIPESTATUS[0]})"
 }
 
+step_anatomy() {
+  need_gpu
+  local name="$OUT_DIR/$TAG-anatomy-$DATE" budget
+  gpu_point "benchmarks/gpu_anatomy.py --device cuda" # rehearse it on a CPU with --device cpu
+  ensure_built
+  budget=$(remaining)
+  timeout -k 20 "$budget" "$PY" benchmarks/gpu_anatomy.py --device cuda --out "$name" "$@" \
+    2>&1 | tee "$name.log"
+  echo "wrote $name/gpu_anatomy.{json,md} and $name.log (exit status ${PIPESTATUS[0]})"
+}
+
 step_bench() {
   [ $# -gt 0 ] || die "bench: expected a group: matmul, attention, rows, e2e, quick or all"
   local group=$1 ops=() extra=()
@@ -425,9 +442,10 @@ main() {
   lease) step_lease "$@" ;;
   bench) step_bench "$@" ;;
   probe) step_probe "$@" ;;
+  anatomy) step_anatomy "$@" ;;
   rehearse)
     [ $# -gt 0 ] && [ "$1" != rehearse ] ||
-      die "rehearse: expected a step: env, build, test, bench, probe or lease"
+      die "rehearse: expected a step: env, build, test, bench, probe, anatomy or lease"
     REHEARSE=1
     main "$@"
     ;;

@@ -463,7 +463,7 @@ def test_gpu_run_names_bad_steps(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without GPU")
 def test_gpu_run_stops_before_building_without_a_gpu(tmp_path):
-    for step in (["build"], ["test", "kernels"], ["bench", "matmul"]):
+    for step in (["build"], ["test", "kernels"], ["bench", "matmul"], ["anatomy"]):
         done = _gpu_run(*step, out=tmp_path)
         assert done.returncode == 1 and "no usable CUDA device" in done.stderr, step
         assert "building" not in done.stdout
@@ -478,6 +478,8 @@ def test_gpu_run_rehearsal_goes_on_without_a_gpu(tmp_path):
     assert done.returncode == 0 and "rehearsal without a GPU" in done.stdout, done.stderr
     (report,) = tmp_path.glob("rehearsal-env-*.txt")
     assert f"torch {torch.__version__}" in report.read_text()
+    done = _gpu_run("rehearse", "anatomy", "--top-p", "0.9", out=tmp_path)
+    assert done.returncode == 0 and "stops here: benchmarks/gpu_anatomy.py" in done.stdout
 
 
 def _fake_clock(monkeypatch, rounds):

@@ -1,0 +1,56 @@
+"""benchmarks/gpu_anatomy.py rehearsed on the CPU with a tiny random Llama: every
+configuration is measured on the same fixed tokens, bik's are exactly 0, plain torch's move,
+and the top-p configuration subtracts the nucleus's log mass."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bik.testing import load_model
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_anatomy.py"
+
+
+def _anatomy():
+    spec = importlib.util.spec_from_file_location("gpu_anatomy", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_configuration_runs_and_bik_is_exactly_zero(tmp_path, capsys):
+    load_model("tiny-llama").save_pretrained(tmp_path / "model")
+    anatomy = _anatomy()
+    argv = ["--device", "cpu", "--model", str(tmp_path / "model"), "--prompts", "3"]
+    argv += ["--samples", "3", "--tokens", "5", "--top-p", "0.8", "--out", str(tmp_path / "out")]
+    assert anatomy.main(argv) == 0
+    report = json.loads((tmp_path / "out" / "gpu_anatomy.json").read_text())
+    rows = {r["config"]: r for r in report["configs"]}
+    assert list(rows) == list(anatomy.CONFIGS) and report["meta"]["rows"] == 9
+    assert all(r["tokens"] == 45 for r in rows.values())
+    for name, config in anatomy.CONFIGS.items():
+        if config.bik:
+            assert rows[name]["unequal_share"] == 0, name
+    plain = ("decode_b1_bf16", "decode_b64_fp16", "decode_b64_fp32")
+    assert any(rows[name]["unequal_share"] > 0 for name in plain)  # the negative control
+    # renormalising over the nucleus raises every engine log-prob: far more than the numerics
+    assert (
+        rows["decode_b64_bf16_topp"]["mean_abs_delta"] > rows["decode_b64_bf16"]["mean_abs_delta"]
+    )
+    assert "| bik_decode_b64_fp32 | 0.0 % |" in (tmp_path / "out" / "gpu_anatomy.md").read_text()
+
+
+def test_the_nucleus_and_its_sampling():
+    anatomy = _anatomy()
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02]]))
+    mass = anatomy.nucleus_log_mass(logits, 0.8).exp()
+    torch.testing.assert_close(mass, torch.tensor([0.8, 0.9]))  # {0, 1} and {0}
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.stack([anatomy.in_nucleus(logits, 0.8, generator) for _ in range(200)])
+    assert set(picks[:, 0].tolist()) == {0, 1} and set(picks[:, 1].tolist()) == {0}
+    assert torch.equal(anatomy.nucleus_log_mass(logits, 1.0), torch.zeros(2))
