@@ -24,20 +24,18 @@ time of both passes against plain bf16's, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import bik
-from bik import hf, testing
+from bik import testing
 from bik.tools import demo
 
 PPO_CLIP = (0.8, 1.2)  # PPO's default clip range (epsilon 0.2)
@@ -51,54 +49,6 @@ SETUPS = {  # name -> (dtype, fp32 LM head, bik on both sides)
 }
 IS_ROW = "plain bf16 + token IS (cap 2)"
 REPEATS = 2  # both passes of a setup are timed this often; the fastest counts
-
-
-@contextlib.contextmanager
-def fp32_head(model: Any, on: bool) -> Iterator[None]:
-    """The LM head in fp32, its input cast up (TRL's cast_lm_head_to_fp32), while active."""
-    if not on:
-        yield
-        return
-    head = model.lm_head
-    weight = head.weight  # may be the embedding's too (tied): that one stays as it is
-    head.weight = torch.nn.Parameter(weight.detach().float(), requires_grad=False)
-    hook = head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
-    try:
-        yield
-    finally:
-        hook.remove()
-        head.weight = weight
-
-
-@torch.no_grad()
-def decode_logprobs(model: Any, rollout: demo.Rollout) -> torch.Tensor:
-    """The rollout's way: the prompt prefilled, then each given token fed one at a time over
-    the KV cache (what the engine computed for the tokens it sampled) ``[B, N]``."""
-    from transformers import DynamicCache
-
-    width = rollout.prompt_width
-    mask = rollout.mask
-    positions = hf.generation_position_ids(mask[:, :width])
-    cache = DynamicCache()
-    out = model(
-        input_ids=rollout.sequences[:, :width],
-        attention_mask=mask[:, :width],
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    logits = [out.logits[:, -1]]
-    for step, column in enumerate(range(width, rollout.sequences.shape[1] - 1), 1):
-        out = model(
-            input_ids=rollout.sequences[:, column : column + 1],
-            attention_mask=mask[:, : column + 1],
-            position_ids=positions[:, -1:] + step,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits.append(out.logits[:, -1])
-    generated = rollout.sequences[:, width:]
-    return bik.token_logprobs(torch.stack(logits, 1).float(), generated, demo.TEMPERATURE)
 
 
 def measure(rollout_logp: torch.Tensor, train_logp: torch.Tensor) -> dict[str, float]:
@@ -129,11 +79,11 @@ def run(model_name: str, rows: int, tokens: int, seed: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (dtype, head32, patched) in SETUPS.items():
         model = testing.load_model(model_name, dtype=dtype)
-        with fp32_head(model, head32), demo.patched(model, patched):
+        with demo.fp32_head(model, head32), demo.patched(model, patched):
             seconds = math.inf
             for _ in range(REPEATS):  # the fastest of the repeats: one-time costs drop out
                 start = time.perf_counter()
-                rollout_logp = decode_logprobs(model, rollout)
+                rollout_logp = demo.decode_logprobs(model, rollout)
                 train_logp = demo.score(model, rollout)
                 seconds = min(seconds, time.perf_counter() - start)
         results[name] = {**measure(rollout_logp, train_logp), "seconds": seconds}

@@ -37,21 +37,18 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import bik
-from bik import hf, models
-from bik.hf.logprobs import generation_position_ids
+from bik import models
 from bik.testing import sample_prompts
 from bik.tools import demo
 from bik.tools.cli import positive_int
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
 BAND = demo.BAND
+TEMPERATURE = 1.0  # sampling and both sides' log-probs (the demo's own is 0.7)
 ENTROPY_BIN = 0.5  # nats
 
 
@@ -87,156 +84,74 @@ CONFIGS = {
 }
 
 
-@dataclass
-class Batch:
-    """The left-padded prompts and the fixed responses, on the device."""
-
-    prompts: torch.Tensor  # [B, P]
-    mask: torch.Tensor  # [B, P]: 1 on prompt tokens
-    responses: torch.Tensor  # [B, N]
-
-
-class Fp32Head(torch.nn.Module):
-    """An lm_head that computes in fp32: the hidden state and the weight cast up."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden.float(), self.weight.float())
-
-
 # -- the two sides -------------------------------------------------------------------------
 
 
 def nucleus_log_mass(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """log of the probability mass of the top-p nucleus (the smallest set of most likely
-    tokens whose mass reaches ``top_p``), per row: what renormalising over it subtracts; 0 at
-    ``top_p`` 1, where engines skip the filter (a float sum of the softmax may miss 1)."""
+    tokens whose mass reaches ``top_p``, as transformers' and vLLM's top-p filters keep it),
+    per row of ``[..., V]``: what renormalising over it subtracts; 0 at ``top_p`` 1, where
+    engines skip the filter (a float sum of the softmax may miss 1)."""
     if top_p >= 1:
-        return logits.new_zeros(logits.shape[0], dtype=torch.float32)
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
     probs = torch.softmax(logits.float(), -1).sort(-1, descending=True).values
     before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each
     return torch.log((probs * (before < top_p)).sum(-1))
 
 
-def in_nucleus(logits: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row sampled at temperature 1 inside the top-p nucleus."""
-    probs = torch.softmax(logits.float(), -1)
-    ranked, order = probs.sort(-1, descending=True)
-    ranked = ranked * ((ranked.cumsum(-1) - ranked) < top_p)
-    pick = torch.multinomial(ranked, 1, generator=generator)
-    return order.gather(-1, pick)[:, 0]
+def rows_of(rollout: demo.Rollout, rows: slice) -> demo.Rollout:
+    return demo.Rollout(
+        rollout.sequences[rows],
+        rollout.mask[rows],
+        rollout.response[rows],
+        rollout.logprobs[rows],
+        rollout.prompt_width,
+    )
 
 
-def decode(
-    model: PreTrainedModel,
-    batch: Batch,
-    steps: int,
-    top_p: float,
-    sample_seed: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """An engine's pass: the prompts prefilled, then one token a step over the KV cache. With
-    ``sample_seed`` the tokens are sampled (top-p, temperature 1); otherwise ``batch``'s
-    responses are fed. Returns the tokens, their log-probs, the nucleus's log mass and the
-    entropy at each step (``[B, steps]``)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    mask = batch.mask
-    position = generation_position_ids(mask)
-    generator = None
-    if sample_seed is not None:
-        generator = torch.Generator(device=mask.device).manual_seed(sample_seed)
-    columns: dict[str, list[torch.Tensor]] = {
-        "tokens": [],
-        "logp": [],
-        "log_mass": [],
-        "entropy": [],
-    }
-    ids = batch.prompts
-    with torch.no_grad():
-        for step in range(steps):
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=position,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1].float()
-            if generator is not None:
-                token = in_nucleus(logits, top_p, generator)
-            else:
-                token = batch.responses[:, step]
-            logp = torch.log_softmax(logits, -1)
-            columns["tokens"].append(token)
-            columns["logp"].append(bik.token_logprobs(logits[:, None], token[:, None])[:, 0])
-            columns["log_mass"].append(nucleus_log_mass(logits, top_p))
-            columns["entropy"].append(-(logp.exp() * logp).sum(-1))
-            ids = token[:, None]
-            mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), 1)
-            position = position[:, -1:] + 1
-    return {key: torch.stack(values, 1) for key, values in columns.items()}
+def engine_side(model: Any, rollout: demo.Rollout, config: Config, top_p: float) -> dict:
+    """The engine's log-probs of the fixed tokens (``config.batch`` rows at a time), each
+    renormalised over its top-p nucleus where the config says so, and the entropy at each."""
+    blocks = []
+    for start in range(0, rollout.sequences.shape[0], config.batch):
+        part = rows_of(rollout, slice(start, start + config.batch))
+        tokens = part.sequences[:, part.prompt_width :]
+        logits = demo.decode_logits(model, part)
+        # 64 positions at a time: the fp32 logits of 64 rows x 512 tokens are 6 GiB
+        pieces = [
+            token_measures(piece.float(), chosen, config.renormalised, top_p)
+            for piece, chosen in zip(logits.split(64, 1), tokens.split(64, 1), strict=True)
+        ]
+        blocks.append({key: torch.cat([p[key] for p in pieces], 1) for key in pieces[0]})
+    return {key: torch.cat([b[key] for b in blocks]) for key in blocks[0]}
 
 
-def engine_side(model: PreTrainedModel, batch: Batch, config: Config, top_p: float) -> dict:
-    """The engine's log-probs of the fixed responses, ``config.batch`` rows at a time."""
-    parts = []
-    for start in range(0, batch.prompts.shape[0], config.batch):
-        rows = slice(start, start + config.batch)
-        part = Batch(batch.prompts[rows], batch.mask[rows], batch.responses[rows])
-        parts.append(decode(model, part, batch.responses.shape[1], top_p))
-    out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-    if config.renormalised:
-        out["logp"] = out["logp"] - out["log_mass"]
-    return out
+def token_measures(
+    logits: torch.Tensor, tokens: torch.Tensor, renormalised: bool, top_p: float
+) -> dict:
+    """The log-prob of each token (over the nucleus where ``renormalised``) and the entropy."""
+    logp = bik.token_logprobs(logits, tokens, TEMPERATURE)
+    if renormalised:
+        logp = logp - nucleus_log_mass(logits, top_p)
+    every = torch.log_softmax(logits, -1)
+    return {"logp": logp, "entropy": -(every.exp() * every).sum(-1)}
 
 
-def trainer_side(model: PreTrainedModel, batch: Batch, rows_alone: bool) -> torch.Tensor:
-    """The trainer's log-probs of the responses: one forward of all rows, or each row alone
-    (cut to its own length, no padding)."""
-    sequences = torch.cat((batch.prompts, batch.responses), 1)
-    mask = torch.cat((batch.mask, torch.ones_like(batch.responses)), 1)
-    response = torch.cat((torch.zeros_like(batch.mask), torch.ones_like(batch.responses)), 1)
-    width = batch.prompts.shape[1]
-    with torch.no_grad():
-        if not rows_alone:
-            return hf.sequence_logprobs(model, sequences, mask, response)[:, width:]
-        scored = []
-        for row in range(sequences.shape[0]):
-            start = int(mask[row].argmax())
-            seq, resp = sequences[row : row + 1, start:], response[row : row + 1, start:]
-            scored.append(
-                hf.sequence_logprobs(model, seq, torch.ones_like(seq), resp)[0, width - start :]
-            )
-        return torch.stack(scored)
-
-
-# -- measuring -----------------------------------------------------------------------------
-
-
-def load(directory: str, dtype: str, device: torch.device, head32: bool = False) -> Any:
-    """The model in ``dtype`` on ``device`` (its lm_head in fp32 with ``head32``)."""
-    model: Any = demo.load(directory, demo.DTYPES[dtype])
-    if head32:
-        model.set_output_embeddings(Fp32Head(model.get_output_embeddings().weight))
-    return model.to(device)
-
-
-def measure(directory: str, config: Config, batch: Batch, args: argparse.Namespace) -> dict:
-    """One configuration's deltas, timed."""
+def measure(
+    directory: str, config: Config, rollout: demo.Rollout, args: argparse.Namespace
+) -> dict:
+    """One configuration's deltas (trainer minus the compared side), timed."""
     start = time.perf_counter()
-    model = load(directory, config.dtype, args.device, config.head32)
-    with demo.patched(model, config.bik):
-        reference = trainer_side(model, batch, rows_alone=False)
+    model: Any = demo.load(directory, demo.DTYPES[config.dtype]).to(args.device)
+    entropy = None
+    with demo.fp32_head(model, config.head32), demo.patched(model, config.bik):
+        reference = demo.score(model, rollout, temperature=TEMPERATURE)  # all rows at once
         if config.kind == "trainer":
-            compared = trainer_side(model, batch, rows_alone=True)
-            entropy = None
+            each_alone = list(range(rollout.sequences.shape[0]))
+            compared = demo.score(model, rollout, each_alone, TEMPERATURE)
         else:
-            engine = engine_side(model, batch, config, args.top_p)
-            compared, entropy = engine["logp"], engine["entropy"]
+            engine = engine_side(model, rollout, config, args.top_p)
+            compared, entropy = engine["logp"], engine["entropy"].cpu()
     delta = reference.double().cpu() - compared.double().cpu()
     return {"delta": delta, "entropy": entropy, "seconds": time.perf_counter() - start}
 
@@ -312,16 +227,13 @@ def prompts_of(directory: str, count: int, seed: int) -> tuple[list[torch.Tensor
     return [torch.tensor(p) for p in sample_prompts(seed, count, config.vocab_size)], 0
 
 
-def sample_batch(directory: str, args: argparse.Namespace) -> Batch:
-    """The fixed responses: sampled once by bik-patched fp32 decode, all rows at once."""
+def sample_rollout(directory: str, args: argparse.Namespace) -> demo.Rollout:
+    """The fixed tokens: sampled once by bik-patched fp32 ``generate`` (top-p ``--top-p``)."""
     prompts, pad = prompts_of(directory, args.prompts, args.seed)
-    ids, mask = hf.left_pad(prompts * args.samples, pad)
-    batch = Batch(ids.to(args.device), mask.to(args.device), ids.new_zeros(0, 0))
-    model = load(directory, "fp32", args.device)
+    model: Any = demo.load(directory, torch.float32).to(args.device)
     with demo.patched(model, True):
-        sampled = decode(model, batch, args.tokens, args.top_p, sample_seed=args.seed)
-    batch.responses = sampled["tokens"]
-    return batch
+        rows = prompts * args.samples
+        return demo.sample(model, rows, args.tokens, args.seed, pad, TEMPERATURE, args.top_p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--top-p: expected a number in (0, 1], got {args.top_p:g}")
     directory = str(models.path(args.model) if args.model in models.MODELS else args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    batch = sample_batch(directory, args)
+    rollout = sample_rollout(directory, args)
     device = (
         torch.cuda.get_device_name(args.device)
         if args.device.type == "cuda"
@@ -350,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device or platform.machine(),
         "torch": torch.__version__,
         "model": args.model,
-        "rows": batch.prompts.shape[0],
+        "rows": rollout.sequences.shape[0],
         "tokens": args.tokens,
         "top_p": args.top_p,
         "seed": args.seed,
@@ -359,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.configs:
         print(f"gpu_anatomy: {name}", flush=True)
-        result = measure(directory, CONFIGS[name], batch, args)
+        result = measure(directory, CONFIGS[name], rollout, args)
         rows.append(stats(name, result["delta"], result["entropy"], result["seconds"]))
         report = {"meta": meta, "configs": rows}  # written after each, so a cut run keeps them
         (args.out / "gpu_anatomy.json").write_text(json.dumps(report, indent=1))

@@ -129,13 +129,15 @@ def sample(
     seed: int,
     pad: int,
     temperature: float = TEMPERATURE,
+    top_p: float = 1.0,
 ) -> Rollout:
-    """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all); the
-    log-probs are the sampler's raw logits for the token it sampled, through
-    ``bik.token_logprobs`` at ``temperature`` (the trainer's formula)."""
+    """``tokens`` sampled tokens per prompt (EOS suppressed, so every row has them all), from
+    the top-p nucleus (1: the whole distribution), on the model's device; the log-probs are the
+    sampler's raw logits for the token it sampled, through ``bik.token_logprobs`` at
+    ``temperature`` (the trainer's formula)."""
     from transformers import StoppingCriteriaList
 
-    ids, mask = hf.left_pad(prompts, pad)
+    ids, mask = (t.to(model.device) for t in hf.left_pad(prompts, pad))
     torch.manual_seed(seed)
     with torch.no_grad():
         # GenerationMixin.generate: its output's type follows the flags (Any here)
@@ -145,6 +147,7 @@ def sample(
             do_sample=True,
             temperature=temperature,
             top_k=0,
+            top_p=top_p,
             max_new_tokens=tokens,
             min_new_tokens=tokens,
             output_logits=True,
@@ -181,6 +184,61 @@ def score(
             out = hf.sequence_logprobs(model, seq, torch.ones_like(seq), resp, temperature)
             scored.append(out[0, rollout.prompt_width - start :])
         return torch.stack(scored)
+
+
+@contextmanager
+def fp32_head(model: Any, on: bool) -> Iterator[None]:
+    """The LM head in fp32, its input cast up (TRL's cast_lm_head_to_fp32), while active."""
+    if not on:
+        yield
+        return
+    head = model.lm_head
+    weight = head.weight  # may be the embedding's too (tied): that one stays as it is
+    head.weight = torch.nn.Parameter(weight.detach().float(), requires_grad=False)
+    hook = head.register_forward_pre_hook(lambda _, args: (args[0].float(),))
+    try:
+        yield
+    finally:
+        hook.remove()
+        head.weight = weight
+
+
+@torch.no_grad()
+def decode_logits(model: Any, rollout: Rollout) -> torch.Tensor:
+    """The rollout's way on given tokens: the prompt prefilled, then each response token fed
+    one at a time over the KV cache, as the engine that sampled them computed it. Returns the
+    logits each token was drawn from, ``[B, N, V]`` in the model's dtype."""
+    from transformers import DynamicCache
+
+    width = rollout.prompt_width
+    mask = rollout.mask
+    positions = hf.generation_position_ids(mask[:, :width])
+    cache = DynamicCache()
+    out = model(
+        input_ids=rollout.sequences[:, :width],
+        attention_mask=mask[:, :width],
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    logits = [out.logits[:, -1]]
+    for step, column in enumerate(range(width, rollout.sequences.shape[1] - 1), 1):
+        out = model(
+            input_ids=rollout.sequences[:, column : column + 1],
+            attention_mask=mask[:, : column + 1],
+            position_ids=positions[:, -1:] + step,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def decode_logprobs(model: Any, rollout: Rollout, temperature: float = TEMPERATURE) -> torch.Tensor:
+    """The rollout's log-probs of its own tokens, recomputed the engine's way
+    (:func:`decode_logits`), through the trainer's formula ``[B, N]``."""
+    generated = rollout.sequences[:, rollout.prompt_width :]
+    return token_logprobs(decode_logits(model, rollout).float(), generated, temperature)
 
 
 def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, float, float]:

@@ -2,36 +2,25 @@
 bik's rows are exactly 0, the decode pass reproduces the sampler's own log-probs, and the
 table is written."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import benchmark_scripts
 import torch
 
 from bik import testing
 from bik.tools import demo
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "cheap_fixes.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("cheap_fixes", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("cheap_fixes")
 
 
 def test_the_decode_pass_is_the_samplers_own_computation():
-    """decode_logprobs feeds the sampled tokens back as generate did: on a patched model its
+    """demo.decode_logprobs feeds the sampled tokens back as generate did: on a patched model its
     log-probs equal the sampler's bit for bit (so every setup's rollout side is the engine's)."""
-    cheap = _script()
     model = testing.load_model("tiny-qwen3")
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11, 12])]
     with demo.patched(model, True):
         rollout = demo.sample(model, prompts, 6, seed=0, pad=0)
-        assert torch.equal(cheap.decode_logprobs(model, rollout), rollout.logprobs)
+        assert torch.equal(demo.decode_logprobs(model, rollout), rollout.logprobs)
 
 
 def test_every_setup_is_measured_and_bik_is_exact(tmp_path, capsys):
@@ -56,11 +45,10 @@ def test_the_fp32_head_leaves_a_tied_embedding_in_the_models_dtype():
 
     from bik.families import FAMILIES
 
-    cheap = _script()
     config = FAMILIES["llama"].tiny_config(tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with cheap.fp32_head(model, True), torch.no_grad():
+    with demo.fp32_head(model, True), torch.no_grad():
         logits = model(torch.tensor([[3, 4, 5]])).logits
         assert logits.dtype == torch.float32
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16

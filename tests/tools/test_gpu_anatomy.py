@@ -2,25 +2,16 @@
 configuration is measured on the same fixed tokens, bik's are exactly 0, plain torch's move,
 and the top-p configuration subtracts the nucleus's log mass."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import benchmark_scripts
 import torch
 
 from bik.testing import load_model
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_anatomy.py"
-
 
 def _anatomy():
-    spec = importlib.util.spec_from_file_location("gpu_anatomy", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("gpu_anatomy")
 
 
 def test_every_configuration_runs_and_bik_is_exactly_zero(tmp_path, capsys):
@@ -45,12 +36,17 @@ def test_every_configuration_runs_and_bik_is_exactly_zero(tmp_path, capsys):
     assert "| bik_decode_b64_fp32 | 0.0 % |" in (tmp_path / "out" / "gpu_anatomy.md").read_text()
 
 
-def test_the_nucleus_and_its_sampling():
+def test_the_nucleus_is_the_one_transformers_samples_from():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
     anatomy = _anatomy()
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02]]))
     mass = anatomy.nucleus_log_mass(logits, 0.8).exp()
     torch.testing.assert_close(mass, torch.tensor([0.8, 0.9]))  # {0, 1} and {0}
-    generator = torch.Generator().manual_seed(0)
-    picks = torch.stack([anatomy.in_nucleus(logits, 0.8, generator) for _ in range(200)])
-    assert set(picks[:, 0].tolist()) == {0, 1} and set(picks[:, 1].tolist()) == {0}
+    kept = TopPLogitsWarper(0.8)(None, logits.clone()).isfinite()
+    torch.testing.assert_close(mass, (logits.exp() * kept).sum(-1))
+    random = torch.randn(3, 50) * 3
+    kept = TopPLogitsWarper(0.9)(None, random.clone()).isfinite()
+    expected = (torch.softmax(random, -1) * kept).sum(-1).log()
+    torch.testing.assert_close(anatomy.nucleus_log_mass(random, 0.9), expected)
     assert torch.equal(anatomy.nucleus_log_mass(logits, 1.0), torch.zeros(2))

@@ -1,26 +1,18 @@
 """benchmarks/mismatch_anatomy.py on a tiny random Llama (no vLLM): every table, curve and plot
 is written, bik's paths are exactly 0, and a second run reads every path from its cache."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import benchmark_scripts
 import pytest
 
 from bik.testing import load_model
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "mismatch_anatomy.py"
 PATHS = ["hf_fp32", "hf_bf16", "trainer_bf16", "bik_hf_fp32", "bik_hf_bf16", "bik_trainer_fp32"]
 
 
 def _anatomy():
-    spec = importlib.util.spec_from_file_location("mismatch_anatomy", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("mismatch_anatomy")
 
 
 def test_anatomy_on_a_tiny_model_writes_its_tables_and_resumes(tmp_path, capsys):
