@@ -9,7 +9,8 @@ trainer's formula (``bik.token_logprobs``: fp32 log-softmax, then gather), so on
 forward differs. The configurations separate the causes an RL engine mixes:
 
 - ``decode_b{1,8,64}_bf16``: a native bf16 engine at engine batch 1, 8 and 64 against the bf16
-  trainer (decode vs prefill, and the batch the engine happened to run);
+  trainer (decode vs prefill, and the batch the engine happened to run); batch 1 on the first
+  8 rows and batch 8 on the first 16 (a step costs about the same at any batch);
 - ``decode_b64_fp16`` / ``decode_b64_fp32``: the same in fp16 and fp32;
 - ``decode_b64_bf16_head32``: the lm_head in fp32 on both sides (the hidden state cast up);
 - ``decode_b64_bf16_topp``: the engine's log-probs renormalised over its top-p nucleus (what an
@@ -64,20 +65,21 @@ class Config:
     head32: bool = False
     renormalised: bool = False  # the engine's log-prob over its top-p nucleus
     bik: bool = False
+    rows: int = 64  # the first rows only: a decode step at batch 1 costs what one at 64 does
 
 
 CONFIGS = {
     c.name: c
     for c in (
-        Config("decode_b1_bf16", "bf16", 1),
-        Config("decode_b8_bf16", "bf16", 8),
+        Config("decode_b1_bf16", "bf16", 1, rows=8),
+        Config("decode_b8_bf16", "bf16", 8, rows=16),
         Config("decode_b64_bf16", "bf16", 64),
         Config("decode_b64_fp16", "fp16", 64),
         Config("decode_b64_fp32", "fp32", 64),
         Config("decode_b64_bf16_head32", "bf16", 64, head32=True),
         Config("decode_b64_bf16_topp", "bf16", 64, renormalised=True),
         Config("trainer_mb1_bf16", "bf16", 1, kind="trainer"),
-        Config("bik_decode_b1_bf16", "bf16", 1, bik=True),
+        Config("bik_decode_b1_bf16", "bf16", 1, bik=True, rows=8),
         Config("bik_decode_b64_bf16", "bf16", 64, bik=True),
         Config("bik_decode_b64_fp32", "fp32", 64, bik=True),
     )
@@ -140,17 +142,19 @@ def token_measures(
 def measure(
     directory: str, config: Config, rollout: demo.Rollout, args: argparse.Namespace
 ) -> dict:
-    """One configuration's deltas (trainer minus the compared side), timed."""
+    """One configuration's deltas (trainer minus the compared side) on its first
+    ``config.rows`` rows, timed. The trainer's side is always one forward of every row."""
     start = time.perf_counter()
     model: Any = demo.load(directory, demo.DTYPES[config.dtype]).to(args.device)
     entropy = None
+    measured = rows_of(rollout, slice(0, config.rows))
     with demo.fp32_head(model, config.head32), demo.patched(model, config.bik):
-        reference = demo.score(model, rollout, temperature=TEMPERATURE)  # all rows at once
+        reference = demo.score(model, rollout, temperature=TEMPERATURE)[: config.rows]
         if config.kind == "trainer":
-            each_alone = list(range(rollout.sequences.shape[0]))
-            compared = demo.score(model, rollout, each_alone, TEMPERATURE)
+            each_alone = list(range(measured.sequences.shape[0]))
+            compared = demo.score(model, measured, each_alone, TEMPERATURE)
         else:
-            engine = engine_side(model, rollout, config, args.top_p)
+            engine = engine_side(model, measured, config, args.top_p)
             compared, entropy = engine["logp"], engine["entropy"].cpu()
     delta = reference.double().cpu() - compared.double().cpu()
     return {"delta": delta, "entropy": entropy, "seconds": time.perf_counter() - start}
