@@ -22,9 +22,15 @@ if not torch.cuda.is_available():
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from transformers.utils import logging as transformers_logging
 
 import bik
 from bik import backends
+
+# transformers makes its stderr handler at its first warning, bound to the sys.stderr of that
+# moment: inside a test using capsys, a stream closed when the test ends, so a later test's
+# warning would print a logging error. Made now, it writes to the session's stderr.
+transformers_logging.get_logger()
 
 settings.register_profile(
     "bik",
