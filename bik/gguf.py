@@ -117,8 +117,15 @@ def read(path: str | Path) -> tuple[dict[str, object], dict[str, Tensor]]:
                 f"{', '.join(TYPE_NAMES.values())}"
             )
         per_block, block_bytes = BLOCKS[kind]
-        size = int(np.prod(shape)) // per_block * block_bytes
-        begin = start + offset
+        elements = int(np.prod(shape))
+        if shape and shape[-1] % per_block:
+            raise GGUFError(
+                f"{path}: tensor {name} has rows of {shape[-1]} elements, not a multiple of "
+                f"{TYPE_NAMES[kind]}'s blocks of {per_block}"
+            )
+        begin, size = start + offset, elements // per_block * block_bytes
+        if begin + size > len(data):
+            raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         tensors[name] = Tensor(shape, kind, data[begin : begin + size])
     return metadata, tensors
 

@@ -84,6 +84,11 @@ def test_the_reader_refuses_what_it_does_not_know(tmp_path):
         gguf.read(text)
     with pytest.raises(gguf.GGUFError, match=r"attn_qkv\.weight: not a tensor of the llama"):
         gguf.hf_name("blk.0.attn_qkv.weight")
+    whole = tmp_path / "whole.gguf"
+    _write_gguf(whole, {"output_norm.weight": (np.ones(64, np.float32), "Q8_0")}, 2, 2)
+    (tmp_path / "cut.gguf").write_bytes(whole.read_bytes()[:-40])
+    with pytest.raises(gguf.GGUFError, match="runs past the end of the file"):
+        gguf.read(tmp_path / "cut.gguf")
     other = tmp_path / "other.gguf"
     _write_gguf(other, {"output_norm.weight": (np.ones(32, np.float32), "Q5_0")}, 2, 2)
     with pytest.raises(
