@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import models
 from .cli import UsageError, positive_float
 
-PART_MIB = 24.0  # a part travels beside the tracked tree (about 35 MiB) within 64 MiB
+PART_MIB = 24.0  # a part travels beside the tracked tree (about 36 MiB) within 64 MiB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
