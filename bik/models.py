@@ -459,9 +459,14 @@ def _read_pack(name: str, folder: Path) -> dict:
             f"{folder}: no {manifest.name}; write a pack with `python -m bik model {name} "
             f"--pack DIR` where the model is prepared, and bring DIR here"
         )
-    record = json.loads(manifest.read_text())
     files = folder / f"{name}.files"
-    wanted = {**record["parts"], **{f"{files.name}/{f}": d for f, d in record["files"].items()}}
+    try:
+        record = json.loads(manifest.read_text())
+        wanted = {**record["parts"], **{f"{files.name}/{f}": d for f, d in record["files"].items()}}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ModelUnavailableError(
+            f"{manifest}: not a pack manifest ({type(error).__name__}: {error}); pack it again"
+        ) from None
     missing = [f for f in wanted if not (folder / f).is_file()]
     if missing:
         raise ModelUnavailableError(

@@ -148,6 +148,11 @@ def test_a_pack_with_a_missing_or_damaged_piece_is_refused_by_name(tmp_path, mon
     with pytest.raises(models.ModelUnavailableError, match=r"lacks smollm2\.gguf\.part2; bring"):
         models.unpack("smollm2", pack)
     (pack / "smollm2.gguf.part2").write_bytes(b"dex")
+    manifest = (pack / "smollm2.pack.json").read_text()
+    (pack / "smollm2.pack.json").write_text("{}")
+    with pytest.raises(models.ModelUnavailableError, match="not a pack manifest"):
+        models.unpack("smollm2", pack)
+    (pack / "smollm2.pack.json").write_text(manifest)
     with pytest.raises(
         models.ModelUnavailableError, match=r"smollm2\.gguf\.part2 of the pack .* sha256"
     ):
