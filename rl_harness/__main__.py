@@ -1,5 +1,5 @@
 """python -m rl_harness run | sweep | recipes | remedies | compare | world-size | same | edge |
-alarms | bias | compact | demo  (see rl_harness/README.md; TOOLS is the table of them).
+edge-remedies | alarms | bias | compact | demo  (see rl_harness/README.md; TOOLS: the table).
 ``run`` under ``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from . import (
     demo,
     distributed,
     edge,
+    edge_remedies,
     recipes,
     remedies,
     report,
@@ -214,6 +215,11 @@ TOOLS: dict[str, Tool] = {
         "the stability-edge grid: learning rates x mismatch doses x seeds, and its report",
         edge.add_arguments,
         edge.main,
+    ),
+    "edge-remedies": (
+        "the edge's remedy phase: remedy arms x seeds at one LR, time to collapse vs the control",
+        edge_remedies.add_arguments,
+        edge_remedies.main,
     ),
     "alarms": (
         "early-warning signals, the metric to alarm on and the mismatch budget, from an edge grid",

@@ -93,24 +93,19 @@ def _run_cell(job: tuple[Config, str, str]) -> tuple[str, float]:
 
 
 def run_grid(
-    recipe: str,
-    cells: Sequence[Cell],
+    runs: Sequence[tuple[Config, Path]],
     out: Path,
     *,
-    sets: Sequence[str] = (),
     jobs: int = 1,
     cache_dir: str | Path = ".cache/rl_harness",
 ) -> None:
-    """Run every cell not complete yet, ``jobs`` at a time, printing one line per run."""
-    todo = []
-    for cell in cells:
-        cfg = cell_config(recipe, cell, sets)
-        if not sweep.complete(cfg, cell.path(out)):
-            todo.append((cfg, str(cell.path(out)), str(cache_dir)))
-    print(f"edge: {len(cells) - len(todo)} of {len(cells)} runs complete; {len(todo)} to run")
+    """Run every (config, directory) of ``runs`` not complete yet, ``jobs`` at a time,
+    printing one line per run (its directory relative to ``out``)."""
+    todo = [(cfg, str(path), str(cache_dir)) for cfg, path in runs if not sweep.complete(cfg, path)]
+    print(f"edge: {len(runs) - len(todo)} of {len(runs)} runs complete; {len(todo)} to run")
     if not todo:
         return
-    # the warm-up is shared by every cell: train it once, here, on one thread (its cache key)
+    # the warm-up is shared by every run: train it once, here, on one thread (its cache key)
     torch.set_num_threads(1)
     first = todo[0][0]
     policy.warmup(policy.build_master(first.model, policy.warmup_seed(first)), first, cache_dir)
@@ -452,7 +447,7 @@ def write_report(out: Path, cells: Sequence[Cell], recipe: str, sets: Sequence[s
 # --- the command line ------------------------------------------------------------------------
 
 
-def _numbers(text: str) -> list[float]:
+def numbers(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
@@ -464,7 +459,7 @@ def _numbers(text: str) -> list[float]:
     return values
 
 
-def _seeds(text: str) -> list[int]:
+def seeds(text: str) -> list[int]:
     """``0-9`` or ``100,101``."""
     try:
         if "-" in text:
@@ -488,9 +483,9 @@ def _doses(text: str) -> list[str]:
 def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments that name a grid (its runs' configs and directory)."""
     parser.add_argument("--recipe", default="edge", help="the base recipe (default edge)")
-    parser.add_argument("--lrs", type=_numbers, required=True, help="learning rates, 1e-3,2e-3")
+    parser.add_argument("--lrs", type=numbers, required=True, help="learning rates, 1e-3,2e-3")
     parser.add_argument("--doses", type=_doses, default=["zero"], help=f"of {', '.join(DOSES)}")
-    parser.add_argument("--seeds", type=_seeds, required=True, help="0-9 or 100,101")
+    parser.add_argument("--seeds", type=seeds, required=True, help="0-9 or 100,101")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every run")
     parser.add_argument("--out", required=True, help="the grid's directory")
 
@@ -511,6 +506,7 @@ def main(args: argparse.Namespace) -> int:
     for cell in cells[:1]:
         cell_config(args.recipe, cell, sets)  # a bad --recipe or --set fails before any run
     if not args.report:
-        run_grid(args.recipe, cells, out, sets=sets, jobs=args.jobs, cache_dir=args.cache_dir)
+        runs = [(cell_config(args.recipe, cell, sets), cell.path(out)) for cell in cells]
+        run_grid(runs, out, jobs=args.jobs, cache_dir=args.cache_dir)
     print(write_report(out, cells, args.recipe, sets))
     return 0
