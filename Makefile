@@ -37,7 +37,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py tests/layers/test_mamba2.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
-.PHONY: install install-vllm build demo test test-fast test-gpu-image wheel wheel-check lint format clean
+.PHONY: install install-vllm install-gpu-image build demo test test-fast test-gpu-image wheel wheel-check lint format clean
 
 # Dependencies only (BIK_SKIP_BUILD=1): the extension is compiled once, in place, by $(BUILT),
 # for both venvs, rather than once per pip install.
@@ -102,6 +102,8 @@ $(GPU_STAMP): setup.py pyproject.toml
 $(GPU_BUILT): $(GPU_STAMP) $(BUILT)
 	$(NO_BUILD) $(GPU_BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(GPU_BUILT)
+
+install-gpu-image: $(GPU_BUILT)
 
 test-gpu-image: $(GPU_BUILT)
 	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python $(PYTEST) -m "not slow" $(GPU_TESTS)
