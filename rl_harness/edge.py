@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from bik.tools.cli import positive_int
+
 from . import collapse, policy, recipes, report, rundir, sweep
 from . import config as config_lib
 from .config import Config
@@ -490,16 +492,21 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the grid's directory")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_grid_arguments(parser)
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of running a grid (also edge-remedies'): --jobs, --report, --cache-dir."""
+    parser.add_argument(
+        "--jobs", type=positive_int, default=1, help="runs at once, one thread each"
+    )
     parser.add_argument("--report", action="store_true", help="report the complete runs only")
     parser.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_grid_arguments(parser)
+    add_run_arguments(parser)
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        raise HarnessError(f"edge --jobs: expected an integer >= 1, got {args.jobs}")
     out = rundir.resolved(args.out)
     cells = grid(args.lrs, args.doses, args.seeds)
     sets = args.set or []

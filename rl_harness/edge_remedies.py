@@ -361,14 +361,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decay-period", type=int, default=0, help="fp8w_fixed's period")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every run")
     parser.add_argument("--out", required=True, help="the directory (an edge grid's, to reuse)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
-    parser.add_argument("--report", action="store_true", help="report the complete runs only")
-    parser.add_argument("--cache-dir", default=".cache/rl_harness", help="warm-up checkpoints")
+    edge.add_run_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.jobs < 1:
-        raise HarnessError(f"edge-remedies --jobs: expected an integer >= 1, got {args.jobs}")
     out = rundir.resolved(args.out)
     phase = Phase(args.recipe, args.lr, args.arms, args.seeds, args.set or [], args.decay_period)
     runs = phase.runs(out)  # a bad --recipe, --set or --decay-period fails before any run

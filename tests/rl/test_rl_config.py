@@ -40,15 +40,23 @@ def shipped_runs(name: str) -> list[Path]:
     return sorted(RESULTS.glob(f"*/{name}/seed0"))
 
 
+REMEDY_DECAY_PERIOD = 17  # fp8w_fixed's P, registered in RESULTS.md section 17 from its pilot
+
+
 def grid_runs(name: str) -> list[tuple[Path, Config]]:
-    """The runs of a stability-edge grid of recipe ``name`` (results/rl/<name>/lr<LR>/<dose>/
-    seed<k>, rl_harness.edge) and the config each cell builds today."""
-    from rl_harness import edge
+    """The runs of a stability-edge grid of recipe ``name`` (results/rl/<name>/lr<LR>/<arm>/
+    seed<k>: a dose of rl_harness.edge or a remedy arm of rl_harness.edge_remedies) and the
+    config each builds today."""
+    from rl_harness import edge, edge_remedies
 
     runs = []
     for path in sorted(RESULTS.glob(f"{name}/lr*/*/seed*")):
-        lr, dose, seed = path.parts[-3][2:], path.parts[-2], path.parts[-1][4:]
-        runs.append((path, edge.cell_config(name, edge.Cell(float(lr), dose, int(seed)))))
+        lr, arm, seed = float(path.parts[-3][2:]), path.parts[-2], int(path.parts[-1][4:])
+        if arm in edge.DOSES:
+            cfg = edge.cell_config(name, edge.Cell(lr, arm, seed))
+        else:
+            cfg = edge_remedies.arm_config(name, lr, arm, seed, decay_period=REMEDY_DECAY_PERIOD)
+        runs.append((path, cfg))
     return runs
 
 

@@ -97,3 +97,15 @@ def test_the_phase_runs_reuses_and_reports(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:  # the recorded run is not this config's
         main(other)
     assert stop.value.code == 2 and "holds a run of another config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["edge", "edge-remedies"])
+def test_jobs_below_one_is_a_usage_error(command, capsys):
+    argv = [command, "--seeds", "0", "--out", "x", "--jobs", "0"]
+    argv += ["--lrs", "1e-3"] if command == "edge" else ["--lr", "1e-3", "--arms", "fp8w"]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert (
+        stop.value.code == 2
+        and "--jobs: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    )
