@@ -258,13 +258,10 @@ def _paired_lines(
         only_arm = sum(a and not b for a, b in fell)
         only_control = sum(b and not a for a, b in fell)
         ends = [sweep.minus(collapse.endpoint(a), collapse.endpoint(b)) for a, b in pairs]
-        if arm != "zero":
-            p_values[arm] = sign_flip_p(diffs)
-        rows[arm] = (
-            f"{report.cell(diffs, '.1f')} | {sign_flip_p(diffs):.3g} | ",
-            f" | {only_arm} / {only_control} | {alarms.mcnemar(only_arm, only_control):.3g} | "
-            f"{report.cell(ends, '.3f', '.2f')} | {len(pairs)} |",
-        )
+        p = sign_flip_p(diffs)
+        if arm != "zero":  # the mismatch's own effect: outside the remedies' family
+            p_values[arm] = p
+        rows[arm] = (diffs, p, only_arm, only_control, ends, len(pairs))
     adjusted = holm(p_values) if p_values else {}
     lines = [
         "",
@@ -278,9 +275,13 @@ def _paired_lines(
         "| endpoint difference | pairs |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for arm, (head, tail) in rows.items():
+    for arm, (diffs, p, only_arm, only_control, ends, n) in rows.items():
         holm_p = f"{adjusted[arm]:.3g}" if arm in adjusted else "-"
-        lines.append(f"| {arm} | {head}{holm_p}{tail}")
+        lines.append(
+            f"| {arm} | {report.cell(diffs, '.1f')} | {p:.3g} | {holm_p} | "
+            f"{only_arm} / {only_control} | {alarms.mcnemar(only_arm, only_control):.3g} | "
+            f"{report.cell(ends, '.3f', '.2f')} | {n} |"
+        )
     return lines
 
 
