@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from bik.hf import generation_position_ids
+from bik.hf import cache_argument, generation_position_ids
 
 from . import routing
 from .batch import Rollout
@@ -98,7 +98,7 @@ def sample(
                 input_ids=step_ids,
                 attention_mask=attention,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]

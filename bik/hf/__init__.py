@@ -19,14 +19,18 @@ function and its mask analysis), ``autocast`` (how a patched forward runs its op
 
 from ..families import MOE_FAMILIES, SUPPORTED_FAMILIES
 from .attention import ATTENTION_NAME
+from .cache_keyword import cache_argument
 from .logprobs import generation_position_ids, left_pad, sequence_logprobs
 from .patch import PatchReport, patch_model, unpatch_model
+from .static_decode import StaticDecoder
 
 __all__ = [
     "ATTENTION_NAME",
     "MOE_FAMILIES",
     "SUPPORTED_FAMILIES",
     "PatchReport",
+    "StaticDecoder",
+    "cache_argument",
     "generation_position_ids",
     "left_pad",
     "patch_model",

@@ -2,9 +2,12 @@
 
 transformers calls :func:`attention_forward` with the cache already updated and RoPE applied.
 It reads each row's first valid key off the mask (left padding), refuses every keyword that
-asks for something bik does not compute, and runs ``bik.attention``.
+asks for something bik does not compute, and runs ``bik.attention``; over a
+:class:`bik.hf.StaticDecoder`'s cache (its pages carry their lengths on the device) it runs
+paged attention instead, reading nothing on the host.
 """
 
+import functools
 import weakref
 from typing import Any
 
@@ -14,6 +17,8 @@ from ..backends import reference
 from ..families import SUPPORTED_FAMILIES
 from ..ops.attention import attention
 from .autocast import autocast_inputs, run
+from .cache_keyword import pop_cache
+from .static_decode import decode_attention, static_pages_of, static_step_running
 
 ATTENTION_NAME = "bik"
 _UNPATCH_ADVICE = (
@@ -164,6 +169,7 @@ _BOOKKEEPING = frozenset(
     {
         "position_ids",
         "cache_position",
+        "cache",
         "use_cache",
         "past_key_values",
         "past_key_value",
@@ -245,37 +251,52 @@ def attention_forward(
     -> ([B, Tq, Hq, D], None)."""
     _check_keywords(module, dropout, kwargs)
     window = kwargs.get("sliding_window")
-    batch, _, tq, _ = query.shape
-    kv_start, kv_len, window_active = _cached_kv_bounds(
-        attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
-    )
-    if window_active and not isinstance(vars(module).get("forward"), WholeCacheAttention):
-        raise _unsupported(module, "sliding_window", window)
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
-    value_dim = value.shape[-1]
+    pages = static_pages_of(key)
+    value_dim = value.shape[-1] if pages is None else pages.value_width
     if value_dim > query.shape[-1]:
         raise _unsupported(module, "value_head_dim", value_dim)
-    if value_dim < query.shape[-1]:
-        # Multi-head latent attention (DeepSeek-V3): value heads narrower than query/key heads.
-        # Zero columns widen them: each output column is its own fixed-order sum over the
-        # keys, so the real columns keep their order and the added ones are 0, sliced off.
-        value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
+    if pages is not None:  # a StaticDecoder's step: lengths on the device, every key kept
+        value = pages.values
+        fn: Any = functools.partial(decode_attention, step=pages.step, window=window)
+    elif static_step_running():
+        raise NotImplementedError(
+            f"bik static decode: {type(module).__name__} transforms its cached keys before "
+            "attention (a latent cache, expanded each step), so its attention cannot read the "
+            "static pages; decode this model with model.generate"
+        )
+    else:
+        batch, _, tq, _ = query.shape
+        kv_start, kv_len, window_active = _cached_kv_bounds(
+            attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
+        )
+        if window_active and not isinstance(vars(module).get("forward"), WholeCacheAttention):
+            raise _unsupported(module, "sliding_window", window)
+        if value_dim < query.shape[-1]:
+            # Multi-head latent attention (DeepSeek-V3): value heads narrower than query/key
+            # heads. Zero columns widen them: each output column is its own fixed-order sum
+            # over the keys, so the real columns keep their order and the added ones are 0.
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
+        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+        fn = functools.partial(
+            attention,
+            causal=True,
+            kv_start=kv_start.to(query.device),
+            window=window if window_active else None,  # one that hides nothing: same bits
+        )
     # cast like F.scaled_dot_product_attention under autocast
     autocast_on, (query, key, value) = autocast_inputs(query.device.type, query, key, value)
     out = run(
         settings.backend,
         autocast_on,
-        attention,
+        fn,
         query,
-        key[:, :, :kv_len],
-        value[:, :, :kv_len],
-        causal=True,
+        key,
+        value,
         scale=scaling,
-        kv_start=kv_start.to(query.device),
         split_size=settings.split_size,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
-        window=window if window_active else None,  # a window that hides nothing: the same bits
     )
     return out[..., :value_dim].transpose(1, 2), None
 
@@ -293,7 +314,7 @@ class WholeCacheAttention:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module: Any = self.module
-        cache = kwargs.get("past_key_values")
+        cache = pop_cache(dict(kwargs))
         if cache is not None:
             keep_every_key(cache, module.layer_idx)
         return type(module).forward(module, *args, **kwargs)

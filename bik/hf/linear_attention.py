@@ -21,6 +21,7 @@ from ..layers.mamba2 import selective_scan
 from ..ops.activations import sigmoid, silu, softplus
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from .autocast import autocast_inputs, run
+from .cache_keyword import pop_cache
 
 
 def _modeling(module: torch.nn.Module) -> Any:
@@ -96,7 +97,7 @@ class RecurrentLayer:
                 f"bik: packed sequences (cu_seq_lens_q) in a {type(self.module).__name__}"
             )
         hidden_states = self.mask_padding(hidden_states, attention_mask)
-        return self.forward(hidden_states, cache_params, attention_mask)
+        return self.forward(hidden_states, pop_cache(kwargs, cache_params), attention_mask)
 
     def mask_padding(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return _modeling(self.module).apply_mask_to_padding_states(x, attention_mask)
@@ -193,8 +194,9 @@ class GatedAttention:
         value = m.v_proj(hidden_states).view(heads).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, m.layer_idx)
+        cache = pop_cache(kwargs, past_key_values)
+        if cache is not None:
+            key, value = cache.update(key, value, m.layer_idx)
         attend = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
             m.config._attn_implementation, modeling.eager_attention_forward
         )

@@ -34,9 +34,12 @@ from ..ops.grouped_linear import grouped_linear
 from ..ops.log_softmax import log_softmax
 
 
+@torch.compiler.disable
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> (fp32 weights ``[T, top_k]``, int64 experts ``[T, top_k]``), the
-    experts in rank order (see the module docstring for the ranking and its tie-break)."""
+    experts in rank order (see the module docstring for the ranking and its tie-break). Eager
+    under torch.compile: Inductor's own ``exp`` of the chosen log-probabilities differs from
+    eager torch's in the last bit on an AVX2 CPU, so a compiled model would differ."""
     _checks.floating("logits", logits)
     _checks.rank("logits", logits, 2)
     experts = logits.shape[1]

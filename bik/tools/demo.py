@@ -218,7 +218,7 @@ def decode_logits(model: Any, rollout: Rollout) -> torch.Tensor:
         input_ids=rollout.sequences[:, :width],
         attention_mask=mask[:, :width],
         position_ids=positions,
-        past_key_values=cache,
+        **hf.cache_argument(model, cache),
         use_cache=True,
     )
     logits = [out.logits[:, -1]]
@@ -227,7 +227,7 @@ def decode_logits(model: Any, rollout: Rollout) -> torch.Tensor:
             input_ids=rollout.sequences[:, column : column + 1],
             attention_mask=mask[:, : column + 1],
             position_ids=positions[:, -1:] + step,
-            past_key_values=cache,
+            **hf.cache_argument(model, cache),
             use_cache=True,
         )
         logits.append(out.logits[:, -1])

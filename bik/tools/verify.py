@@ -116,7 +116,7 @@ def check_chunked(
     for start, stop in zip([0, *cuts], [*cuts, len(seq)]):
         logits = model(
             input_ids=seq[None, start:stop],
-            past_key_values=cache,
+            **hf.cache_argument(model, cache),
             use_cache=True,
             position_ids=torch.arange(start, stop, device=seq.device)[None],
         ).logits

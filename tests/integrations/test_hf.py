@@ -371,10 +371,10 @@ def test_a_filled_sliding_cache_layer_is_refused():
     model = AutoModelForCausalLM.from_config(config).eval()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(3, 256, (1, 6)), past_key_values=cache)
+        model(torch.randint(3, 256, (1, 6)), **bik.hf.cache_argument(model, cache))
         bik.patch_model(model)
         with pytest.raises(NotImplementedError, match=r"sliding-window layer .*already filled"):
-            model(torch.randint(3, 256, (1, 1)), past_key_values=cache)
+            model(torch.randint(3, 256, (1, 1)), **bik.hf.cache_argument(model, cache))
 
 
 def test_position_ids_that_do_not_count_the_tokens_are_refused_under_an_active_window():
@@ -385,10 +385,10 @@ def test_position_ids_that_do_not_count_the_tokens_are_refused_under_an_active_w
     bik.patch_model(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(3, 256, (1, 6)), past_key_values=cache)
+        model(torch.randint(3, 256, (1, 6)), **bik.hf.cache_argument(model, cache))
         with pytest.raises(RuntimeError, match="position_ids must number each row's tokens"):
             step = torch.randint(3, 256, (1, 1))
-            model(step, past_key_values=cache, position_ids=torch.tensor([[9]]))
+            model(step, **bik.hf.cache_argument(model, cache), position_ids=torch.tensor([[9]]))
 
 
 def test_latent_attention_with_narrower_value_heads_matches_transformers():

@@ -1,0 +1,186 @@
+"""bik.hf.StaticDecoder: a decode loop over a static KV cache that reads nothing on the host
+(so a CUDA graph can capture its step) and gives the bits of the eager patched decode and of
+the trainer's full forward."""
+
+import contextlib
+
+import pytest
+import torch
+
+import bik
+from bik import testing
+from bik.tools import demo
+
+pytest.importorskip("transformers")
+
+# Operators whose result the host must read (a device sync, impossible under graph capture).
+HOST_READS = {
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+}
+PROMPTS = (5, 11, 2, 7)
+STEPS = 8
+
+
+def _prompts(vocab=256):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in PROMPTS]
+    return bik.hf.left_pad(prompts, pad_id=0)
+
+
+def _sampler(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return lambda logits: torch.multinomial(logits.float().softmax(-1), 1, generator=gen)[:, 0]
+
+
+def _eager_decode_logits(model, ids, mask, tokens):
+    """The logits of the eager patched decode (a DynamicCache, the mask read as generate's)
+    feeding ``tokens`` after the prompt."""
+    sequences = torch.cat([ids, tokens], 1)
+    full = torch.cat([mask, torch.ones_like(tokens)], 1)
+    response = torch.cat([torch.zeros_like(mask), torch.ones_like(tokens)], 1)
+    rollout = demo.Rollout(sequences, full, response, torch.empty(0), ids.shape[1])
+    return demo.decode_logits(model, rollout)
+
+
+def _trainer_logprobs(model, ids, mask, tokens):
+    """The trainer's log-probs of ``tokens`` (one full forward, bik.sequence_logprobs)."""
+    sequences = torch.cat([ids, tokens], 1)
+    full = torch.cat([mask, torch.ones_like(tokens)], 1)
+    response = torch.cat([torch.zeros_like(mask), torch.ones_like(tokens)], 1)
+    return bik.sequence_logprobs(model, sequences, full, response)[:, ids.shape[1] :]
+
+
+def _patched(preset, dtype=torch.float32):
+    model = testing.load_model(preset, dtype=dtype)
+    bik.patch_model(model)
+    return model
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Collects the host reads made inside: dispatched operators that return a value to the
+    host (the profiler sees them without changing how bik dispatches) and ``tolist``, which
+    reads a CPU tensor without dispatching."""
+    found: list[str] = []
+    tolist = torch.Tensor.tolist
+
+    def recorded_tolist(self, *args, **kwargs):
+        found.append("Tensor.tolist")
+        return tolist(self, *args, **kwargs)
+
+    torch.Tensor.tolist = recorded_tolist  # type: ignore[method-assign]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield found
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    found += sorted({event.name for event in prof.events() if event.name in HOST_READS})
+
+
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [
+        ("tiny-qwen3", torch.float32),
+        ("tiny-qwen3", torch.bfloat16),
+        ("tiny-olmo3", torch.float32),  # a sliding window the sequences outgrow
+        ("tiny-gpt_oss", torch.float32),  # sinks, a sliding window, MoE
+    ],
+)
+def test_static_decode_gives_the_bits_of_the_eager_decode_and_the_trainer(preset, dtype):
+    model = _patched(preset, dtype)
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
+    tokens, logits = decoder.generate(ids, mask, STEPS, choose=_sampler(1))
+    assert torch.equal(_eager_decode_logits(model, ids, mask, tokens), logits)
+    trained = _trainer_logprobs(model, ids, mask, tokens)
+    assert torch.equal(trained, bik.token_logprobs(logits.float(), tokens))
+
+
+def test_latent_attention_decodes_exactly_or_is_refused_by_name():
+    """DeepSeek-V3: transformers before 5.24 caches expanded keys and narrower values (exact
+    over the pages, values padded); from 5.24 it caches the latent and expands it each step,
+    which attention over the pages cannot read: refused."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    model = _patched("tiny-deepseek_v3")
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
+    if hasattr(modeling_deepseek_v3.DeepseekV3Attention, "expand_kv"):
+        with pytest.raises(NotImplementedError, match="transforms its cached keys"):
+            decoder.generate(ids, mask, STEPS)
+        return
+    tokens, logits = decoder.generate(ids, mask, STEPS, choose=_sampler(2))
+    assert torch.equal(_eager_decode_logits(model, ids, mask, tokens), logits)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3"])
+def test_a_static_decode_step_reads_nothing_on_the_host(preset):
+    """And the detector is live: the eager decode over a DynamicCache reads the mask."""
+    model = _patched(preset)
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 4)
+    next_tokens = decoder.prefill(ids, mask).argmax(-1)
+    decoder.step(next_tokens)  # the first step runs once before any capture
+    with host_reads() as found:
+        decoder.step(next_tokens)
+        decoder.step(next_tokens)
+    assert found == []
+    with host_reads() as found:
+        _eager_decode_logits(model, ids, mask, next_tokens[:, None].repeat(1, 2))
+    assert found, "negative control: the eager decode reads the mask on the host"
+
+
+def test_static_decode_under_the_triton_backend_gives_the_trainers_bits():
+    model = testing.load_model("tiny-qwen3")
+    bik.patch_model(model, backend="triton")
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 3)
+    tokens, logits = decoder.generate(ids, mask, 3)
+    trained = _trainer_logprobs(model, ids, mask, tokens)
+    assert torch.equal(trained, bik.token_logprobs(logits, tokens))
+
+
+def test_refusals_name_what_is_wrong():
+    plain = testing.load_model("tiny-qwen3")
+    with pytest.raises(ValueError, match=r"patched by bik\.patch_model"):
+        bik.hf.StaticDecoder(plain, max_len=8)
+    model = _patched("tiny-qwen3")
+    with pytest.raises(ValueError, match="max_len"):
+        bik.hf.StaticDecoder(model, max_len=0)
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1)
+    with pytest.raises(RuntimeError, match="prefill first"):
+        decoder.step(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        bik.hf.StaticDecoder(model, max_len=ids.shape[1] - 1).prefill(ids, mask)
+    with pytest.raises(ValueError, match="attention_mask"):
+        decoder.prefill(ids, mask[:, 1:])
+    next_tokens = decoder.prefill(ids, mask).argmax(-1)
+    with pytest.raises(ValueError, match="one per row"):
+        decoder.step(next_tokens[:2])
+    decoder.step(next_tokens)  # the longest row now fills max_len
+    with pytest.raises(ValueError, match="exceed max_len"):
+        decoder.step(next_tokens)
+    with pytest.raises(ValueError, match="CUDA"):
+        graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1, graph=True)
+        graphed.step(graphed.prefill(ids, mask).argmax(-1))
+    with pytest.raises(NotImplementedError, match="recurrent state"):
+        bik.hf.StaticDecoder(_patched("tiny-qwen3_next"), max_len=8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_step_replays_the_eager_steps_bits():
+    model = _patched("tiny-qwen3").cuda()
+    ids, mask = (t.cuda() for t in _prompts())
+    graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
+    eager = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS, graph=False)
+    _, logits = graphed.generate(ids, mask, STEPS)
+    assert graphed._graph is not None
+    assert torch.equal(eager.generate(ids, mask, STEPS)[1], logits)
