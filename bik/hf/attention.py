@@ -18,7 +18,7 @@ from ..families import SUPPORTED_FAMILIES
 from ..ops.attention import attention
 from .autocast import autocast_inputs, run
 from .cache_keyword import pop_cache
-from .static_decode import decode_attention, static_pages_of, static_step_running
+from .static_decode import decode_attention, static_step_of, static_step_running
 
 ATTENTION_NAME = "bik"
 _UNPATCH_ADVICE = (
@@ -252,18 +252,17 @@ def attention_forward(
     _check_keywords(module, dropout, kwargs)
     window = kwargs.get("sliding_window")
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
-    pages = static_pages_of(key)
-    value_dim = value.shape[-1] if pages is None else pages.value_width
+    step = static_step_of(key)
+    value_dim = value.shape[-1]
     if value_dim > query.shape[-1]:
         raise _unsupported(module, "value_head_dim", value_dim)
-    if pages is not None:  # a StaticDecoder's step: lengths on the device, every key kept
-        value = pages.values
-        fn: Any = functools.partial(decode_attention, step=pages.step, window=window)
+    if step is not None:  # a StaticDecoder's step: lengths on the device, every key kept
+        fn: Any = functools.partial(decode_attention, step=step, window=window)
     elif static_step_running():
         raise NotImplementedError(
-            f"bik static decode: {type(module).__name__} transforms its cached keys before "
-            "attention (a latent cache, expanded each step), so its attention cannot read the "
-            "static pages; decode this model with model.generate"
+            f"bik static decode: {type(module).__name__} attends over keys that are not the "
+            "static cache's pages (a model that transforms its cached keys before attention), "
+            "which paged attention cannot read; decode this model with model.generate"
         )
     else:
         batch, _, tq, _ = query.shape

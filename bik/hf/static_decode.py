@@ -19,7 +19,6 @@ recurrent state (linear attention, Mamba) have no static cache here: refused.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ from ..ops._dispatch import needs_custom_op
 from ..ops.attention import fp32_sinks, validate_options
 from .cache_keyword import cache_argument
 
-PAGES_TAG = "_bik_static_pages"  # set on a static cache's key tensors: their StaticPages
+STEP_TAG = "_bik_static_step"  # set on a static cache's key pages: the step they belong to
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 
 
@@ -55,25 +54,13 @@ class DecodeStep:
         self.seq_lens.add_(1)
 
 
-@dataclasses.dataclass(frozen=True)
-class StaticPages:
-    """What bik's attention function needs to know of a static cache layer's key pages: the
-    step they belong to, and the value pages, padded with zeros to the key width (multi-head
-    latent attention's value heads are narrower; paged attention reads one head size), with
-    the width of the real values."""
-
-    step: DecodeStep
-    values: torch.Tensor
-    value_width: int
-
-
 _RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("bik_static_step", default=False)
 
 
 def static_step_running() -> bool:
     """Whether a :class:`StaticDecoder` step is running: then attention over keys that are not
-    a static cache's pages (a model that transforms its cached tensors before attention, as
-    DeepSeek-V3 expanding its cached latent) is refused, never run over the whole page."""
+    a static cache's pages (a model that transforms its cached tensors before attention) is
+    refused, never run over every key of the page, the unwritten ones included."""
     return _RUNNING.get()
 
 
@@ -86,15 +73,13 @@ def _cache_classes() -> tuple[type, type]:
 
         is_sliding = False
 
-        def __init__(
-            self, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep, value_width: int
-        ) -> None:
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, step: DecodeStep) -> None:
             super().__init__()
-            self.pages = keys, values[..., :value_width]  # what the model reads
+            self.pages = keys, values
             self.keys, self.values = self.pages
             self.step = step
             self.is_initialized = True
-            setattr(keys, PAGES_TAG, StaticPages(step, values, value_width))
+            setattr(keys, STEP_TAG, step)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor):
             raise RuntimeError("a static cache layer is allocated at prefill")
@@ -128,9 +113,9 @@ def _cache_classes() -> tuple[type, type]:
     return RowPagesLayer, RowPagesCache
 
 
-def static_pages_of(key: torch.Tensor) -> StaticPages | None:
-    """The :class:`StaticPages` of a static cache's key tensor, or None (any other cache)."""
-    return getattr(key, PAGES_TAG, None)
+def static_step_of(key: torch.Tensor) -> DecodeStep | None:
+    """The decode step a static cache's key pages belong to, or None (any other cache)."""
+    return getattr(key, STEP_TAG, None)
 
 
 def decode_attention(
@@ -255,13 +240,19 @@ class StaticDecoder:
         layers = []
         for layer in dynamic.layers:
             keys, values = layer.keys, layer.values
-            shape = (*keys.shape[:2], self.max_len)
-            widths = keys.shape[3], max(keys.shape[3], values.shape[3])
-            pages = keys.new_zeros(*shape, widths[0]), values.new_zeros(*shape, widths[1])
+            if keys.shape != values.shape:
+                raise NotImplementedError(
+                    f"bik static decode: the cache holds keys {tuple(keys.shape)} and values "
+                    f"{tuple(values.shape)} of other shapes (a latent cache, as DeepSeek-V3's, "
+                    "expanded at every step), which paged attention cannot read; decode this "
+                    "model with model.generate"
+                )
+            shape = (*keys.shape[:2], self.max_len, keys.shape[3])
+            pages = keys.new_zeros(shape), values.new_zeros(shape)
             for row, length in enumerate(self._lengths):
                 pages[0][row, :, :length] = keys[row, :, width - length :]
-                pages[1][row, :, :length, : values.shape[3]] = values[row, :, width - length :]
-            layers.append(layer_class(*pages, self._step, values.shape[3]))
+                pages[1][row, :, :length] = values[row, :, width - length :]
+            layers.append(layer_class(*pages, self._step))
         return cache_class(layers)
 
     def _run_step(self) -> None:

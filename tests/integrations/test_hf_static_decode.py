@@ -103,21 +103,24 @@ def test_static_decode_gives_the_bits_of_the_eager_decode_and_the_trainer(preset
     assert torch.equal(trained, bik.token_logprobs(logits.float(), tokens))
 
 
-def test_latent_attention_decodes_exactly_or_is_refused_by_name():
-    """DeepSeek-V3: transformers before 5.24 caches expanded keys and narrower values (exact
-    over the pages, values padded); from 5.24 it caches the latent and expands it each step,
-    which attention over the pages cannot read: refused."""
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3
-
-    model = _patched("tiny-deepseek_v3")
+def test_a_latent_cache_is_refused_and_keys_that_are_not_the_pages_too(monkeypatch):
+    """DeepSeek-V3 caches its compressed latent (keys and values of other shapes) and expands
+    it each step: refused at prefill. A cache whose update hands attention other tensors than
+    the pages (so attention would run over every key of a page, unwritten ones included) is
+    refused at the step."""
     ids, mask = _prompts()
-    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
-    if hasattr(modeling_deepseek_v3.DeepseekV3Attention, "expand_kv"):
-        with pytest.raises(NotImplementedError, match="transforms its cached keys"):
-            decoder.generate(ids, mask, STEPS)
-        return
-    tokens, logits = decoder.generate(ids, mask, STEPS, choose=_sampler(2))
-    assert torch.equal(_eager_decode_logits(model, ids, mask, tokens), logits)
+    latent = bik.hf.StaticDecoder(_patched("tiny-deepseek_v3"), max_len=ids.shape[1] + 2)
+    with pytest.raises(NotImplementedError, match="latent cache"):
+        latent.prefill(ids, mask)
+    decoder = bik.hf.StaticDecoder(_patched("tiny-qwen3"), max_len=ids.shape[1] + 2)
+    next_tokens = decoder.prefill(ids, mask).argmax(-1)
+    layer = type(decoder._cache.layers[0])
+    update = layer.update
+    monkeypatch.setattr(
+        layer, "update", lambda self, *a, **k: [t + 0 for t in update(self, *a, **k)]
+    )
+    with pytest.raises(NotImplementedError, match="not the static cache's pages"):
+        decoder.step(next_tokens)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3"])
