@@ -120,15 +120,38 @@ class Phase:
 
 def load(phase: Phase, out: Path) -> dict[tuple[str, int], History]:
     """The metrics of the complete runs; a directory holding another config's run (a reused
-    edge-grid run that does not match) is refused."""
-    results = {}
+    edge-grid run that does not match), or a remedy run that did not start as its control did
+    (:func:`check_pairing`), is refused."""
+    results, paths = {}, {}
     for key, (cfg, path) in phase.runs(out).items():
         if not sweep.complete(cfg, path):
             continue
         if rundir.load_config(path, cfg.task.module) != cfg:
             raise HarnessError(f"edge-remedies: {path} holds a run of another config")
-        results[key] = rundir.read_metrics(path)
+        results[key], paths[key] = rundir.read_metrics(path), path
+    check_pairing(results, paths)
     return results
+
+
+STEP0_DIGEST = "rollout/response_digests"
+
+
+def check_pairing(results: dict[tuple[str, int], History], paths: dict[Any, Path]) -> None:
+    """A remedy acts on the update only, so a remedy run's step-0 rollout is its control's,
+    token for token (the recipe logs each response's digest). A run whose step 0 differs
+    started from another warm-up (another CPU vector capability, torch or transformers: see
+    the machine line of each summary.md) and cannot be paired with its control: refused."""
+    for (arm, seed), history in results.items():
+        control = results.get((CONTROL, seed))
+        if ARMS[arm].dose != CONTROL or arm == CONTROL or control is None:
+            continue
+        ours, theirs = history[0].get(STEP0_DIGEST), control[0].get(STEP0_DIGEST)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise HarnessError(
+                f"edge-remedies: {paths[arm, seed]} did not sample the step-0 rollout of "
+                f"{paths[CONTROL, seed]}: it started from another warm-up (compare the "
+                "machine lines of their summary.md); rerun it where the control ran"
+            )
 
 
 # --- the statistics --------------------------------------------------------------------------

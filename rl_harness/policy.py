@@ -248,10 +248,13 @@ def model_files_digest(path: str | Path) -> str:
 
 def warmup_numerics() -> dict[str, Any]:
     """What the warm-up's bits depend on beyond its config: the torch thread count, the torch
-    version and the CPU's vector capability."""
+    and transformers versions (the model's code) and the CPU's vector capability."""
+    import transformers
+
     return {
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
     }
 

@@ -138,8 +138,6 @@ def eval_last(history: History) -> float | None:
 def summarize(history: History, cfg: Config, name: str, world_size: int = 1) -> dict[str, Any]:
     """The figures of one run that summary.md shows; ``world_size``: the number of
     processes that ran it (torchrun)."""
-    import torch
-
     return {
         "name": name,
         "steps": len(history),
@@ -156,8 +154,21 @@ def summarize(history: History, cfg: Config, name: str, world_size: int = 1) -> 
         "collapse_step": collapse.collapse_step(history),
         "first_flags": collapse.first_steps(history),
         "overrides": {k: v for k, v in flatten(cfg.to_dict()).items() if DEFAULTS.get(k) != v},
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": machine(),
     }
+
+
+def machine() -> str:
+    """What a run's bits depend on beyond its config: the CPU's vector capability (torch's
+    kernels and so the warm-up differ between AVX2 and AVX-512), torch and transformers."""
+    import torch
+    import transformers
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"{platform.processor() or platform.machine()} ({capability}), torch "
+        f"{torch.__version__}, transformers {transformers.__version__}"
+    )
 
 
 def _routing_flip(history: History) -> dict[str, float] | None:

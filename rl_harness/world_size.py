@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from . import recipes, rundir, runner
 from .config import Config
 from .distributed import World
 from .errors import HarnessError, RunDirError
+from .report import machine
 
 WEIGHT_STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
@@ -110,8 +110,7 @@ def report(one: dict[str, Any], many: dict[str, Any], world: int, label: str) ->
     lines = [
         f"# {label}, {steps} steps: world size 1 vs {world}",
         "",
-        f"- machine: {platform.processor() or platform.machine()}, torch {torch.__version__}; "
-        f"{world} gloo processes of one thread, and one process",
+        f"- machine: {machine()}; {world} gloo processes of one thread, and one process",
         "- step 0, bit-identical: "
         + ", ".join(f"{k} {'yes' if same else 'NO'}" for k, same in same0.items()),
         f"- step 0 gradient (summed over the ranks, clipped): {int((dg > 0).sum())} of "

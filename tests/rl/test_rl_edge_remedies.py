@@ -99,6 +99,23 @@ def test_the_phase_runs_reuses_and_reports(tmp_path, capsys):
     assert stop.value.code == 2 and "holds a run of another config" in capsys.readouterr().err
 
 
+def test_a_remedy_run_that_did_not_start_as_its_control_is_refused(tmp_path):
+    """The step-0 rollout precedes every update, so a remedy run shares its control's; one
+    that does not started from another warm-up (another CPU capability or library)."""
+    digest = edge_remedies.STEP0_DIGEST
+    results = {
+        ("fp8w", 0): [{digest: "a1"}],
+        ("fp8w_tis", 0): [{digest: "a1"}],
+        ("zero", 0): [{digest: "b2"}],  # another dose samples other tokens: not compared
+    }
+    paths = {key: tmp_path / f"{key[0]}-{key[1]}" for key in results}
+    edge_remedies.check_pairing(results, paths)
+    results["fp8w_mis", 0] = [{digest: "c3"}]
+    paths["fp8w_mis", 0] = tmp_path / "fp8w_mis-0"
+    with pytest.raises(HarnessError, match="fp8w_mis-0 did not sample the step-0 rollout"):
+        edge_remedies.check_pairing(results, paths)
+
+
 @pytest.mark.parametrize("command", ["edge", "edge-remedies"])
 def test_jobs_below_one_is_a_usage_error(command, capsys):
     argv = [command, "--seeds", "0", "--out", "x", "--jobs", "0"]
