@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .. import backends
+from ..families import MOE_FAMILIES
 from ..ops._dispatch import needs_custom_op
 from ..ops.attention import fp32_sinks, validate_options
 from .cache_keyword import cache_argument
@@ -299,9 +300,17 @@ class StaticDecoder:
 
     def _use_graph(self) -> bool:
         on_cuda = self._tokens.device.type == "cuda"
-        if self.graph_requested and not on_cuda:
+        graph = on_cuda if self.graph_requested is None else self.graph_requested
+        family = self.model._bik_patch.family  # type: ignore[union-attr]
+        if graph and family in MOE_FAMILIES:
+            raise NotImplementedError(
+                f"bik static decode: a {family} model's experts read their token counts on "
+                "the host (bik.grouped_linear), which a CUDA graph cannot capture; pass "
+                "graph=False to run its steps eagerly (the same bits)"
+            )
+        if graph and not on_cuda:
             raise ValueError("graph=True: CUDA graphs need the model on a CUDA device")
-        return on_cuda if self.graph_requested is None else self.graph_requested
+        return graph
 
     def _capture(self) -> Any:
         """Run the step once eagerly on a side stream (compiles, plans and checks happen

@@ -174,6 +174,9 @@ def test_refusals_name_what_is_wrong():
     with pytest.raises(ValueError, match="CUDA"):
         graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1, graph=True)
         graphed.step(graphed.prefill(ids, mask).argmax(-1))
+    moe = bik.hf.StaticDecoder(_patched("tiny-gpt_oss"), max_len=ids.shape[1] + 1, graph=True)
+    with pytest.raises(NotImplementedError, match="graph=False"):  # before the device check
+        moe.step(moe.prefill(ids, mask).argmax(-1))
     with pytest.raises(NotImplementedError, match="recurrent state"):
         bik.hf.StaticDecoder(_patched("tiny-qwen3_next"), max_len=8)
 
