@@ -23,6 +23,9 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
   one, a Qwen3.5-style hybrid; plans on and off, the bits compared) against the unpatched
   model.
+- ``static``: greedy decode over ``bik.hf.StaticDecoder``, each step one replayed CUDA graph,
+  against the decoder stepping eagerly and the patched and unpatched models' ``generate``
+  (the graph's tokens and logits compared with the eager decoder's).
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -96,10 +99,11 @@ GEMM_WEIGHTS_LARGE = [("Llama-8B down", 14336, 4096)]
 DECODE_KEYS = (1024, 8192, 32768)
 PART_SHARES = {
     "host": 0.2,
-    "table": 0.2,
-    "gemm": 0.25,
+    "table": 0.15,
+    "gemm": 0.2,
     "attention": 0.15,
     "e2e": 0.15,
+    "static": 0.1,
     "profile": 0.05,
 }
 
@@ -376,6 +380,47 @@ def part_e2e(record: Recorder, device, dtype, deadline: float, tiny: bool) -> No
         record(**row)
 
 
+def static_cases(tiny: bool) -> list[tuple[str, Any, int, int, int]]:
+    """(label, config, batch, prompt length, new tokens) of the static-cache decode."""
+    if tiny:
+        return [("tiny Qwen3-style", cases.qwen3_config(64, 2, 256, 16), 2, 8, 4)]
+    smollm2, qwen3 = cases.smollm2_config(576), cases.qwen3_config(2048, 8, 32000, 576)
+    return [
+        ("SmolLM2-135M shapes", smollm2, 1, 512, 64),
+        ("SmolLM2-135M shapes", smollm2, 16, 512, 64),
+        ("Qwen3-style 2048 wide, 8 layers", qwen3, 16, 512, 64),
+    ]
+
+
+def part_static(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """Greedy decode over bik.hf.StaticDecoder, each step one replayed CUDA graph (eager under
+    --rehearse), against the same decoder stepping eagerly and the patched and unpatched
+    models' generate (each with its prefill); the graph's tokens and logits against the eager
+    decoder's."""
+    for label, config, batch, length, new in static_cases(tiny):
+        if time.monotonic() > deadline:
+            return record(part="static", cut=label)
+        plain, patched = cases.plain_and_patched(config, device, dtype)
+        ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
+        mask = torch.ones_like(ids)
+        graphed = bik.hf.StaticDecoder(patched, length + new)  # a graph on CUDA
+        eager = bik.hf.StaticDecoder(patched, length + new, graph=False)
+        row: dict[str, Any] = dict(part="static", op="static_decode")
+        row["shape"] = f"{label} B={batch} T={length} new={new}"
+        outputs = zip(graphed.generate(ids, mask, new), eager.generate(ids, mask, new))
+        row["graph_equal_eager"] = all(same(a, b) for a, b in outputs)
+        timed = {
+            "graph_ms": lambda: graphed.generate(ids, mask, new),
+            "eager_ms": lambda: eager.generate(ids, mask, new),
+            "generate_ms": lambda: cases.generate_or_forward(patched, ids, "decode", new, 0),
+            "plain_generate_ms": lambda: cases.generate_or_forward(plain, ids, "decode", new, 0),
+        }
+        for name, fn in timed.items():
+            row[name] = eager_us(fn, device, calls=2) / 1e3
+        row["graph_vs_plain"] = row["plain_generate_ms"] / row["graph_ms"]
+        record(**row)
+
+
 def part_profile(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
     case = host_cases(tiny)[0]
     bik_fn, _ = case.make(device, dtype)
@@ -397,6 +442,7 @@ PARTS = {
     "gemm": part_gemm,
     "attention": part_attention,
     "e2e": part_e2e,
+    "static": part_static,
     "profile": part_profile,
 }
 

@@ -54,6 +54,11 @@ class DecodeStep:
         self.positions.add_(1)
         self.seq_lens.add_(1)
 
+    def reset(self, lengths: torch.Tensor) -> None:
+        """A new prefill's lengths, written in place (a captured graph keeps reading these)."""
+        self.positions.copy_(lengths)
+        self.seq_lens.copy_(lengths + 1)
+
 
 _RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("bik_static_step", default=False)
 
@@ -183,7 +188,8 @@ class StaticDecoder:
     trainer's full forward's (``bik.sequence_logprobs``) bit for bit. ``max_len``: the longest
     row the cache holds, prompt included. ``graph``: capture the step (default: on CUDA); the
     first step runs eagerly (compiling the kernels, filling bik's launch plans) before the
-    capture, so nothing is compiled or checked inside it.
+    capture, so nothing is compiled or checked inside it. A later prefill of the same batch
+    size refills the same buffers, so the captured step serves every batch of a rollout.
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int, graph: bool | None = None) -> None:
@@ -223,21 +229,37 @@ class StaticDecoder:
             **cache_argument(self.model, dynamic),
             use_cache=True,
         )
-        self._step = DecodeStep(lengths)
-        self._cache = self._static_cache(dynamic, input_ids.shape[1])
-        self._graph = None
-        batch = input_ids.shape[0]
-        device = input_ids.device
-        self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self._mask = torch.ones(batch, 1, 1, self.max_len, dtype=torch.bool, device=device)
-        self._logits = out.logits[:, -1].clone()
+        logits = out.logits[:, -1]
+        if self._fits(dynamic, logits):  # same shapes: refill the buffers, keep the graph
+            assert self._step is not None
+            self._step.reset(lengths)
+            self._logits.copy_(logits)
+        else:
+            self._allocate(dynamic, lengths, logits)
+        for layer, source in zip(self._cache.layers, dynamic.layers):
+            keys, values = layer.pages
+            for row, length in enumerate(self._lengths):  # pages past a row's length unread
+                keys[row, :, :length] = source.keys[row, :, input_ids.shape[1] - length :]
+                values[row, :, :length] = source.values[row, :, input_ids.shape[1] - length :]
         return self._logits
 
-    def _static_cache(self, dynamic: Any, width: int) -> Any:
-        """``dynamic``'s keys and values, each row's from index 0 of its page (left padding
-        dropped), in fresh ``[B, Hkv, max_len, D]`` pages."""
+    def _fits(self, dynamic: Any, logits: torch.Tensor) -> bool:
+        """Whether the buffers of the last prefill hold this one (same batch, layers, heads,
+        dtype and device): then a captured step still reads and writes the right memory."""
+        if self._cache is None or self._logits.shape != logits.shape:
+            return False
+        pages = [layer.pages[0] for layer in self._cache.layers]
+        return len(pages) == len(dynamic.layers) and all(
+            (page.shape[:2], page.shape[3], page.dtype, page.device)
+            == (source.keys.shape[:2], source.keys.shape[3], source.keys.dtype, source.keys.device)
+            for page, source in zip(pages, dynamic.layers)
+        )
+
+    def _allocate(self, dynamic: Any, lengths: torch.Tensor, logits: torch.Tensor) -> None:
+        """Fresh ``[B, Hkv, max_len, D]`` pages for each layer of ``dynamic``, the step's
+        device tensors and the step's input and output buffers; any captured graph is dropped."""
         layer_class, cache_class = _cache_classes()
-        assert self._step is not None
+        self._step, self._graph = DecodeStep(lengths), None
         layers = []
         for layer in dynamic.layers:
             keys, values = layer.keys, layer.values
@@ -249,12 +271,12 @@ class StaticDecoder:
                     "model with model.generate"
                 )
             shape = (*keys.shape[:2], self.max_len, keys.shape[3])
-            pages = keys.new_zeros(shape), values.new_zeros(shape)
-            for row, length in enumerate(self._lengths):
-                pages[0][row, :, :length] = keys[row, :, width - length :]
-                pages[1][row, :, :length] = values[row, :, width - length :]
-            layers.append(layer_class(*pages, self._step))
-        return cache_class(layers)
+            layers.append(layer_class(keys.new_zeros(shape), values.new_zeros(shape), self._step))
+        self._cache = cache_class(layers)
+        batch, device = logits.shape[0], logits.device
+        self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self._mask = torch.ones(batch, 1, 1, self.max_len, dtype=torch.bool, device=device)
+        self._logits = logits.clone()
 
     def _run_step(self) -> None:
         """One decode step on the buffers: the part a CUDA graph captures."""

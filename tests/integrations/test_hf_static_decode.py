@@ -103,6 +103,24 @@ def test_static_decode_gives_the_bits_of_the_eager_decode_and_the_trainer(preset
     assert torch.equal(trained, bik.token_logprobs(logits.float(), tokens))
 
 
+def test_a_decoder_reused_for_new_prompts_equals_a_fresh_one():
+    """A second prefill of the same batch size refills the buffers of the first (a captured
+    step keeps its addresses): nothing of the first batch leaks into the second. Another
+    batch size gets new buffers."""
+    model = _patched("tiny-qwen3")
+    ids, mask = _prompts()
+    other_ids, other_mask = bik.hf.left_pad([torch.arange(3, 3 + n) for n in (9, 1, 4, 6)], 0)
+    decoder = bik.hf.StaticDecoder(model, max_len=16)
+    decoder.generate(ids, mask, 4)
+    reused = decoder.generate(other_ids, other_mask, 4)
+    fresh = bik.hf.StaticDecoder(model, max_len=16).generate(other_ids, other_mask, 4)
+    assert all(torch.equal(a, b) for a, b in zip(reused, fresh))
+    narrower = decoder.generate(ids[:2], mask[:2], 4)
+    assert torch.equal(
+        narrower[1], bik.hf.StaticDecoder(model, 16).generate(ids[:2], mask[:2], 4)[1]
+    )
+
+
 def test_a_latent_cache_is_refused_and_keys_that_are_not_the_pages_too(monkeypatch):
     """DeepSeek-V3 caches its compressed latent (keys and values of other shapes) and expands
     it each step: refused at prefill. A cache whose update hands attention other tensors than

@@ -290,7 +290,7 @@ def smollm2_config(positions: int):
     )
 
 
-def _plain_and_patched(config, device, dtype):
+def plain_and_patched(config, device, dtype):
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -306,7 +306,7 @@ def moe_block(tokens: int, hidden: int) -> Case:
 
     def inputs(device, dtype):
         config = qwen3_config(hidden, 1, 1024, 64, moe=True)
-        plain, patched = _plain_and_patched(config, device, dtype)
+        plain, patched = plain_and_patched(config, device, dtype)
         return plain, patched, _randn(1, tokens, hidden, device=device, dtype=dtype)
 
     def call(model, x):
@@ -374,7 +374,7 @@ def delta_rule(batch: int, tokens: int, heads: int, k_dim: int = 128, v_dim: int
     return Case("delta_rule", label, flops, traffic, inputs, ours, baseline)
 
 
-def _generate_or_forward(
+def generate_or_forward(
     model: PreTrainedModel, ids: torch.Tensor, kind: str, new_tokens: int, pad: int
 ) -> torch.Tensor:
     with torch.no_grad():
@@ -411,7 +411,7 @@ def real_model(kind: str, batch: int, length: int, new_tokens: int = 16) -> Case
         return plain, patched, torch.randint(3, vocab, (batch, length), device=device)
 
     pad = 2  # SmolLM2's <|im_end|>, its pad and EOS token
-    call = lambda model, ids: _generate_or_forward(model, ids, kind, new_tokens, pad)
+    call = lambda model, ids: generate_or_forward(model, ids, kind, new_tokens, pad)
     return Case(
         f"e2e_smollm2_{kind}",
         f"SmolLM2-135M B={batch} T={length}" + (f" +{new_tokens}" if kind == "decode" else ""),
@@ -507,11 +507,11 @@ def smollm2_decode(batch: int, length: int, new_tokens: int = 16) -> Case:
 def _model_case(op, kind, label, make_config, batch, length, new_tokens) -> Case:
     def inputs(device, dtype):
         config = make_config()
-        plain, patched = _plain_and_patched(config, device, dtype)
+        plain, patched = plain_and_patched(config, device, dtype)
         ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
         return plain, patched, ids
 
-    call = lambda model, ids: _generate_or_forward(model, ids, kind, new_tokens, 0)
+    call = lambda model, ids: generate_or_forward(model, ids, kind, new_tokens, 0)
 
     tokens = batch * (length if kind == "forward" else new_tokens)
     return Case(
