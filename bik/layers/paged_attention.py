@@ -71,12 +71,9 @@ def paged_attention(
     _check_cache("key_cache", key_cache, query)
     _check_cache("value_cache", value_cache, query)
     _check_heads(query, key_cache, value_cache)
-    pages = [-(-n // key_cache.shape[2]) for n in seq_lens]  # each sequence's pages in use
-    _check_step(query, key_cache, block_table, query_start, seq_lens, pages)
-    starts_on_device, lens_on_device, pages_on_device = _on_device(
-        query.device, query_start, seq_lens, pages
+    starts_on_device, lens_on_device = _step_on_device(
+        query, key_cache, block_table, query_start, seq_lens
     )
-    _check_listed_blocks(key_cache, block_table, pages, pages_on_device)
     options = validate_options(query, True, scale, split_size, softcap, window, sinks)
     if query.numel() == 0:
         return query.new_zeros(query.shape)
@@ -90,6 +87,48 @@ def paged_attention(
     return _gathered(
         query, key_cache, value_cache, block_table, query_start, seq_lens, options, sinks
     )
+
+
+# (what a step's checks and device copies depend on, the copies): an engine calls every layer
+# of a step with the same sequences, so they are checked and copied once per step.
+_last_step: list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None] = [None]
+
+
+def _step_on_device(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: list[int],
+    seq_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query_start`` and ``seq_lens`` checked against the query, the cache and the block
+    table, and copied to the device: once per step, not once per layer (a layer repeats the
+    previous call's lists, table and cache sizes; the table's version counter changes with
+    every write to it, so an edited table is checked again)."""
+    _integers("block_table", block_table, 2, "block ids")  # before reading its pointer
+    key = (
+        tuple(query_start),
+        tuple(seq_lens),
+        query.shape[0],
+        query.device,
+        key_cache.shape[0],
+        key_cache.shape[2],
+        block_table.data_ptr(),
+        block_table.dtype,
+        block_table.device,
+        block_table.shape,
+        block_table.stride(),
+        block_table._version,
+    )
+    cached = _last_step[0]  # one read: the entry is replaced whole, never edited
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    pages = [-(-n // key_cache.shape[2]) for n in seq_lens]  # each sequence's pages in use
+    _check_step(query, key_cache, block_table, query_start, seq_lens, pages)
+    starts, lens, pages_on_device = _on_device(query.device, query_start, seq_lens, pages)
+    _check_listed_blocks(key_cache, block_table, pages, pages_on_device)
+    _last_step[0] = (key, (starts, lens))
+    return starts, lens
 
 
 def _rows_of_ids(block_table: torch.Tensor) -> torch.Tensor:

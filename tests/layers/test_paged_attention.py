@@ -250,6 +250,26 @@ def test_a_column_strided_block_table_reads_its_own_columns(paged_backend, dtype
         assert_bitwise(got, expected, f"{len(step[1]) - 1} sequences, {step[0].shape[0]} rows")
 
 
+def test_a_steps_sequences_are_checked_and_copied_once_for_all_its_layers(monkeypatch):
+    """An engine calls every layer of a step with the same lists: one check and one device
+    copy serve them all; new lists, or a block table written in place, are checked again."""
+    q, kc, vc, table, starts, lens = _two_sequences()
+    copies = []
+    on_device = paged_module._on_device
+    monkeypatch.setattr(paged_module, "_on_device", lambda *a: copies.append(a) or on_device(*a))
+    first = paged_attention(q, kc, vc, table, starts, lens, scale=0.5)
+    for _ in range(3):  # the step's other layers
+        assert_bitwise(
+            paged_attention(q, kc, vc, table, list(starts), list(lens), scale=0.5), first
+        )
+    assert len(copies) == 1
+    paged_attention(q[:41], kc, vc, table, [0, 40, 41], [40, 6], scale=0.5)  # the next step
+    assert len(copies) == 2
+    table[1, 0] = kc.shape[0]  # a block the cache does not have, written in place
+    with pytest.raises(ValueError, match="block_table"):
+        paged_attention(q[:41], kc, vc, table, [0, 40, 41], [40, 6], scale=0.5)
+
+
 def test_padding_slots_are_skipped():
     k, v = torch.ones(3, 1, 4), torch.ones(3, 1, 4)
     kc, vc = torch.zeros(2, 1, 16, 4), torch.zeros(2, 1, 16, 4)
