@@ -400,25 +400,29 @@ def part_static(record: Recorder, device, dtype, deadline: float, tiny: bool) ->
     for label, config, batch, length, new in static_cases(tiny):
         if time.monotonic() > deadline:
             return record(part="static", cut=label)
-        plain, patched = cases.plain_and_patched(config, device, dtype)
-        ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
-        mask = torch.ones_like(ids)
-        graphed = bik.hf.StaticDecoder(patched, length + new)  # a graph on CUDA
-        eager = bik.hf.StaticDecoder(patched, length + new, graph=False)
-        row: dict[str, Any] = dict(part="static", op="static_decode")
-        row["shape"] = f"{label} B={batch} T={length} new={new}"
-        outputs = zip(graphed.generate(ids, mask, new), eager.generate(ids, mask, new))
-        row["graph_equal_eager"] = all(same(a, b) for a, b in outputs)
-        timed = {
-            "graph_ms": lambda: graphed.generate(ids, mask, new),
-            "eager_ms": lambda: eager.generate(ids, mask, new),
-            "generate_ms": lambda: cases.generate_or_forward(patched, ids, "decode", new, 0),
-            "plain_generate_ms": lambda: cases.generate_or_forward(plain, ids, "decode", new, 0),
-        }
-        for name, fn in timed.items():
-            row[name] = eager_us(fn, device, calls=2) / 1e3
-        row["graph_vs_plain"] = row["plain_generate_ms"] / row["graph_ms"]
-        record(**row)
+        row = static_row(config, batch, length, new, device, dtype)
+        record(part="static", op="static_decode", shape=f"{label} B={batch} T={length}", **row)
+
+
+def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict[str, Any]:
+    """One model's static-cache decode (``new`` tokens after ``length``) timed four ways."""
+    plain, patched = cases.plain_and_patched(config, device, dtype)
+    ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
+    mask = torch.ones_like(ids)
+    graphed = bik.hf.StaticDecoder(patched, length + new)  # a graph on CUDA
+    eager = bik.hf.StaticDecoder(patched, length + new, graph=False)
+    outputs = zip(graphed.generate(ids, mask, new), eager.generate(ids, mask, new))
+    row: dict[str, Any] = {"new": new, "graph_equal_eager": all(same(a, b) for a, b in outputs)}
+    timed = {
+        "graph_ms": lambda: graphed.generate(ids, mask, new),
+        "eager_ms": lambda: eager.generate(ids, mask, new),
+        "generate_ms": lambda: cases.generate_or_forward(patched, ids, "decode", new, 0),
+        "plain_generate_ms": lambda: cases.generate_or_forward(plain, ids, "decode", new, 0),
+    }
+    for name, fn in timed.items():
+        row[name] = eager_us(fn, device, calls=2) / 1e3
+    row["graph_vs_plain"] = row["plain_generate_ms"] / row["graph_ms"]
+    return row
 
 
 def part_profile(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:

@@ -221,7 +221,7 @@ class StaticDecoder:
             raise ValueError(
                 f"input_ids: a prompt of {max(self._lengths)} tokens exceeds max_len {self.max_len}"
             )
-        dynamic = DynamicCache()
+        dynamic: Any = DynamicCache()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
