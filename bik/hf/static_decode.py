@@ -10,10 +10,10 @@ sequence's first key, as bik.attention counts them from ``kv_start``: a step giv
 the eager patched decode and of the trainer's one full forward.
 
 Nothing in a step reads a tensor's value on the host (tests/integrations/
-test_hf_static_decode.py runs a step under a mode that fails on any such read), and every
-shape in it is fixed by the batch and ``max_len``; the few host integers it keeps (the step
-count) only check capacity and are never fed to a kernel. Families whose layers keep a
-recurrent state (linear attention, Mamba) have no static cache here: refused.
+test_hf_static_decode.py runs a step under a detector of such reads), and every shape in it is
+fixed by the batch and ``max_len``; the host integers it keeps (each row's length) only check
+capacity and answer transformers' bookkeeping, and are never fed to a kernel. Families whose
+layers keep a recurrent state (linear attention, Mamba) have no static cache here: refused.
 """
 
 from __future__ import annotations
