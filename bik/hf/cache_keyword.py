@@ -5,8 +5,6 @@ calls a model with the one its forward declares (an old name warns, then goes aw
 import inspect
 from typing import Any
 
-import torch
-
 _NAMES = ("cache", "past_key_values", "cache_params")
 
 
@@ -20,7 +18,15 @@ def pop_cache(kwargs: dict[str, Any], given: Any = None) -> Any:
     return given
 
 
-def cache_argument(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """``{keyword: cache}`` for a call of ``model`` (its forward's name for the cache)."""
-    parameters = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``{keyword: cache}`` for a call of ``model`` (its forward's name for the cache). Read
+    once per model class: decode loops call a model once a token, and reading a decorated
+    forward's signature costs tens of microseconds."""
+    model_class = type(model)
+    if model_class not in _KEYWORDS:
+        parameters = inspect.signature(model_class.forward).parameters
+        _KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
+    return {_KEYWORDS[model_class]: cache}
+
+
+_KEYWORDS: dict[type, str] = {}  # model class -> its forward's name for the cache
