@@ -24,8 +24,10 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   one, a Qwen3.5-style hybrid; plans on and off, the bits compared) against the unpatched
   model.
 - ``static``: greedy decode over ``bik.hf.StaticDecoder``, each step one replayed CUDA graph,
-  against the decoder stepping eagerly and the patched and unpatched models' ``generate``
-  (the graph's tokens and logits compared with the eager decoder's).
+  against the decoder stepping eagerly, the patched and unpatched models' ``generate``, and
+  the unpatched model under the same plain capture (transformers' StaticCache, each step one
+  graph: ``graph_vs_plain_graph``, the issue's ratio); the graph's tokens and logits compared
+  with the eager decoder's.
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -61,6 +63,7 @@ import torch.nn.functional as F
 import bik
 from bik.backends.triton import _common
 from bik.tools.bench import cases, graphs
+from bik.tools.bench.plain_static import PlainStaticDecode
 
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
@@ -405,7 +408,7 @@ def part_static(record: Recorder, device, dtype, deadline: float, tiny: bool) ->
 
 
 def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict[str, Any]:
-    """One model's static-cache decode (``new`` tokens after ``length``) timed four ways."""
+    """One model's static-cache decode (``new`` tokens after ``length``) timed five ways."""
     plain, patched = cases.plain_and_patched(config, device, dtype)
     ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
     mask = torch.ones_like(ids)
@@ -413,15 +416,22 @@ def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict
     eager = bik.hf.StaticDecoder(patched, length + new, graph=False)
     outputs = zip(graphed.generate(ids, mask, new), eager.generate(ids, mask, new))
     row: dict[str, Any] = {"new": new, "graph_equal_eager": all(same(a, b) for a, b in outputs)}
+    plain_graphed = PlainStaticDecode(plain, length + new)  # a graph on CUDA, as bik's
+    plain_tokens = cases.generate_or_forward(plain, ids, "decode", new, 0)[:, length:]
+    row["plain_graph_tokens_equal_generate"] = same(
+        plain_graphed.generate(ids, mask, new)[0], plain_tokens
+    )
     timed = {
         "graph_ms": lambda: graphed.generate(ids, mask, new),
         "eager_ms": lambda: eager.generate(ids, mask, new),
         "generate_ms": lambda: cases.generate_or_forward(patched, ids, "decode", new, 0),
+        "plain_graph_ms": lambda: plain_graphed.generate(ids, mask, new),
         "plain_generate_ms": lambda: cases.generate_or_forward(plain, ids, "decode", new, 0),
     }
     for name, fn in timed.items():
         row[name] = eager_us(fn, device, calls=2) / 1e3
-    row["graph_vs_plain"] = row["plain_generate_ms"] / row["graph_ms"]
+    row["graph_vs_plain_graph"] = row["plain_graph_ms"] / row["graph_ms"]
+    row["graph_vs_plain_generate"] = row["plain_generate_ms"] / row["graph_ms"]
     return row
 
 

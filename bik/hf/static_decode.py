@@ -177,6 +177,21 @@ def _attention_layers(model: torch.nn.Module) -> None:
         )
 
 
+def capture_step(run_step: Callable[[], None]) -> Any:
+    """Run a decode step once eagerly on a side stream (compiles, launch plans and self-checks
+    happen there, never inside the capture), then record it in a CUDA graph: recording runs
+    nothing, so the decode's state is one step on, as after an eager step. Returns the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run_step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_step()
+    return graph
+
+
 class StaticDecoder:
     """A decode loop over a static KV cache for a model patched by ``bik.patch_model``;
     on a CUDA device each step is one captured CUDA graph, replayed.
@@ -313,7 +328,7 @@ class StaticDecoder:
         self._step.longest = max(self._lengths)
         self._lengths = [n + 1 for n in self._lengths]
         if self._use_graph() and self._graph is None:
-            self._graph = self._capture()  # the step just ran eagerly, once
+            self._graph = capture_step(self._run_step)
         elif self._graph is not None:
             self._graph.replay()
         else:
@@ -334,19 +349,6 @@ class StaticDecoder:
             raise ValueError("graph=True: CUDA graphs need the model on a CUDA device")
         return graph
 
-    def _capture(self) -> Any:
-        """Run the step once eagerly on a side stream (compiles, plans and checks happen
-        here), then record it: recording runs nothing, so the state stays one step on."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._run_step()
-        return graph
-
     @torch.no_grad()
     def generate(
         self,
@@ -358,12 +360,24 @@ class StaticDecoder:
         """Prefill, then ``max_new_tokens`` steps; ``choose(logits [B, V]) -> tokens [B]``
         picks each token (default: greedy). Returns (the new tokens ``[B, N]``, the logits
         each was chosen from ``[B, N, V]``)."""
-        choose = choose or (lambda logits: logits.argmax(-1))
         logits = self.prefill(input_ids, attention_mask)
-        tokens, kept = [], []
-        for index in range(max_new_tokens):
-            kept.append(logits.clone())
-            tokens.append(choose(logits))
-            if index + 1 < max_new_tokens:
-                logits = self.step(tokens[-1])
-        return torch.stack(tokens, 1), torch.stack(kept, 1)
+        return decode_loop(logits, self.step, max_new_tokens, choose)
+
+
+def decode_loop(
+    logits: torch.Tensor,
+    step: Callable[[torch.Tensor], torch.Tensor],
+    max_new_tokens: int,
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``max_new_tokens`` tokens from a prefill's ``logits`` [B, V]: ``choose`` picks each
+    (default: greedy) and ``step`` feeds it and returns the next logits (a buffer it may
+    reuse, so each is copied). Returns (the tokens ``[B, N]``, their logits ``[B, N, V]``)."""
+    choose = choose or (lambda scores: scores.argmax(-1))
+    tokens, kept = [], []
+    for index in range(max_new_tokens):
+        kept.append(logits.clone())
+        tokens.append(choose(logits))
+        if index + 1 < max_new_tokens:
+            logits = step(tokens[-1])
+    return torch.stack(tokens, 1), torch.stack(kept, 1)

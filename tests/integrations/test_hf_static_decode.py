@@ -2,10 +2,9 @@
 (so a CUDA graph can capture its step) and gives the bits of the eager patched decode and of
 the trainer's full forward."""
 
-import contextlib
-
 import pytest
 import torch
+from host_reads import host_reads
 
 import bik
 from bik import testing
@@ -13,17 +12,6 @@ from bik.tools import demo
 
 pytest.importorskip("transformers")
 
-# Operators whose result the host must read (a device sync, impossible under graph capture).
-HOST_READS = {
-    "aten::item",
-    "aten::_local_scalar_dense",
-    "aten::is_nonzero",
-    "aten::equal",
-    "aten::nonzero",
-    "aten::masked_select",
-    "aten::_unique2",
-    "aten::unique_consecutive",
-}
 PROMPTS = (5, 11, 2, 7)
 STEPS = 8
 
@@ -61,27 +49,6 @@ def _patched(preset, dtype=torch.float32):
     model = testing.load_model(preset, dtype=dtype)
     bik.patch_model(model)
     return model
-
-
-@contextlib.contextmanager
-def host_reads():
-    """Collects the host reads made inside: dispatched operators that return a value to the
-    host (the profiler sees them without changing how bik dispatches) and ``tolist``, which
-    reads a CPU tensor without dispatching."""
-    found: list[str] = []
-    tolist = torch.Tensor.tolist
-
-    def recorded_tolist(self, *args, **kwargs):
-        found.append("Tensor.tolist")
-        return tolist(self, *args, **kwargs)
-
-    torch.Tensor.tolist = recorded_tolist  # type: ignore[method-assign]
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            yield found
-    finally:
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-    found += sorted({event.name for event in prof.events() if event.name in HOST_READS})
 
 
 @pytest.mark.parametrize(
