@@ -8,7 +8,9 @@ collapses runs more often than no mismatch does, which remedy delays the collaps
 grid's directory, the arms ``zero`` and ``fp8w`` reuse its runs of the same LR and seed
 (their configs are checked equal). Every arm of a seed shares the prompts and the sampling
 noise (coupled sampling), so the arms pair by seed. ``--report`` writes the report of the
-runs already complete, running none.
+runs already complete, running none. A pair needs one warm-up, and the warm-up's bits are the
+machine's (plain torch): ``--also DIR`` reads whole seeds made on another machine in a
+directory of their own, each seed's arms from one directory (:func:`seed_sources`).
 
 ``DIR/remedies_lr<LR>.md`` (and ``.png``), from the complete runs:
 
@@ -118,19 +120,51 @@ class Phase:
         }
 
 
-def load(phase: Phase, out: Path) -> dict[tuple[str, int], History]:
-    """The metrics of the complete runs; a directory holding another config's run (a reused
-    edge-grid run that does not match), or a remedy run that did not start as its control did
+def load(
+    phase: Phase, out: Path, also: Sequence[Path] = ()
+) -> tuple[dict[tuple[str, int], History], dict[int, Path]]:
+    """The metrics of the complete runs, and the directory each seed's runs were read from
+    (:func:`seed_sources`); a directory holding another config's run (a reused edge-grid run
+    that does not match), or a remedy run that did not start as its control did
     (:func:`check_pairing`), is refused."""
+    complete = {directory: _complete_runs(phase, directory) for directory in (out, *also)}
+    sources = seed_sources(phase, complete)
     results, paths = {}, {}
+    for seed, directory in sources.items():
+        for arm in phase.arms:
+            if (arm, seed) in complete[directory]:
+                paths[arm, seed] = complete[directory][arm, seed]
+                results[arm, seed] = rundir.read_metrics(paths[arm, seed])
+    check_pairing(results, paths)
+    return results, sources
+
+
+def _complete_runs(phase: Phase, out: Path) -> dict[tuple[str, int], Path]:
+    found = {}
     for key, (cfg, path) in phase.runs(out).items():
         if not sweep.complete(cfg, path):
             continue
         if rundir.load_config(path, cfg.task.module) != cfg:
             raise HarnessError(f"edge-remedies: {path} holds a run of another config")
-        results[key], paths[key] = rundir.read_metrics(path), path
-    check_pairing(results, paths)
-    return results
+        found[key] = path
+    return found
+
+
+def seed_sources(
+    phase: Phase, complete: dict[Path, dict[tuple[str, int], Path]]
+) -> dict[int, Path]:
+    """Each seed's directory: the first (in the order given: ``--out``, then each ``--also``)
+    that holds every arm of the seed complete, or, while none does, the one holding the most
+    (the first on a tie). Every arm of a seed is read from one directory, because a pair
+    is only a pair when both runs started from one warm-up, made on one kind of machine
+    (results/rl/RESULTS.md, section 17's amendment); a seed in no directory is left out."""
+    sources = {}
+    for seed in phase.seeds:
+        counts = {d: sum((arm, seed) in runs for arm in phase.arms) for d, runs in complete.items()}
+        best = max(counts.values())
+        if best:
+            sources[seed] = next(d for d, n in counts.items() if n == best)
+    return sources
 
 
 STEP0_DIGEST = "rollout/response_digests"
@@ -228,13 +262,25 @@ def _paired(
     ]
 
 
-def report_markdown(results: dict[tuple[str, int], History], phase: Phase) -> str:
+def report_markdown(
+    results: dict[tuple[str, int], History], phase: Phase, sources: dict[int, Path] | None = None
+) -> str:
+    """The report; ``sources``, when the seeds were read from several directories, names
+    each seed's."""
     seeds = sorted({s for _, s in results})
     horizon = max(len(h) for h in results.values())
     lines = [
         f"Learning rate {phase.lr:g}; complete runs: {len(results)} ({len(seeds)} seeds: "
         f"{', '.join(map(str, seeds))}); the runs are {horizon} steps long.",
         "",
+    ]
+    if sources:
+        by_directory: dict[str, list[str]] = {}
+        for seed, directory in sorted(sources.items()):
+            by_directory.setdefault(directory.name, []).append(str(seed))
+        read = "; ".join(f"seeds {', '.join(s)} from `{d}/`" for d, s in by_directory.items())
+        lines += [f"Each seed's arms read from one directory (one machine): {read}.", ""]
+    lines += [
         "Per arm: runs collapsed persistently, the restricted time to collapse (the collapse",
         "step, or the run's length when it never collapsed), the endpoint (mean of the last 3",
         "held-out evaluations), mean ± half-width of the 95 % interval over seeds, and how much",
@@ -347,11 +393,11 @@ def plot(results: dict[tuple[str, int], History], phase: Phase, path: Path) -> N
     rundir.shrink_png(path)
 
 
-def write_report(phase: Phase, out: Path) -> str:
-    results = load(phase, out)
+def write_report(phase: Phase, out: Path, also: Sequence[Path] = ()) -> str:
+    results, sources = load(phase, out, also)
     if not results:
         raise HarnessError(f"edge-remedies: no complete run under {out} yet")
-    text = report_markdown(results, phase)
+    text = report_markdown(results, phase, sources if also else {})
     write_atomic(out / f"remedies_lr{phase.lr:g}.md", text)
     report.plot_or_warn(lambda path: plot(results, phase, path), out / _plot_name(phase))
     return text
@@ -385,6 +431,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decay-period", type=int, default=0, help="fp8w_fixed's period")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every run")
     parser.add_argument("--out", required=True, help="the directory (an edge grid's, to reuse)")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="read too: whole seeds made on another machine (each seed from one directory)",
+    )
     edge.add_run_arguments(parser)
 
 
@@ -394,5 +447,5 @@ def main(args: argparse.Namespace) -> int:
     runs = phase.runs(out)  # a bad --recipe, --set or --decay-period fails before any run
     if not args.report:
         edge.run_grid(list(runs.values()), out, jobs=args.jobs, cache_dir=args.cache_dir)
-    print(write_report(phase, out))
+    print(write_report(phase, out, [rundir.resolved(d) for d in args.also]))
     return 0

@@ -1,6 +1,9 @@
 """The edge's remedy phase: the arms' configs (the control and the reference are the edge
 grid's own runs), the paired statistics, and the phase end to end on the tiny policy."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 from rl_helpers import TINY
 
@@ -97,6 +100,26 @@ def test_the_phase_runs_reuses_and_reports(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:  # the recorded run is not this config's
         main(other)
     assert stop.value.code == 2 and "holds a run of another config" in capsys.readouterr().err
+    shutil.copytree(tmp_path / "g", tmp_path / "h")  # the seed made whole elsewhere too
+    shutil.rmtree(phase.runs(tmp_path / "g")["fp8w_fixed", 0][1])
+    assert main(["edge-remedies", "--arms", "fp8w,fp8w_fixed", *args, "--report"]) == 0
+    assert "complete runs: 1 (1 seeds: 0)" in capsys.readouterr().out
+    both = ["edge-remedies", "--arms", "fp8w,fp8w_fixed", *args, "--also", str(tmp_path / "h")]
+    assert main([*both, "--report"]) == 0
+    text = capsys.readouterr().out
+    assert "complete runs: 2 (1 seeds: 0)" in text and "seeds 0 from `h/`" in text
+
+
+def test_each_seed_is_read_from_one_directory_the_first_that_holds_it_whole():
+    phase = Phase("edge", 1e-3, ["fp8w", "fp8w_tis"], [0, 1, 2, 3, 4], [], 0)
+    first, second = Path("first"), Path("second")
+    complete = {
+        first: {("fp8w", 0): first, ("fp8w_tis", 0): first, ("fp8w", 1): first, ("fp8w", 4): first},
+        second: {("fp8w", 0): second, ("fp8w_tis", 0): second, ("fp8w", 1): second},
+    }
+    complete[second].update({("fp8w_tis", 1): second, ("fp8w", 2): second, ("fp8w", 4): second})
+    sources = edge_remedies.seed_sources(phase, complete)
+    assert sources == {0: first, 1: second, 2: second, 4: first}  # 3: in neither
 
 
 def test_a_remedy_run_that_did_not_start_as_its_control_is_refused(tmp_path):
