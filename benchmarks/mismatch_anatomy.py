@@ -34,7 +34,6 @@ import csv
 import itertools
 import json
 import math
-import platform
 import resource
 import sys
 import time
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bik import hf, models
+from bik.machine import cpu_model
 from bik.testing import sample_prompts
 from bik.tools import demo
 from bik.tools.cli import positive_int
@@ -535,14 +535,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    for line in (
-        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    ):
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:

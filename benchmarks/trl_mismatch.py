@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bik.machine import cpu_model
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 PROMPTS = ["the cat", "a", "hello there, friend", "so.", "an apple a day", "why not"]
@@ -216,10 +217,7 @@ def main() -> None:
         print(json.dumps(run_arm(args.arm, args.model_dir, args.steps)))
         return
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    with open("/proc/cpuinfo") as cpuinfo:
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
-    machine = f"{names[0]}, {os.cpu_count()} cores, shared and loaded" if names else machine
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, shared and loaded"
     records, load = [], [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as model_dir:
         build_model(Path(model_dir))

@@ -1,20 +1,43 @@
-"""The name of the machine a figure was measured on (the GPU, or the CPU model and the torch
-threads): the bench, the demo and the benchmarks print it beside their numbers."""
+"""The machine a figure was measured on (the GPU, or the CPU model and the torch threads): the
+bench, the demo and the benchmarks print it beside their numbers; and what plain torch's CPU
+bits depend on (:func:`cpu_numerics`), which rl_harness records with each run."""
 
+import functools
 import platform
 
 import torch
 
 
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if not line.strip():
+                    break
+                name, _, value = line.partition(":")
+                fields[name.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``platform.processor()`` where /proc/cpuinfo has none)."""
+    return _cpuinfo().get("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_numerics() -> str:
+    """The CPU as plain torch's bits see it: its model, the vector capability torch's kernels
+    dispatch to (AVX2, AVX512) and whether it has AMX, which oneDNN's bf16 matmuls use: an
+    Intel Xeon and an AMD EPYC both report AVX512, yet round bf16 products differently."""
+    amx = ", AMX" if "amx_bf16" in _cpuinfo().get("flags", "").split() else ""
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}{amx})"
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(
-                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"

@@ -26,6 +26,7 @@ import bik.models
 from bik.contract import DTYPE_NAMES
 from bik.families import FAMILIES
 from bik.hf import generation_position_ids
+from bik.machine import cpu_numerics
 
 from . import tasks, vocab
 from .errors import ConfigError
@@ -248,14 +249,14 @@ def model_files_digest(path: str | Path) -> str:
 
 def warmup_numerics() -> dict[str, Any]:
     """What the warm-up's bits depend on beyond its config: the torch thread count, the torch
-    and transformers versions (the model's code) and the CPU's vector capability."""
+    and transformers versions (the model's code) and the CPU (its vector capability, AMX)."""
     import transformers
 
     return {
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu_numerics(),
     }
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import re
 import statistics
 import warnings
@@ -159,16 +158,14 @@ def summarize(history: History, cfg: Config, name: str, world_size: int = 1) -> 
 
 
 def machine() -> str:
-    """What a run's bits depend on beyond its config: the CPU's vector capability (torch's
-    kernels and so the warm-up differ between AVX2 and AVX-512), torch and transformers."""
+    """What a run's bits depend on beyond its config: the CPU as torch's kernels see it (the
+    warm-up differs between AVX2 and AVX-512, and with AMX), torch and transformers."""
     import torch
     import transformers
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    return (
-        f"{platform.processor() or platform.machine()} ({capability}), torch "
-        f"{torch.__version__}, transformers {transformers.__version__}"
-    )
+    from bik.machine import cpu_numerics
+
+    return f"{cpu_numerics()}, torch {torch.__version__}, transformers {transformers.__version__}"
 
 
 def _routing_flip(history: History) -> dict[str, float] | None:
