@@ -177,6 +177,14 @@ def _attention_layers(model: torch.nn.Module) -> None:
         )
 
 
+def _grouped_backend(name: str, device: torch.device) -> backends.Backend:
+    """The backend a model patched with backend ``name`` runs bik.grouped_linear on."""
+    if name == "auto":
+        return backends.resolve(device, "matmul")
+    with backends.use_backend(name):
+        return backends.resolve(device, "matmul")
+
+
 def capture_step(run_step: Callable[[], None]) -> Any:
     """Run a decode step once eagerly on a side stream (compiles, launch plans and self-checks
     happen there, never inside the capture), then record it in a CUDA graph: recording runs
@@ -338,13 +346,17 @@ class StaticDecoder:
     def _use_graph(self) -> bool:
         on_cuda = self._tokens.device.type == "cuda"
         graph = on_cuda if self.graph_requested is None else self.graph_requested
-        family = self.model._bik_patch.family  # type: ignore[union-attr]
-        if graph and family in MOE_FAMILIES:
-            raise NotImplementedError(
-                f"bik static decode: a {family} model's experts read their token counts on "
-                "the host (bik.grouped_linear), which a CUDA graph cannot capture; pass "
-                "graph=False to run its steps eagerly (the same bits)"
-            )
+        patch: Any = self.model._bik_patch
+        if graph and patch.family in MOE_FAMILIES:
+            experts = _grouped_backend(patch.backend, self._tokens.device)
+            if experts.grouped_matmul is None:
+                raise NotImplementedError(
+                    f"bik static decode: a {patch.family} model's experts run on the "
+                    f"{experts.name} backend, which reads their token counts on the host (one "
+                    "matmul per expert in bik.grouped_linear) where a CUDA graph cannot; patch "
+                    "with the triton backend (a grouped kernel reading them on the device) or "
+                    "pass graph=False to run the steps eagerly (the same bits)"
+                )
         if graph and not on_cuda:
             raise ValueError("graph=True: CUDA graphs need the model on a CUDA device")
         return graph

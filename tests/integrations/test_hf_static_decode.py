@@ -125,6 +125,28 @@ def test_a_static_decode_step_reads_nothing_on_the_host(preset):
     assert found, "negative control: the eager decode reads the mask on the host"
 
 
+@pytest.mark.parametrize("preset", ["tiny-gpt_oss", "tiny-qwen3_moe"])
+def test_a_moe_step_on_the_triton_backend_reads_nothing_on_the_host(preset, monkeypatch):
+    """The triton backend's grouped kernel reads the experts' token counts on the device, so
+    a MoE step can be captured. The experts' range check reads the host for a CPU tensor
+    only (on CUDA it is torch._assert_async, queued on the device): recorded here, not run."""
+    model = testing.load_model(preset)
+    bik.patch_model(model, backend="triton")
+    checked: list[str] = []
+    monkeypatch.setattr(bik._checks, "values_in_range", lambda name, *_: checked.append(name))
+    ids, mask = _prompts()
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 3, graph=False)
+    next_tokens = decoder.prefill(ids, mask).argmax(-1)
+    decoder.step(next_tokens)
+    checked.clear()
+    with host_reads() as found:
+        decoder.step(next_tokens)
+    assert found == [] and "groups" in checked
+    graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1, graph=True)
+    with pytest.raises(ValueError, match="CUDA"):  # not refused for its experts: no GPU here
+        graphed.step(graphed.prefill(ids, mask).argmax(-1))
+
+
 def test_static_decode_under_the_triton_backend_gives_the_trainers_bits():
     model = testing.load_model("tiny-qwen3")
     bik.patch_model(model, backend="triton")
@@ -160,15 +182,16 @@ def test_refusals_name_what_is_wrong():
         graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1, graph=True)
         graphed.step(graphed.prefill(ids, mask).argmax(-1))
     moe = bik.hf.StaticDecoder(_patched("tiny-gpt_oss"), max_len=ids.shape[1] + 1, graph=True)
-    with pytest.raises(NotImplementedError, match="graph=False"):  # before the device check
+    with pytest.raises(NotImplementedError, match="reads their token counts on the host"):
         moe.step(moe.prefill(ids, mask).argmax(-1))
     with pytest.raises(NotImplementedError, match="recurrent state"):
         bik.hf.StaticDecoder(_patched("tiny-qwen3_next"), max_len=8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_captured_step_replays_the_eager_steps_bits():
-    model = _patched("tiny-qwen3").cuda()
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt_oss"])
+def test_a_captured_step_replays_the_eager_steps_bits(preset):
+    model = _patched(preset).cuda()
     ids, mask = (t.cuda() for t in _prompts())
     graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
     eager = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS, graph=False)
