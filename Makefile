@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUILT := $(VENV)/.built
 VLLM := $(VENV)/.vllm
-CSRC := $(shell find csrc -type f)
-CPP_SOURCES := $(filter %.cpp %.h %.cu %.cuh,$(CSRC))  # clang-format's (.clang-format)
+CSRC := $(shell find csrc -type f -not -path 'csrc/cutlass/*')  # the extension's (setup.py)
+CPP_SOURCES := $(filter %.cpp %.h %.cu %.cuh,$(shell find csrc -type f))  # clang-format's
 # The cpu backend must build and load: a compiler error fails the install, not a test skip.
 export BIK_REQUIRE_CPU := 1
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker (a file's
@@ -37,7 +37,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py tests/layers/test_mamba2.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
-.PHONY: install install-vllm install-gpu-image build demo test test-fast test-gpu-image wheel wheel-check lint format clean
+.PHONY: install install-vllm install-gpu-image build demo test test-fast test-gpu-image cutlass-sm90 wheel wheel-check lint format clean
 
 # Dependencies only (BIK_SKIP_BUILD=1): the extension is compiled once, in place, by $(BUILT),
 # for both venvs, rather than once per pip install.
@@ -107,6 +107,28 @@ install-gpu-image: $(GPU_BUILT)
 
 test-gpu-image: $(GPU_BUILT)
 	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python $(PYTEST) -m "not slow" $(GPU_TESTS)
+
+# The CUTLASS sm90 GEMM (csrc/cutlass; bik/backends/cutlass_sm90.py loads it): a torch-independent
+# shared library built here with nvcc, no GPU needed, for a GPU machine to load. CUTLASS's
+# headers come from the pinned nvidia-cutlass package (its Python dependencies are not needed).
+# Written under another name and renamed, so two builds at once never leave half a library.
+CUTLASS_SPEC := nvidia-cutlass==4.2.0.0
+CUTLASS_STAMP := $(VENV)/.cutlass
+CUTLASS_LIB := build/cutlass/libbik_cutlass_sm90.so
+CUTLASS_HEADERS = $(shell $(BIN)/python -c "import importlib.util as u, pathlib as p; \
+	print(p.Path(u.find_spec('cutlass_library').origin).parent / 'source')")
+NVCC_SM90 := nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr \
+	-gencode=arch=compute_90a,code=sm_90a -Xcompiler=-fPIC -shared -cudart=static
+$(CUTLASS_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps "$(CUTLASS_SPEC)"
+	touch $(CUTLASS_STAMP)
+
+$(CUTLASS_LIB): csrc/cutlass/gemm_sm90.cu $(CUTLASS_STAMP)
+	mkdir -p $(@D)
+	$(NVCC_SM90) -I$(CUTLASS_HEADERS)/include -I$(CUTLASS_HEADERS)/tools/util/include $< \
+		-o $(@D)/building-$$$$-$(@F) && mv $(@D)/building-$$$$-$(@F) $@
+
+cutlass-sm90: $(CUTLASS_LIB)
 
 # A wheel (dist/), and a check that it installs in a fresh venv (torch first, as always) and
 # works from outside the source tree: the compiled cpu backend loads and an op runs.

@@ -28,6 +28,9 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   the unpatched model under the same plain capture (transformers' StaticCache, each step one
   graph: ``graph_vs_plain_graph``, the issue's ratio); the graph's tokens and logits compared
   with the eager decoder's.
+- ``cutlass``: the CUTLASS sm90 GEMM (``make cutlass-sm90`` on a machine with nvcc; carry
+  ``build/cutlass``) against cuBLAS, its rows against the same rows alone and against the
+  Triton bucket issuing the same instruction.
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -61,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 import bik
+from bik.backends import cutlass_sm90
 from bik.backends.triton import _common
 from bik.tools.bench import cases, graphs
 from bik.tools.bench.plain_static import PlainStaticDecode
@@ -107,6 +111,7 @@ PART_SHARES = {
     "attention": 0.15,
     "e2e": 0.15,
     "static": 0.1,
+    "cutlass": 0.05,
     "profile": 0.05,
 }
 
@@ -269,6 +274,43 @@ def gemm_candidates(record, shape, x, weight, candidates, deadline: float) -> bo
             row["error"] = f"{type(error).__name__}: {error}"[:300]
         record(**row)
     return True
+
+
+SAME_INSTRUCTION = TokenBucket(None, 256, 8, 3, 128)
+"""The Triton bucket issuing the CUTLASS kernel's instruction (HGMMA 64x256x16, bf16)."""
+
+
+def part_cutlass(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """The CUTLASS sm90 GEMM (bik.backends.cutlass_sm90; its library carried from a machine
+    with nvcc) against cuBLAS, each replayed from a CUDA graph; its rows against the same rows
+    alone (its own invariance) and against the Triton bucket of the same instruction (equal:
+    an accelerator of that backend; else a backend of its own). Under --rehearse: the library
+    loads and answers on the host."""
+    try:
+        record(part="cutlass", config=cutlass_sm90.config())
+    except OSError as error:  # FileNotFoundError: not built or not carried
+        return record(part="cutlass", error=str(error))
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return record(part="cutlass", can_implement=cutlass_sm90.can_implement(8192, 4096, 4096))
+    for _, label, m, k, n in gemm_shapes(tiny):
+        if time.monotonic() > deadline:
+            return record(part="cutlass", cut=f"M={m} K={k} N={n}")
+        x = torch.randn(m, k, device=device).to(dtype)
+        weight = torch.randn(n, k, device=device).to(dtype)
+        record(part="cutlass", shape=f"M={m} K={k} N={n} ({label})", **cutlass_row(x, weight))
+
+
+def cutlass_row(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Any]:
+    out = cutlass_sm90.linear(x, weight)
+    row: dict[str, Any] = {
+        "rows_equal_alone": same(out[-1:], cutlass_sm90.linear(x[-1:].contiguous(), weight)),
+        "equal_triton_same_instruction": same(out, run_bucket(x, weight, SAME_INSTRUCTION)),
+    }
+    row["us"], _ = graph_us(lambda: cutlass_sm90.linear(x, weight), calls=10)
+    row["cublas_us"], _ = graph_us(lambda: F.linear(x, weight), calls=10)
+    row["vs_cublas"] = row["cublas_us"] / row["us"]
+    row["tflops"] = 2 * x.shape[0] * x.shape[1] * weight.shape[0] / row["us"] / 1e6
+    return row
 
 
 TABLE_ROWS = (1, 16, 64, 128, 512, 2048, 8192)
@@ -457,6 +499,7 @@ PARTS = {
     "attention": part_attention,
     "e2e": part_e2e,
     "static": part_static,
+    "cutlass": part_cutlass,
     "profile": part_profile,
 }
 

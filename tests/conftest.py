@@ -106,6 +106,7 @@ SLOWEST_FIRST = (
     "tests/tools/test_docs.py",
     "tests/rl/test_rl_vllm_tp.py",
     "tests/integrations/test_hf_compile.py",
+    "tests/backends/test_cutlass_sm90.py",
     "tests/rl/test_rl_edge.py",
     "tests/backends/test_triton_rows.py",
     "tests/rl/test_rl_harness.py",
