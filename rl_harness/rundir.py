@@ -118,12 +118,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+RUN_PLOT_COLOURS = 16
+"""A run's own plot (one series of one colour on white, black text) in a 16-colour palette:
+the lines and the text's antialiasing keep their look at half the bytes of 256 colours."""
+
+
 def compact(run_dir: str | Path) -> bool:
     """Store a finished run small: its metrics gzipped (``metrics.jsonl.gz``, byte-for-byte
-    the same lines; no time stamp inside, so the same metrics give the same file) and every
-    PNG below it as a palette image (:func:`shrink_png`). Returns whether the metrics were
-    compacted now (False: already compacted). A run still going on would append to the plain
-    file, so only a finished one (with its summary.md) is taken."""
+    the same lines; no time stamp inside, so the same metrics give the same file) and its
+    plot as a palette image of :data:`RUN_PLOT_COLOURS` colours (:func:`shrink_png`). Returns
+    whether the metrics were compacted now (False: already compacted). A run still going on
+    would append to the plain file, so only a finished one (with its summary.md) is taken."""
     run_dir = Path(run_dir)
     if not (run_dir / SUMMARY).is_file():
         raise RunDirError(f"compact: {run_dir} has no {SUMMARY}: not a finished run")
@@ -134,22 +139,22 @@ def compact(run_dir: str | Path) -> bool:
         packed = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
         write_atomic(run_dir / METRICS_GZ, packed)
         plain.unlink()
-    for png in run_dir.glob("*.png"):
-        shrink_png(png)
+    if (run_dir / PLOT).is_file():
+        shrink_png(run_dir / PLOT, RUN_PLOT_COLOURS)
     return done_now
 
 
-def shrink_png(path: Path) -> None:
-    """Rewrite the PNG ``path`` with an adaptive palette of at most 256 colours (a line plot
-    has far fewer; a translucent band's shades are merged into the nearest ones): about a
-    third of the RGBA size. Already a palette image: left as it is."""
+def shrink_png(path: Path, colours: int = 256) -> None:
+    """Rewrite the PNG ``path`` with an adaptive palette of at most ``colours`` colours (a
+    line plot has few; a translucent band's shades are merged into the nearest ones): about
+    a third of the RGBA size at 256. A palette image with no more colours: left as it is."""
     from PIL import Image
 
     with Image.open(path) as image:
-        if image.mode == "P":
-            return
         image.load()
-    small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    if image.mode == "P" and image.getcolors(colours) is not None:  # None: more colours
+        return
+    small = image.convert("RGB").quantize(colors=colours, method=Image.Quantize.MEDIANCUT)
     write_atomic(path, lambda tmp: small.save(tmp, format="PNG", optimize=True))
 
 

@@ -6,6 +6,7 @@ import gzip
 
 import pytest
 import torch
+from PIL import Image
 from rl_helpers import TINY
 
 from rl_harness import collapse, config, edge, engines, policy, rollout, rundir, runner
@@ -167,10 +168,24 @@ def test_a_compacted_run_reads_back_the_same_and_resumes_plain(tmp_path):
     packed = (tmp_path / "run" / rundir.METRICS_GZ).read_bytes()
     assert gzip.decompress(packed).decode() == rundir.metrics_text(before)
     assert (tmp_path / "run" / rundir.PLOT).stat().st_size < png
+    with Image.open(tmp_path / "run" / rundir.PLOT) as plot:  # a run's plot: 16 colours
+        assert plot.mode == "P" and plot.getcolors(rundir.RUN_PLOT_COLOURS) is not None
     assert rundir.read_metrics(tmp_path / "run") == before
     runner.resume(tmp_path / "run", steps=3, cache_dir=tmp_path / "cache", progress=False)
     assert not (tmp_path / "run" / rundir.METRICS_GZ).exists()
     assert rundir.read_metrics(tmp_path / "run")[:2] == before
+
+
+def test_a_plot_stored_with_more_colours_is_shrunk_again_and_one_with_fewer_is_kept(tmp_path):
+    path = tmp_path / "plot.png"
+    gradient = Image.linear_gradient("L").convert("RGB")  # 256 shades
+    gradient.quantize(colors=256).save(path)
+    rundir.shrink_png(path, 16)
+    with Image.open(path) as shrunk:
+        assert shrunk.mode == "P" and shrunk.getcolors(16) is not None
+    written = path.stat().st_mtime_ns
+    rundir.shrink_png(path, 16)
+    assert path.stat().st_mtime_ns == written  # already small enough: not rewritten
 
 
 def test_compact_refuses_a_run_that_has_not_finished(tmp_path):
