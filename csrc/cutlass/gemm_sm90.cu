@@ -3,10 +3,14 @@
 // (bik/backends/cutlass_sm90.py).
 //
 // out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), bf16 in and out, fp32 accumulate:
-// nn.Linear's layout, row-major x and weight (the weight is K x N column-major to CUTLASS).
+// nn.Linear's layout, row-major x, weight and out. CUTLASS computes the transposed product,
+// out^T [N, M] = weight [N, K] @ x^T [K, M], as the Triton backend's linear kernel does
+// (bik/backends/triton/matmul.py): output features on the MMA's M side (64 per warpgroup),
+// tokens on its N side, so each instruction has the operands of the Triton bucket
+// TokenBucket(None, 256, 8, 3, 128), whose bits it can then be compared with on a GPU.
 //
-// Why a row's bits cannot depend on M: one kernel, one tile shape (128 x 256 x 64) and one
-// instruction (HGMMA 64x256x16, fp32 accumulators) for every M. Each output element is
+// Why a row's bits cannot depend on M: one kernel, one tile shape (128 features x 256 tokens x
+// 64) and one instruction (HGMMA 64x256x16, fp32 accumulators) for every M. Each output element is
 // accumulated over K in ascending 64-wide k-tiles, each by four 16-wide MMA steps in order,
 // into one fp32 accumulator from zero: no split-K and no stream-K (the persistent scheduler
 // only decides which SM runs which output tile, never how a tile's K is cut), no reduction
@@ -31,17 +35,17 @@ using namespace cute;
 
 using Element = cutlass::bfloat16_t;
 using Accumulator = float;
-using LayoutX = cutlass::layout::RowMajor;     // x [M, K]
-using LayoutW = cutlass::layout::ColumnMajor;  // weight [N, K] row-major = K x N column-major
-using LayoutOut = cutlass::layout::RowMajor;   // out [M, N]
-constexpr int kAlignment = 8;                  // elements: 16-byte TMA rows
+using LayoutW = cutlass::layout::RowMajor;       // A: weight [N, K]
+using LayoutX = cutlass::layout::ColumnMajor;    // B: x^T [K, M], i.e. x [M, K] row-major
+using LayoutOut = cutlass::layout::ColumnMajor;  // D: out^T [N, M], i.e. out [M, N] row-major
+constexpr int kAlignment = 8;                    // elements: 16-byte TMA rows
 using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_1, _1, _1>;
 using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// One GEMM per epilogue: D = acc (LinearCombination, alpha 1, beta 0) or D = acc + bias[n]
-// (LinCombPerColBias, the bias in fp32), rounded to bf16 once.
+// One GEMM per epilogue: D = acc (LinearCombination, alpha 1, beta 0) or D = acc + bias of
+// the output feature, a row of D (LinCombPerRowBias, the bias in fp32), rounded to bf16 once.
 template <class Fusion>
 struct Gemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -49,8 +53,8 @@ struct Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, Accumulator, Accumulator, void, LayoutOut,
       kAlignment, Element, LayoutOut, kAlignment, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutX, kAlignment, Element,
-      LayoutW, kAlignment, Accumulator, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutW, kAlignment, Element,
+      LayoutX, kAlignment, Accumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
@@ -61,21 +65,21 @@ struct Gemm {
 
 using Plain = Gemm<cutlass::epilogue::fusion::LinearCombination<Element, Accumulator, void>>;
 using Biased = Gemm<
-    cutlass::epilogue::fusion::LinCombPerColBias<Element, Accumulator, Element, void, Accumulator>>;
+    cutlass::epilogue::fusion::LinCombPerRowBias<Element, Accumulator, Element, void, Accumulator>>;
 
 template <class G>
 typename G::Device::Arguments arguments(const void* x, const void* weight, const void* bias,
                                         void* out, int m, int n, int k, int sm_count) {
   using Kernel = typename G::Kernel;
-  auto stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1});
-  auto stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1});
-  auto stride_out = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1});
+  auto stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {n, k, 1});
+  auto stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {m, k, 1});
+  auto stride_out = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {n, m, 1});
   cutlass::KernelHardwareInfo hardware;
   hardware.sm_count = sm_count;
   typename G::Device::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const Element*>(x), stride_x, static_cast<const Element*>(weight), stride_w},
+      {n, m, k, 1},  // out^T [N, M] = weight [N, K] @ x^T [K, M]
+      {static_cast<const Element*>(weight), stride_w, static_cast<const Element*>(x), stride_x},
       {{}, nullptr, stride_out, static_cast<Element*>(out), stride_out},
       hardware};
   args.epilogue.thread.alpha = 1.0f;
@@ -103,8 +107,10 @@ int run(const void* x, const void* weight, const void* bias, void* out, int m, i
 
 extern "C" {
 
-// The tile shape and instruction, for the caller's records: "128x256x64 HGMMA.64x256x16".
-const char* bik_cutlass_sm90_config() { return "128x256x64 HGMMA.64x256x16 cooperative"; }
+// The tile shape and instruction, for the caller's records.
+const char* bik_cutlass_sm90_config() {
+  return "128 features x 256 tokens x 64, HGMMA.64x256x16, cooperative";
+}
 
 // Bytes of workspace a GEMM of these sizes needs (the persistent scheduler's; host only).
 size_t bik_cutlass_sm90_workspace(int m, int n, int k, int biased, int sm_count) {

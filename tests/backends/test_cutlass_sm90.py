@@ -53,7 +53,7 @@ def test_both_kernels_are_the_one_instruction_with_tma_and_no_spill(library):
 
 
 def test_the_host_entry_points_answer_without_a_gpu(library):
-    assert cutlass_sm90.config() == "128x256x64 HGMMA.64x256x16 cooperative"
+    assert cutlass_sm90.config() == "128 features x 256 tokens x 64, HGMMA.64x256x16, cooperative"
     assert cutlass_sm90.can_implement(1, 4096, 4096)
     assert not cutlass_sm90.can_implement(1, 4096, 4100)  # K not a multiple of 8
     for biased in (False, True):
