@@ -68,16 +68,21 @@ _FAILURES = {
 }
 
 
+@functools.cache
+def _sm90_and_sms(device: torch.device) -> tuple[bool, int]:
+    """(whether ``device`` is a Hopper, its SM count): read once per device, not per call."""
+    properties = torch.cuda.get_device_properties(device)
+    return (properties.major, properties.minor) == (9, 0), properties.multi_processor_count
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
         if tensor is None:
             continue
         if tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous bfloat16 tensor, got {tensor.dtype}")
-        if tensor.device.type != "cuda" or torch.cuda.get_device_capability(tensor.device) != (
-            9,
-            0,
-        ):
+        hopper = tensor.device.type == "cuda" and _sm90_and_sms(tensor.device)[0]
+        if not hopper:
             raise ValueError(
                 f"{name}: expected a tensor on a Hopper GPU (sm_90), got {tensor.device}"
             )
@@ -100,7 +105,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sm_count = _sm90_and_sms(x.device)[1]
     workspace = torch.empty(
         workspace_bytes(m, n, k, bias is not None, sm_count), dtype=torch.uint8, device=x.device
     )

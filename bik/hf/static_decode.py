@@ -335,10 +335,10 @@ class StaticDecoder:
         self._tokens.copy_(tokens[:, None])
         self._step.longest = max(self._lengths)
         self._lengths = [n + 1 for n in self._lengths]
-        if self._use_graph() and self._graph is None:
-            self._graph = capture_step(self._run_step)
-        elif self._graph is not None:
+        if self._graph is not None:  # checked when captured: nothing to decide per step
             self._graph.replay()
+        elif self._use_graph():
+            self._graph = capture_step(self._run_step)
         else:
             self._run_step()
         return self._logits

@@ -47,7 +47,7 @@ class Binary:
     @property
     def mma(self) -> frozenset[str]:
         """Tensor-core instructions used, e.g. ``HGMMA.64x64x16.F32.BF16``."""
-        return frozenset(_MMA.findall(self.sass))
+        return mma_instructions(self.sass)
 
     @property
     def opcodes(self) -> Counter:
@@ -89,10 +89,23 @@ def _specialize(kernel, args: dict) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
+def mma_instructions(sass: str) -> frozenset[str]:
+    """The tensor-core instructions in ``sass``, e.g. ``HGMMA.64x64x16.F32.BF16``."""
+    return frozenset(_MMA.findall(sass))
+
+
 def _run_tool(tool: str, *args: str) -> str:
     return subprocess.run(
         [str(TOOLS / tool), *args], capture_output=True, text=True, check=True
     ).stdout
+
+
+def dump(path: str | Path) -> tuple[str, str]:
+    """(the SASS, the resource usage: ``REG:n STACK:n SHARED:n LOCAL:n`` per kernel) of a cubin
+    or of a shared library's embedded sm_90a code, read with the Triton wheel's cuobjdump."""
+    return _run_tool("cuobjdump", "-sass", str(path)), _run_tool(
+        "cuobjdump", "-res-usage", str(path)
+    )
 
 
 def _compile_here(launch) -> Binary:
@@ -104,8 +117,7 @@ def _compile_here(launch) -> Binary:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = _run_tool("cuobjdump", "-res-usage", cubin.name)
-        sass = _run_tool("cuobjdump", "-sass", cubin.name)
+        sass, usage = dump(cubin.name)
 
     def field(name):
         found = re.search(rf"\b{name}:(\d+)", usage)

@@ -30,20 +30,11 @@ def library():
     return cutlass_sm90.library_path()
 
 
-def _sass_and_usage(path: Path) -> tuple[str, str]:
-    from bik.tools.sm90 import TOOLS
-
-    tool = str(TOOLS / "cuobjdump")
-    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True)
-    usage = subprocess.run(
-        [tool, "-res-usage", str(path)], capture_output=True, text=True, check=True
-    )
-    return sass.stdout, usage.stdout
-
-
 def test_both_kernels_are_the_one_instruction_with_tma_and_no_spill(library):
-    sass, usage = _sass_and_usage(library)
-    mma = set(re.findall(r"\b(?:HGMMA|HMMA)(?:\.\w+)+", sass))
+    from bik.tools import sm90
+
+    sass, usage = sm90.dump(library)
+    mma = sm90.mma_instructions(sass)
     assert mma == {"HGMMA.64x256x16.F32.BF16"}, mma  # one shape whatever M is: a fixed order
     assert "UTMALDG" in sass  # operands arrive by TMA
     kernels = re.findall(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
