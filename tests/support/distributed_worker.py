@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bik
+import bik.hf
 from bik import testing
 
 MODEL = "tiny-qwen3"
