@@ -31,6 +31,10 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
 - ``cutlass``: the CUTLASS sm90 GEMM (``make cutlass-sm90`` on a machine with nvcc; carry
   ``build/cutlass``) against cuBLAS, its rows against the same rows alone and against the
   Triton bucket issuing the same instruction.
+- ``chunked``: the TP-invariant order (``chunked_linear``, 8 chunks; the triton backend's
+  tensor-core chunked kernel) against ``bik.linear`` and cuBLAS, replayed from CUDA graphs,
+  at decode and prefill rows; its bits at TP 1, 2, 4, 8 (each rank's ``rank_partial`` of its
+  K slice, the partials combined in rank order) and a row alone against its row in the batch.
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -66,6 +70,8 @@ import torch.nn.functional as F
 import bik
 from bik.backends import cutlass_sm90
 from bik.backends.triton import _common
+from bik.contract import TP_CHUNKS
+from bik.distributed import chunked_linear, combine_partials, rank_partial
 from bik.tools.bench import cases, graphs
 from bik.tools.bench.plain_static import PlainStaticDecode
 
@@ -112,6 +118,7 @@ PART_SHARES = {
     "e2e": 0.15,
     "static": 0.1,
     "cutlass": 0.05,
+    "chunked": 0.05,
     "profile": 0.05,
 }
 
@@ -313,6 +320,50 @@ def cutlass_row(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Any]:
     return row
 
 
+CHUNKED_ROWS = (1, 16, 64, 2048, 8192)
+CHUNKED_WEIGHTS = [("Llama-8B o_proj", 4096, 4096), ("Llama-8B down", 14336, 4096)]
+
+
+def part_chunked(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """The TP-invariant chunked linear on the triton backend against bik.linear and cuBLAS."""
+    weights = [("tiny", 8 * 32, 64)] if tiny else CHUNKED_WEIGHTS
+    with bik.use_backend("triton"):
+        for label, k, n in weights:
+            for m in (1, 40, 100) if tiny else CHUNKED_ROWS:
+                if time.monotonic() > deadline:
+                    return record(part="chunked", cut=f"M={m} K={k} N={n}")
+                x = torch.randn(m, k, device=device).to(dtype)
+                weight = torch.randn(n, k, device=device).to(dtype)
+                row = chunked_row(x, weight)
+                record(part="chunked", shape=f"M={m} K={k} N={n} ({label})", **row)
+
+
+def chunked_row(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Any]:
+    chunks = TP_CHUNKS
+    out = chunked_linear(x, weight, chunks=chunks)
+    step = x.shape[1] // chunks
+    degrees = {}
+    for degree in (2, 4, 8):
+        width = step * chunks // degree
+        partials = [
+            rank_partial(x[:, r * width : (r + 1) * width], weight[:, r * width : (r + 1) * width],
+                         chunks // degree)
+            for r in range(degree)
+        ]  # fmt: skip
+        degrees[degree] = same(combine_partials(partials, None, x.dtype), out)
+    row: dict[str, Any] = {
+        "tp_2_4_8_equal": all(degrees.values()),
+        "rows_equal_alone": same(out[-1:], chunked_linear(x[-1:], weight, chunks=chunks)),
+    }
+    if x.device.type == "cuda":
+        row["chunked_us"], _ = graph_us(lambda: chunked_linear(x, weight, chunks=chunks), 10)
+        row["linear_us"], _ = graph_us(lambda: bik.linear(x, weight), calls=10)
+        row["cublas_us"], _ = graph_us(lambda: F.linear(x, weight), calls=10)
+        row["chunked_over_linear"] = row["chunked_us"] / row["linear_us"]
+        row["tflops"] = 2 * x.shape[0] * x.shape[1] * weight.shape[0] / row["chunked_us"] / 1e6
+    return row
+
+
 TABLE_ROWS = (1, 16, 64, 128, 512, 2048, 8192)
 
 
@@ -500,6 +551,7 @@ PARTS = {
     "e2e": part_e2e,
     "static": part_static,
     "cutlass": part_cutlass,
+    "chunked": part_chunked,
     "profile": part_profile,
 }
 

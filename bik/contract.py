@@ -41,9 +41,11 @@ attention
 row-parallel linear, tensor-parallel-invariant order (opt-in: ``tp_invariant=True``)
     A linear that tensor parallelism splits along K (attention's output projection, the MLP's
     down projection) reduces K in :data:`TP_CHUNKS` equal contiguous chunks, whatever the TP
-    degree: each chunk is one bik matmul on the fp32 casts of its inputs (one accumulator,
-    ascending k), the chunk partials are summed in fp32 by one balanced pairwise tree (chunks
-    ``0 .. C/2-1`` on the left), then the bias, then one rounding. TP rank r of T (a power of
+    degree: each chunk is one chain from zero into fp32, the backend matmul's own order (one
+    accumulator, ascending k, on the exact fp32 casts; on the triton backend 16-bit inputs
+    run its tensor-core MMA chain on the values as they are, a backend-specific order), the
+    chunk partials are summed in fp32 by one balanced pairwise tree (:func:`tp_tree_sum`,
+    chunks ``0 .. C/2-1`` on the left), then the bias, then one rounding. TP rank r of T (a power of
     two dividing C) owns chunks ``r*C/T .. (r+1)*C/T - 1``, one subtree: it reduces that subtree
     locally, the ranks' fp32 partials are gathered and summed in rank order by the top of the
     same tree (never by an all-reduce, whose order the library picks). TP 1, 2, 4 ... C then
@@ -146,3 +148,12 @@ def check_split_size(split_size: int | None) -> int:
             f"got {split_size!r}"
         )
     return split_size
+
+
+def tp_tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The TP-invariant order's tree over its chunk partials (a power-of-two count): the
+    balanced pairwise sum, left half + right half, recursively."""
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return tp_tree_sum(parts[:half]) + tp_tree_sum(parts[half:])

@@ -25,10 +25,13 @@ keys into contiguous order and runs attention):
       -> [T, Hq, D]: each query row in attention's order over its sequence's keys, read
       through the block table (docs/vllm.md, "Paged attention")
 
-Optional accelerator of the TP-invariant order (None: rank_partial runs matmul per chunk):
+The TP-invariant order in one call (None: rank_partial runs matmul per chunk on fp32 casts):
   chunked_matmul(a [M, K], b [K, N] (any strides), chunks) -> fp32 [M, N]: K in ``chunks``
-      equal chunks, each one fp32 fma chain per output from zero on the exact fp32 values
-      (whatever the dtype), the chunk partials summed by the balanced pairwise tree
+      equal chunks, each one chain per output from zero, the chunk partials summed by the
+      balanced pairwise tree (bik.contract.tp_tree_sum). A chunk is the fp32 fma chain on
+      the exact fp32 values (cpu, and triton's fp32: the per-chunk composition's bits) or,
+      for triton's 16-bit inputs, its tensor-core MMA chain on the values as they are (the
+      order on that backend, forward and backward; no composition of matmul calls gives it)
 
 Optional accelerator of linear for weights packed once (None: bik.packed_weights packs
 nothing, every call runs matmul):
@@ -59,7 +62,8 @@ import torch
 OPS = ("matmul", "rms_norm", "log_softmax", "token_logprobs", "attention")
 Kernel = Callable[..., torch.Tensor]
 # The optional accelerators (Backend fields, layouts above): each serves one base op, with the
-# same bits as what bik composes from the base kernels when a backend lacks it.
+# same bits as what bik composes from the base kernels when a backend lacks it (chunked_matmul
+# on triton's 16-bit inputs excepted: there it defines the order, see above).
 ACCELERATORS: dict[str, tuple[str, str]] = {  # field: (base op, the composition without it)
     "paged_attention": ("attention", "each sequence's keys gathered in order, then attention"),
     "grouped_matmul": ("matmul", "matmul once per non-empty group"),

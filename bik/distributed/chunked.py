@@ -6,8 +6,9 @@ sums the partials. Its bits then depend on the TP degree, because the sum has a 
 shape for every degree. They stop depending on it when the order is defined for a fixed
 number of chunks C (the largest TP degree to support) instead:
 
-  * K is cut into C equal, contiguous chunks; each chunk is one bik matmul into fp32 (for
-    bf16/fp16 inputs: on their exact fp32 casts, so no partial is rounded to 16 bits);
+  * K is cut into C equal, contiguous chunks; each chunk is one chain from zero into fp32,
+    never rounded to 16 bits (the backend's fp32 matmul order on the exact fp32 casts; the
+    triton backend's tensor-core chain on 16-bit inputs as they are);
   * the C chunk partials are summed by a balanced pairwise tree (chunks 0..C/2-1 on the left),
     then the bias is added and the result rounded once to the input dtype.
 
@@ -32,17 +33,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks, backends
-from ..contract import TP_CHUNKS
-from ..ops._dispatch import needs_custom_op
-from ..ops.matmul import linear
-
-
-def _tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Balanced pairwise sum: left half + right half, recursively (a power-of-two count)."""
-    if len(parts) == 1:
-        return parts[0]
-    half = len(parts) // 2
-    return _tree_sum(parts[:half]) + _tree_sum(parts[half:])
+from ..contract import TP_CHUNKS, tp_tree_sum
+from ..ops._dispatch import as_rows, custom_op, run, shaped
+from ..ops.matmul import linear, matmul
 
 
 def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -151,15 +144,53 @@ def rank_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Te
     """The fp32 tree sum of ``chunks`` chunk products of ``x [..., K] @ weight[N, K].T``: one
     rank's subtree (``chunks`` = C / T, a power of two dividing K).
 
-    A backend with a chunked kernel (cpu) computes it in one call, reading x and the weight in
-    their dtype; otherwise, and whenever a graph is recorded (autograd, tracing), each chunk is
-    a bik.linear of the fp32 casts, tree-summed here: the same bits."""
+    A backend with a chunked kernel (cpu, triton) computes it in one call, reading x and the
+    weight in their dtype, forward and backward alike (the custom op ``bik::chunked_matmul``
+    when a graph is recorded); other backends run :func:`per_chunk_partial`."""
     _check_chunked_operands(x, weight, chunks)
+    if backends.resolve(x.device, "matmul").chunked_matmul is None:
+        return per_chunk_partial(x, weight, chunks)
+    return run(_chunked_op, _chunked_product, x, weight, chunks)
+
+
+def _chunked_product(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Validated :func:`rank_partial` through the backend's chunked kernel."""
+    n = weight.shape[0]
+    rows = as_rows(x)
+    if rows.shape[0] == 0 or n == 0:
+        return x.new_zeros(*x.shape[:-1], n, dtype=torch.float32)
     kernel = backends.resolve(x.device, "matmul").chunked_matmul
-    if kernel is not None and x.dtype == weight.dtype and not needs_custom_op((x, weight)):
-        out = kernel(x.reshape(-1, x.shape[-1]), weight.t(), chunks)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    return per_chunk_partial(x, weight, chunks)
+    assert kernel is not None  # rank_partial sends only backends that have one
+    return shaped(kernel(rows, weight.t(), chunks), (*x.shape[:-1], n))
+
+
+_chunked_op = custom_op("bik::chunked_matmul", _chunked_product, row_args=(0,))
+
+
+@_chunked_op.register_fake
+def _(x, weight, chunks):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, grad):
+    # The chunks cut K, so each gradient entry lies in one chunk: the gradients are those of
+    # the per-chunk composition, one bik matmul each on the fp32 casts, reduced over the
+    # output features (x) or the rows (weight) in that matmul's order.
+    x, weight = ctx.saved_tensors
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = matmul(grad, weight.float()).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_weight = matmul(as_rows(grad).t(), as_rows(x).float()).to(weight.dtype)
+    return grad_x, grad_weight, None
+
+
+_chunked_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def per_chunk_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -172,7 +203,7 @@ def per_chunk_partial(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> tor
         linear(x32[..., i * step : (i + 1) * step], w32[:, i * step : (i + 1) * step])
         for i in range(chunks)
     ]
-    return _tree_sum(parts)
+    return tp_tree_sum(parts)
 
 
 def combine_partials(
@@ -187,7 +218,7 @@ def combine_partials(
         _checks.floating("bias", bias)
         _checks.rank("bias", bias, 1)
         _checks.dim_size("bias", bias, 0, partials[0].shape[-1], "N, the last dim of the partials")
-    total = _tree_sum(partials)
+    total = tp_tree_sum(partials)
     if bias is not None:
         total = total + bias.float()
     return total.to(dtype)

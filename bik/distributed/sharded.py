@@ -40,9 +40,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from ..contract import TP_CHUNKS
+from ..contract import TP_CHUNKS, tp_tree_sum
 from ..families import COLUMN_PARALLEL_NAMES, FAMILIES, ROW_PARALLEL_NAMES
-from .chunked import _all_gather, _tree_sum, combine_partials, rank_partial
+from .chunked import _all_gather, combine_partials, rank_partial
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -58,7 +58,7 @@ _UNSPLITTABLE = {
 def _sum_over_ranks(grad: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The ranks' parts of a gradient summed in rank order by the pairwise tree, in fp32,
     rounded once: every rank gets the same bits (an all-reduce's order is the library's)."""
-    return _tree_sum(_all_gather(grad.float(), group)).to(grad.dtype)
+    return tp_tree_sum(_all_gather(grad.float(), group)).to(grad.dtype)
 
 
 class _SumGradsInRankOrder(torch.autograd.Function):

@@ -4,7 +4,9 @@ the Triton wheel's own ptxas, use the instructions the design relies on.
 - the linear kernel: HGMMA (wgmma) at every token bucket, never HMMA; TMA loads; no
   local-memory spills; shared memory within Hopper's 227 KiB;
 - a row count never changes the binary inside a bucket (no specialisation on M);
-- the tile and grouped kernels: HGMMA for 16-bit inputs, FMA (IEEE, never TF32) for fp32.
+- the tile and grouped kernels: HGMMA for 16-bit inputs, FMA (IEEE, never TF32) for fp32;
+- the TP-invariant chunked kernel: HGMMA, no spill at up to 8 chunks, one binary for every
+  row count.
 """
 
 import importlib
@@ -32,6 +34,11 @@ def tile_matmul(rows, n, k, dtype):
     return matmul.matmul_launch(a, b, None, out)
 
 
+def chunked(rows, chunks):
+    a, out = sm90.meta(rows, 4096), sm90.meta(rows, 4096, dtype=torch.float32)
+    return matmul.chunked_launch(a, sm90.meta(4096, 4096).t(), chunks, out)
+
+
 def grouped():
     a, out = sm90.meta(512, 4096), sm90.meta(512, 1024)
     b = sm90.meta(8, 1024, 4096).transpose(1, 2)
@@ -49,6 +56,7 @@ LAUNCHES = {
     **{("tile", rows): tile_matmul(rows, 256, 4096, torch.bfloat16) for rows in (1, 17, 4096)},
     "tile fp32": tile_matmul(64, 256, 4096, torch.float32),
     "grouped": grouped(),
+    **{("chunked", rows, c): chunked(rows, c) for rows in (1, 8192) for c in (1, 2, 4, 8)},
 }
 
 
@@ -107,3 +115,10 @@ def test_fp32_matmul_is_ieee_fma_not_tf32(binary):
 
 def test_grouped_kernel_uses_wgmma(binary):
     assert_hopper_grade(binary["grouped"])
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
+def test_chunked_kernel_runs_on_tensor_cores_without_spills(binary, chunks):
+    assert_hopper_grade(binary["chunked", 1, chunks])
+    rows = [binary["chunked", r, chunks] for r in (1, 8192)]
+    assert len({(b.specialization, b.code()) for b in rows}) == 1

@@ -32,23 +32,6 @@ from bik.families import FAMILIES, ROW_PARALLEL_NAMES
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _tp_emulation(x, weight, bias, *, chunks, degree):
-    """TP degree ``degree`` in one process: each rank's chunked partial of its K slice (fp32),
-    the partials tree-summed in rank order, bias added once."""
-    per_rank = chunks // degree
-    partials = [
-        chunked_linear(
-            worker.k_slice(x, r, degree).float(),
-            worker.k_slice(weight, r, degree).float(),
-            chunks=per_rank,
-        )
-        for r in range(degree)
-    ]
-    while len(partials) > 1:  # the top of the tree: neighbours pairwise, in rank order
-        partials = [partials[i] + partials[i + 1] for i in range(0, len(partials), 2)]
-    return (partials[0] if bias is None else partials[0] + bias.float()).to(x.dtype)
-
-
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     m=st.integers(1, 9),
@@ -64,7 +47,7 @@ def test_every_tp_degree_gives_the_contract_order(dtype, m, n, k_per_chunk, bias
     b = randn((n,), dtype, seed=3) if bias else None
     expected = chunked_linear(x, weight, b)
     for degree in (1, 2, 4, 8):
-        got = _tp_emulation(x, weight, b, chunks=TP_CHUNKS, degree=degree)
+        got = worker.tp_emulation(x, weight, b, chunks=TP_CHUNKS, degree=degree)
         assert_bitwise(got, expected, f"TP degree {degree}")
     assert_bitwise(chunked_linear(x[-1:], weight, b), expected[-1:], "row alone")
 
@@ -130,7 +113,7 @@ def test_chunked_order_is_the_same_at_every_tp_degree(dtype):
     x, weight, bias = worker.tp_inputs(dtype)
     expected = chunked_linear(x, weight, bias, chunks=4)
     for degree in (1, 2, 4):
-        got = _tp_emulation(x, weight, bias, chunks=4, degree=degree)
+        got = worker.tp_emulation(x, weight, bias, chunks=4, degree=degree)
         assert_bitwise(got, expected, f"TP degree {degree}")
     # A different number of chunks is a different order (in bf16 the final rounding happens to
     # hide it for these inputs).
@@ -261,7 +244,7 @@ def _emulate_tp(model, degree):
     (each rank's K slice in TP_CHUNKS / degree chunks, partials summed in rank order)."""
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES:
-            module.forward = lambda x, m=module: _tp_emulation(
+            module.forward = lambda x, m=module: worker.tp_emulation(
                 x, m.weight, m.bias, chunks=TP_CHUNKS, degree=degree
             )
 

@@ -227,6 +227,22 @@ def k_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[..., rank * step : (rank + 1) * step]
 
 
+def tp_emulation(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, chunks: int, degree: int
+) -> torch.Tensor:
+    """TP degree ``degree`` in one process: each rank's partial of its K slice (rank_partial,
+    chunks / degree chunks, fp32), the partials tree-summed in rank order, bias added once."""
+    from bik.distributed import rank_partial
+
+    partials = [
+        rank_partial(k_slice(x, r, degree), k_slice(weight, r, degree), chunks // degree)
+        for r in range(degree)
+    ]
+    while len(partials) > 1:  # the top of the tree: neighbours pairwise, in rank order
+        partials = [partials[i] + partials[i + 1] for i in range(0, len(partials), 2)]
+    return (partials[0] if bias is None else partials[0] + bias.float()).to(x.dtype)
+
+
 def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
     from bik.distributed import row_parallel_linear
 

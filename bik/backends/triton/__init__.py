@@ -13,7 +13,7 @@ from ._common import INTERPRET
 from .attention import attention, paged_attention
 from .delta_rule import delta_rule
 from .log_softmax import log_softmax, token_logprobs
-from .matmul import grouped_matmul, matmul
+from .matmul import chunked_matmul, grouped_matmul, matmul
 from .rms_norm import rms_norm
 from .selective_scan import selective_scan
 
@@ -41,6 +41,7 @@ BACKEND = Backend(
     attention=attention,
     paged_attention=paged_attention,
     grouped_matmul=grouped_matmul,
+    chunked_matmul=chunked_matmul,
     delta_rule=delta_rule,
     selective_scan=selective_scan,
     attention_sinks=True,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...contract import MATMUL_BLOCK_K
+from ...contract import MATMUL_BLOCK_K, tp_tree_sum
 from ._common import ALIGNMENT, Launch, aligned, cdiv, dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
@@ -160,6 +160,97 @@ def _matmul_kernel(
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _chunk_tree(
+    a_ptr,
+    b_ptr,
+    rows,
+    rows_ok,
+    cols,
+    N,
+    chunk_k,
+    first,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    COUNT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The fp32 sum of chunks ``first .. first + COUNT - 1`` (``chunk_k`` columns of K each)
+    by the balanced pairwise tree: the left half's sum + the right half's. A chunk is one
+    :func:`_tile_product` from zero over its own columns (its K tail masked to exact zeros).
+    Left before right keeps at most log2(COUNT) + 1 accumulators live."""
+    if COUNT == 1:
+        offset = (chunk_k * first).to(tl.int64)
+        return _tile_product(
+            a_ptr + offset * stride_ak,
+            b_ptr + offset * stride_bk,
+            rows,
+            rows_ok,
+            cols,
+            N,
+            chunk_k,
+            stride_am,
+            stride_ak,
+            stride_bk,
+            stride_bn,
+            UPCAST,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+    else:
+        half: tl.constexpr = COUNT // 2
+        left = _chunk_tree(
+            a_ptr, b_ptr, rows, rows_ok, cols, N, chunk_k, first,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            half, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        right = _chunk_tree(
+            a_ptr, b_ptr, rows, rows_ok, cols, N, chunk_k, first + half,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            half, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        return left + right
+
+
+@triton.jit(do_not_specialize=["M"])
+def _chunked_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    M,
+    N,
+    chunk_k,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    CHUNKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 ``c [M, N]`` = the TP-invariant order of ``a [M, CHUNKS * chunk_k] @ b``: every
+    chunk's partial and the whole tree in one program per output tile, in registers."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _chunk_tree(
+        a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, 0,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        CHUNKS, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -371,6 +462,68 @@ def matmul(a, b, bias):
         return matmul(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     matmul_launch(aligned(a), aligned(b), bias if bias is None else aligned(bias), out)()
+    return out
+
+
+MAX_CHUNKS = 8
+"""Chunks :func:`chunked_matmul` takes (``bik.contract.TP_CHUNKS``): its tree is unrolled at
+compile time, and with 16 chunks Triton 3.6 and 3.9 spill the kernel to local memory."""
+CHUNKED_NUM_WARPS = 8
+"""Two warpgroups per 64 x 64 tile (HGMMA.64x32x16 each): with four, eight chunks' live
+accumulators and operands spill (tests/backends/test_sm90.py)."""
+
+
+def chunked_launch(a, b, chunks, out) -> Launch:
+    """The launch computing ``out [M, N]`` (fp32) = the ``chunks``-chunk order of
+    ``a [M, K] @ b [K, N]`` (16-bit)."""
+    m, k = a.shape
+    n = b.shape[1]
+    return Launch(
+        _chunked_kernel,
+        (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N)),
+        dict(
+            a_ptr=a,
+            b_ptr=b,
+            c_ptr=out,
+            M=m,
+            N=n,
+            chunk_k=k // chunks,
+            stride_am=a.stride(0),
+            stride_ak=a.stride(1),
+            stride_bk=b.stride(0),
+            stride_bn=b.stride(1),
+            stride_cm=out.stride(0),
+            stride_cn=out.stride(1),
+            CHUNKS=chunks,
+            UPCAST=upcast_dot_operands(a.dtype),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+        ),
+        num_warps=CHUNKED_NUM_WARPS,
+    )
+
+
+def chunked_matmul(a, b, chunks):
+    """``a [M, K] @ b [K, N]`` (any strides) -> fp32 ``[M, N]``: K in ``chunks`` equal chunks,
+    each one chain from zero, summed by the balanced pairwise tree.
+
+    16-bit inputs: each chunk is the tile kernel's tensor-core MMA chain on the inputs as they
+    are, and one launch runs every chunk and the tree (:func:`_chunked_kernel`). fp32: each
+    chunk is a tile-kernel matmul (IEEE fma: what every backend's chunk is), tree-summed here
+    (an fp32 chunked kernel would spill its operands)."""
+    if chunks > MAX_CHUNKS:
+        raise ValueError(
+            f"chunks: the triton backend's chunked kernel takes up to {MAX_CHUNKS}, got {chunks}"
+        )
+    if a.dtype == torch.float32:
+        step = a.shape[1] // chunks
+        return tp_tree_sum(
+            [matmul(a[:, i * step : (i + 1) * step], b[i * step : (i + 1) * step], None)
+             for i in range(chunks)]
+        )  # fmt: skip
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    chunked_launch(aligned(a), aligned(b), chunks, out)()
     return out
 
 
