@@ -26,8 +26,9 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
 - ``static``: greedy decode over ``bik.hf.StaticDecoder``, each step one replayed CUDA graph,
   against the decoder stepping eagerly, the patched and unpatched models' ``generate``, and
   the unpatched model under the same plain capture (transformers' StaticCache, each step one
-  graph: ``graph_vs_plain_graph``, the issue's ratio); the graph's tokens and logits compared
-  with the eager decoder's.
+  graph: ``graph_vs_plain_graph``, the issue's ratio), and with q/k/v and gate/up fused
+  (``fuse_projections``: ``fused_vs_plain_graph``); the graph's tokens and logits compared
+  with the eager decoder's and the fused one's.
 - ``cutlass``: the CUTLASS sm90 GEMM (``make cutlass-sm90`` on a machine with nvcc; carry
   ``build/cutlass``) against cuBLAS, its rows against the same rows alone and against the
   Triton bucket issuing the same instruction.
@@ -501,14 +502,17 @@ def part_static(record: Recorder, device, dtype, deadline: float, tiny: bool) ->
 
 
 def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict[str, Any]:
-    """One model's static-cache decode (``new`` tokens after ``length``) timed five ways."""
+    """One model's static-cache decode (``new`` tokens after ``length``) timed six ways."""
     plain, patched = cases.plain_and_patched(config, device, dtype)
     ids = torch.randint(1, config.vocab_size, (batch, length), device=device)
     mask = torch.ones_like(ids)
     graphed = bik.hf.StaticDecoder(patched, length + new)  # a graph on CUDA
     eager = bik.hf.StaticDecoder(patched, length + new, graph=False)
+    fused = bik.hf.StaticDecoder(patched, length + new, fuse_projections=True)
     outputs = zip(graphed.generate(ids, mask, new), eager.generate(ids, mask, new))
     row: dict[str, Any] = {"new": new, "graph_equal_eager": all(same(a, b) for a, b in outputs)}
+    outputs = zip(graphed.generate(ids, mask, new), fused.generate(ids, mask, new))
+    row["fused_equal_graph"] = all(same(a, b) for a, b in outputs)
     plain_graphed = PlainStaticDecode(plain, length + new)  # a graph on CUDA, as bik's
     plain_tokens = cases.generate_or_forward(plain, ids, "decode", new, 0)[:, length:]
     row["plain_graph_tokens_equal_generate"] = same(
@@ -516,6 +520,7 @@ def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict
     )
     timed = {
         "graph_ms": lambda: graphed.generate(ids, mask, new),
+        "fused_graph_ms": lambda: fused.generate(ids, mask, new),
         "eager_ms": lambda: eager.generate(ids, mask, new),
         "generate_ms": lambda: cases.generate_or_forward(patched, ids, "decode", new, 0),
         "plain_graph_ms": lambda: plain_graphed.generate(ids, mask, new),
@@ -525,6 +530,7 @@ def static_row(config, batch: int, length: int, new: int, device, dtype) -> dict
         row[name] = eager_us(fn, device, calls=2) / 1e3
     row["graph_vs_plain_graph"] = row["plain_graph_ms"] / row["graph_ms"]
     row["graph_vs_plain_generate"] = row["plain_generate_ms"] / row["graph_ms"]
+    row["fused_vs_plain_graph"] = row["plain_graph_ms"] / row["fused_graph_ms"]
     return row
 
 

@@ -96,7 +96,7 @@ def pack_weights(module: torch.nn.Module) -> int:
     On a device whose backend has no packed kernel (GPUs) the marks change nothing."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    _watch_optimizer_steps()
+    watch_optimizer_steps()
     marked = 0
     for weight in _linear_weights(module):
         mark(weight)
@@ -110,7 +110,7 @@ def mark(weight: torch.Tensor) -> None:
         setattr(weight, _ATTRIBUTE, _Packed())
 
 
-def _watch_optimizer_steps() -> None:
+def watch_optimizer_steps() -> None:
     """Mark every packed copy stale after each step of any torch.optim optimizer: fused
     AdamW, Adam, SGD and Adagrad write parameters without bumping their version counters."""
     global _optimizer_hook
@@ -127,9 +127,17 @@ def unpack_weights(module: torch.nn.Module) -> None:
 
 def weights_changed() -> None:
     """Declare that weights may have changed behind their version counters (writes through
-    ``.data``): every packed copy is remade at its next use."""
+    ``.data``): every packed copy (and every fused projection weight of bik.hf) is remade at
+    its next use."""
     global _generation
     _generation += 1
+
+
+def generation() -> int:
+    """How many times weights were declared changed (:func:`weights_changed`, and each
+    optimizer step once :func:`watch_optimizer_steps` runs): a copy made at another
+    generation may be stale."""
+    return _generation
 
 
 def packed_bytes(module: torch.nn.Module) -> int:

@@ -18,6 +18,7 @@ from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
 from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
 from .autocast import autocast_inputs, run
+from .fused_projections import active_group
 
 
 class PatchedForward:
@@ -48,6 +49,11 @@ class PatchedForward:
                 packed_weights.mark(weight)
             bias = local_weight(m, "bias")
             autocast_on, (x, weight, bias) = autocast_inputs(x.device.type, x, weight, bias)
+            group = active_group(m)
+            if group is not None and autocast_on is None and not torch.is_grad_enabled():
+                out = group.output(m, x, functools.partial(run, self.backend, None, linear))
+                if out is not None:
+                    return out
             return run(self.backend, autocast_on, self._linear_op(), x, weight, bias)
         autocast_on, _ = autocast_inputs(x.device.type)
         if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding

@@ -29,6 +29,7 @@ from ..families import MOE_FAMILIES
 from ..ops._dispatch import needs_custom_op
 from ..ops.attention import fp32_sinks, validate_options
 from .cache_keyword import cache_argument
+from .fused_projections import fused, projection_groups
 
 STEP_TAG = "_bik_static_step"  # set on a static cache's key pages: the step they belong to
 _ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
@@ -213,12 +214,24 @@ class StaticDecoder:
     first step runs eagerly (compiling the kernels, filling bik's launch plans) before the
     capture, so nothing is compiled or checked inside it. A later prefill of the same batch
     size refills the same buffers, so the captured step serves every batch of a rollout.
+    ``fuse_projections``: each step runs a layer's q/k/v and gate/up projections as one
+    linear each (bik.hf.fused_projections: the same bits, fewer and wider launches; costs a
+    copy of those weights, refreshed whenever a parameter changes).
     """
 
-    def __init__(self, model: torch.nn.Module, max_len: int, graph: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_len: int,
+        graph: bool | None = None,
+        fuse_projections: bool = False,
+    ) -> None:
         _attention_layers(model)
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len: expected a positive int, got {max_len!r}")
+        if not isinstance(fuse_projections, bool):
+            raise TypeError(f"fuse_projections: expected a bool, got {fuse_projections!r}")
+        self._groups = projection_groups(model) if fuse_projections else {}
         self.model, self.max_len = model, max_len
         self.graph_requested = graph
         self._cache: Any = None
@@ -306,13 +319,14 @@ class StaticDecoder:
         assert self._step is not None
         running = _RUNNING.set(True)
         try:
-            out = self.model(
-                input_ids=self._tokens,
-                attention_mask=self._mask,  # 4-D: transformers builds none; pages need none
-                position_ids=self._step.positions[:, None],
-                **cache_argument(self.model, self._cache),
-                use_cache=True,
-            )
+            with fused(self._groups):
+                out = self.model(
+                    input_ids=self._tokens,
+                    attention_mask=self._mask,  # 4-D: transformers builds none; pages need none
+                    position_ids=self._step.positions[:, None],
+                    **cache_argument(self.model, self._cache),
+                    use_cache=True,
+                )
         finally:
             _RUNNING.reset(running)
         self._logits.copy_(out.logits[:, -1])
@@ -335,6 +349,8 @@ class StaticDecoder:
         self._tokens.copy_(tokens[:, None])
         self._step.longest = max(self._lengths)
         self._lengths = [n + 1 for n in self._lengths]
+        for group in dict.fromkeys(self._groups.values()):
+            group.refresh()
         if self._graph is not None:  # checked when captured: nothing to decide per step
             self._graph.replay()
         elif self._use_graph():

@@ -8,6 +8,7 @@ from host_reads import host_reads
 
 import bik
 from bik import testing
+from bik.hf import fused_projections
 from bik.tools import demo
 
 pytest.importorskip("transformers")
@@ -108,12 +109,14 @@ def test_a_latent_cache_is_refused_and_keys_that_are_not_the_pages_too(monkeypat
         decoder.step(next_tokens)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-olmo3"])
-def test_a_static_decode_step_reads_nothing_on_the_host(preset):
+@pytest.mark.parametrize(
+    ("preset", "fuse"), [("tiny-qwen3", False), ("tiny-olmo3", False), ("tiny-qwen3", True)]
+)
+def test_a_static_decode_step_reads_nothing_on_the_host(preset, fuse):
     """And the detector is live: the eager decode over a DynamicCache reads the mask."""
     model = _patched(preset)
     ids, mask = _prompts()
-    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 4)
+    decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 4, fuse_projections=fuse)
     next_tokens = decoder.prefill(ids, mask).argmax(-1)
     decoder.step(next_tokens)  # the first step runs once before any capture
     with host_reads() as found:
@@ -157,6 +160,71 @@ def test_static_decode_under_the_triton_backend_gives_the_trainers_bits():
     assert torch.equal(trained, bik.token_logprobs(logits, tokens))
 
 
+@pytest.mark.parametrize(
+    ("preset", "dtype", "backend", "per_layer"),
+    [
+        ("tiny-qwen3", torch.float32, "auto", 2),
+        ("tiny-qwen3", torch.bfloat16, "auto", 2),
+        ("tiny-gpt_oss", torch.float32, "auto", 1),  # q/k/v with biases; experts: no gate/up
+        ("tiny-qwen3", torch.bfloat16, "triton", 2),  # a wider weight: other token buckets
+    ],
+)
+def test_fused_projections_give_each_projection_its_own_bits(
+    preset, dtype, backend, per_layer, monkeypatch
+):
+    """q/k/v and gate/up as one linear each: every step's logits equal the unfused decoder's,
+    and every member of every group took its columns of the one linear."""
+    model = testing.load_model(preset, dtype=dtype)
+    bik.patch_model(model, backend=backend)
+    ids, mask = _prompts()
+    taken = []
+    output = fused_projections.ProjectionGroup.output
+
+    def spy(group, member, x, linear):
+        out = output(group, member, x, linear)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_projections.ProjectionGroup, "output", spy)
+    fused = bik.hf.StaticDecoder(model, ids.shape[1] + STEPS, fuse_projections=True)
+    _, logits = fused.generate(ids, mask, STEPS, choose=_sampler(1))
+    groups = len(set(fused._groups.values()))
+    assert groups == per_layer * model.config.num_hidden_layers
+    assert taken == [True] * (STEPS - 1) * len(fused._groups)
+    plain = bik.hf.StaticDecoder(model, ids.shape[1] + STEPS)
+    assert torch.equal(plain.generate(ids, mask, STEPS, choose=_sampler(1))[1], logits)
+
+
+def test_fused_projections_follow_every_change_of_the_weights():
+    """An in-place update, a replaced parameter and a fused optimizer step (which bumps no
+    version counter) each reach the fused weights before the next step: a fresh unfused
+    decoder of the changed model agrees."""
+    model = _patched("tiny-qwen3")
+    ids, mask = _prompts()
+    fused = bik.hf.StaticDecoder(model, ids.shape[1] + 4, fuse_projections=True)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
+    gate = mlp.gate_proj.weight
+    optimizer = torch.optim.Adam([gate], lr=0.1, fused=True)
+
+    def change_in_place():
+        with torch.no_grad():
+            attention.k_proj.weight.mul_(1.5)
+
+    def replace_parameter():
+        mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach() * 0.5)
+
+    def fused_optimizer_step():
+        gate.grad = torch.ones_like(gate)
+        optimizer.step()
+
+    for change in (change_in_place, replace_parameter, fused_optimizer_step):
+        before = fused.generate(ids, mask, 4)[1]
+        change()
+        after = fused.generate(ids, mask, 4)[1]
+        fresh = bik.hf.StaticDecoder(model, ids.shape[1] + 4).generate(ids, mask, 4)[1]
+        assert torch.equal(fresh, after) and not torch.equal(before, after), change.__name__
+
+
 def test_refusals_name_what_is_wrong():
     plain = testing.load_model("tiny-qwen3")
     with pytest.raises(ValueError, match=r"patched by bik\.patch_model"):
@@ -164,6 +232,8 @@ def test_refusals_name_what_is_wrong():
     model = _patched("tiny-qwen3")
     with pytest.raises(ValueError, match="max_len"):
         bik.hf.StaticDecoder(model, max_len=0)
+    with pytest.raises(TypeError, match="fuse_projections: expected a bool"):
+        bik.hf.StaticDecoder(model, max_len=8, fuse_projections=1)  # type: ignore[arg-type]
     ids, mask = _prompts()
     decoder = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + 1)
     with pytest.raises(RuntimeError, match="prefill first"):
@@ -189,11 +259,12 @@ def test_refusals_name_what_is_wrong():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt_oss"])
-def test_a_captured_step_replays_the_eager_steps_bits(preset):
+def test_a_captured_step_replays_the_eager_steps_bits(preset, fuse):
     model = _patched(preset).cuda()
     ids, mask = (t.cuda() for t in _prompts())
-    graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS)
+    graphed = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS, fuse_projections=fuse)
     eager = bik.hf.StaticDecoder(model, max_len=ids.shape[1] + STEPS, graph=False)
     _, logits = graphed.generate(ids, mask, STEPS)
     assert graphed._graph is not None
