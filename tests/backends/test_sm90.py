@@ -6,7 +6,7 @@ the Triton wheel's own ptxas, use the instructions the design relies on.
 - a row count never changes the binary inside a bucket (no specialisation on M);
 - the tile and grouped kernels: HGMMA for 16-bit inputs, FMA (IEEE, never TF32) for fp32;
 - the TP-invariant chunked kernel: HGMMA, no spill at up to 8 chunks, one binary for every
-  row count.
+  row count; its decode form (a program per chunk, then a plane tree of plain adds) too.
 """
 
 import importlib
@@ -34,9 +34,9 @@ def tile_matmul(rows, n, k, dtype):
     return matmul.matmul_launch(a, b, None, out)
 
 
-def chunked(rows, chunks):
+def chunked(rows, chunks, planes=False):
     a, out = sm90.meta(rows, 4096), sm90.meta(rows, 4096, dtype=torch.float32)
-    return matmul.chunked_launch(a, sm90.meta(4096, 4096).t(), chunks, out)
+    return matmul.chunked_launches(a, sm90.meta(4096, 4096).t(), chunks, out, planes)
 
 
 def grouped():
@@ -56,7 +56,8 @@ LAUNCHES = {
     **{("tile", rows): tile_matmul(rows, 256, 4096, torch.bfloat16) for rows in (1, 17, 4096)},
     "tile fp32": tile_matmul(64, 256, 4096, torch.float32),
     "grouped": grouped(),
-    **{("chunked", rows, c): chunked(rows, c) for rows in (1, 8192) for c in (1, 2, 4, 8)},
+    **{("chunked", rows, c): chunked(rows, c)[0] for rows in (1, 8192) for c in (1, 2, 4, 8)},
+    **{("planes", i): launch for i, launch in enumerate(chunked(1, 8, planes=True))},
 }
 
 
@@ -122,3 +123,12 @@ def test_chunked_kernel_runs_on_tensor_cores_without_spills(binary, chunks):
     assert_hopper_grade(binary["chunked", 1, chunks])
     rows = [binary["chunked", r, chunks] for r in (1, 8192)]
     assert len({(b.specialization, b.code()) for b in rows}) == 1
+
+
+def test_decode_planes_run_the_same_instruction_and_an_fma_free_tree(binary):
+    """The per-chunk programs issue the in-register tree's MMA; the plane tree only adds."""
+    assert_hopper_grade(binary["planes", 0])
+    assert binary["planes", 0].mma == binary["chunked", 1, 8].mma
+    tree = binary["planes", 1]
+    assert tree.local_bytes == 0 and not tree.mma and tree.count("FFMA") == 0
+    assert tree.count("FADD") > 0

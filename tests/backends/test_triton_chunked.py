@@ -1,6 +1,6 @@
 """The triton backend's TP-invariant chunked matmul (``chunked_matmul``): every chunk's
-tensor-core chain and the whole pairwise tree in one launch for 16-bit inputs, the per-chunk
-composition's bits for fp32.
+tensor-core chain and the whole pairwise tree in one launch for 16-bit inputs (at decode, a
+program per chunk and a plane tree: the same bits), the per-chunk composition's bits for fp32.
 
 TP degrees 1, 2, 4 and 8 (emulated: each rank's rank_partial of its K slice, the partials
 tree-summed in rank order) give chunked_linear's bits; a row alone gives its row in any batch
@@ -104,6 +104,23 @@ def test_autograd_runs_the_same_kernel_and_the_composition_gradients(dtype):
     for name, got, want in zip(("x", "weight"), leaves, composed):
         assert got.grad is not None and want.grad is not None
         assert torch.equal(got.grad, want.grad), f"grad of {name}"
+
+
+@settings(max_examples=8)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    m=st.integers(1, 130),
+    n=st.integers(1, 140),
+    k_per_chunk=st.integers(1, 40),
+    chunks=st.sampled_from([1, 2, 4, 8]),
+)
+def test_decode_planes_give_the_in_register_trees_bits(dtype, m, n, k_per_chunk, chunks):
+    """Few output tiles (decode) run a program per chunk into planes and a plane tree; more
+    run each tile's chunks in turn: the same bits, so the row count may pick either."""
+    k = chunks * k_per_chunk
+    a, weight = randn((m, k), dtype, seed=1), randn((n, k), dtype, seed=2)
+    planes = matmul.chunked_matmul(a, weight.t(), chunks, planes=True)
+    assert_bitwise(planes, matmul.chunked_matmul(a, weight.t(), chunks, planes=False))
 
 
 def test_another_chunk_count_is_another_order():

@@ -220,7 +220,7 @@ def _chunk_tree(
         return left + right
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_cc", "stride_cm"])
 def _chunked_kernel(
     a_ptr,
     b_ptr,
@@ -232,25 +232,63 @@ def _chunked_kernel(
     stride_ak,
     stride_bk,
     stride_bn,
+    stride_cc,
     stride_cm,
     stride_cn,
     CHUNKS: tl.constexpr,
+    PLANES: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """fp32 ``c [M, N]`` = the TP-invariant order of ``a [M, CHUNKS * chunk_k] @ b``: every
-    chunk's partial and the whole tree in one program per output tile, in registers."""
+    """The TP-invariant order of ``a [M, CHUNKS * chunk_k] @ b`` in fp32. PLANES off: one
+    program per output tile computes every chunk and the whole tree in registers into
+    ``c [M, N]``. PLANES on: one program per (tile, chunk, grid axis 2) computes that chunk
+    alone into plane ``c[chunk]`` of ``c [CHUNKS, M, N]``, for :func:`_plane_tree_kernel`."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _chunk_tree(
-        a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, 0,
-        stride_am, stride_ak, stride_bk, stride_bn,
-        CHUNKS, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    if PLANES:
+        chunk = tl.program_id(2)
+        acc = _chunk_tree(
+            a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, chunk,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            1, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        c_ptr += chunk.to(tl.int64) * stride_cc
+    else:
+        acc = _chunk_tree(
+            a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, 0,
+            stride_am, stride_ak, stride_bk, stride_bn,
+            CHUNKS, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _plane_sum(planes_ptr, offsets, mask, plane_stride, first, COUNT: tl.constexpr):
+    """Planes ``first .. first + COUNT - 1`` at ``offsets``, summed by the same balanced
+    pairwise tree as :func:`_chunk_tree`'s (the same additions of the same values)."""
+    if COUNT == 1:
+        base = planes_ptr + (plane_stride * first).to(tl.int64)
+        return tl.load(base + offsets, mask=mask, other=0.0)
+    else:
+        half: tl.constexpr = COUNT // 2
+        left = _plane_sum(planes_ptr, offsets, mask, plane_stride, first, half)
+        right = _plane_sum(planes_ptr, offsets, mask, plane_stride, first + half, half)
+        return left + right
+
+
+@triton.jit(do_not_specialize=["numel", "plane_stride"])
+def _plane_tree_kernel(
+    planes_ptr, out_ptr, numel, plane_stride, CHUNKS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """``out`` (contiguous, ``numel`` elements) = the tree over the CHUNKS contiguous planes."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    total = _plane_sum(planes_ptr, offsets, mask, plane_stride, 0, CHUNKS)
+    tl.store(out_ptr + offsets, total, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -473,45 +511,64 @@ CHUNKED_NUM_WARPS = 8
 accumulators and operands spill (tests/backends/test_sm90.py)."""
 
 
-def chunked_launch(a, b, chunks, out) -> Launch:
-    """The launch computing ``out [M, N]`` (fp32) = the ``chunks``-chunk order of
-    ``a [M, K] @ b [K, N]`` (16-bit)."""
+PLANE_TREE_BLOCK = 1024  # elements per program of the plane tree (elementwise: any width)
+
+
+def chunked_launches(a, b, chunks, out, planes: bool) -> list[Launch]:
+    """The launches computing ``out [M, N]`` (fp32) = the ``chunks``-chunk order of
+    ``a [M, K] @ b [K, N]`` (16-bit): one (the tree in registers), or, with ``planes``, the
+    chunks into fp32 planes and then their tree."""
     m, k = a.shape
     n = b.shape[1]
-    return Launch(
-        _chunked_kernel,
-        (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N)),
-        dict(
-            a_ptr=a,
-            b_ptr=b,
-            c_ptr=out,
-            M=m,
-            N=n,
-            chunk_k=k // chunks,
-            stride_am=a.stride(0),
-            stride_ak=a.stride(1),
-            stride_bk=b.stride(0),
-            stride_bn=b.stride(1),
-            stride_cm=out.stride(0),
-            stride_cn=out.stride(1),
-            CHUNKS=chunks,
-            UPCAST=upcast_dot_operands(a.dtype),
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
-        ),
-        num_warps=CHUNKED_NUM_WARPS,
+    tiles = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
+    target = out.new_empty(chunks, m, n) if planes else out
+    args = dict(
+        a_ptr=a,
+        b_ptr=b,
+        c_ptr=target,
+        M=m,
+        N=n,
+        chunk_k=k // chunks,
+        stride_am=a.stride(0),
+        stride_ak=a.stride(1),
+        stride_bk=b.stride(0),
+        stride_bn=b.stride(1),
+        stride_cc=m * n if planes else 0,
+        stride_cm=target.stride(-2),
+        stride_cn=target.stride(-1),
+        CHUNKS=chunks,
+        PLANES=planes,
+        UPCAST=upcast_dot_operands(a.dtype),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
     )
+    grid = (*tiles, chunks) if planes else tiles
+    launches = [Launch(_chunked_kernel, grid, args, num_warps=CHUNKED_NUM_WARPS)]
+    if planes:
+        tree_args = dict(
+            planes_ptr=target,
+            out_ptr=out,
+            numel=m * n,
+            plane_stride=m * n,
+            CHUNKS=chunks,
+            BLOCK=PLANE_TREE_BLOCK,
+        )
+        launches.append(Launch(_plane_tree_kernel, (cdiv(m * n, PLANE_TREE_BLOCK),), tree_args))
+    return launches
 
 
-def chunked_matmul(a, b, chunks):
+def chunked_matmul(a, b, chunks, planes: bool | None = None):
     """``a [M, K] @ b [K, N]`` (any strides) -> fp32 ``[M, N]``: K in ``chunks`` equal chunks,
     each one chain from zero, summed by the balanced pairwise tree.
 
     16-bit inputs: each chunk is the tile kernel's tensor-core MMA chain on the inputs as they
-    are, and one launch runs every chunk and the tree (:func:`_chunked_kernel`). fp32: each
-    chunk is a tile-kernel matmul (IEEE fma: what every backend's chunk is), tree-summed here
-    (an fp32 chunked kernel would spill its operands)."""
+    are (:func:`_chunked_kernel`). Where the output has fewer 64 x 64 tiles than the GPU has
+    SMs (decode), the chunks run as programs of their own into fp32 planes and a second
+    kernel sums them, rather than one program per tile running its chunks in turn: the same
+    chains and the same additions, so the same bits (``planes``: None picks by that rule,
+    True / False force it). fp32: each chunk is a tile-kernel matmul (IEEE fma: what every
+    backend's chunk is), tree-summed here (an fp32 chunked kernel would spill its operands)."""
     if chunks > MAX_CHUNKS:
         raise ValueError(
             f"chunks: the triton backend's chunked kernel takes up to {MAX_CHUNKS}, got {chunks}"
@@ -522,8 +579,12 @@ def chunked_matmul(a, b, chunks):
             [matmul(a[:, i * step : (i + 1) * step], b[i * step : (i + 1) * step], None)
              for i in range(chunks)]
         )  # fmt: skip
-    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-    chunked_launch(aligned(a), aligned(b), chunks, out)()
+    m, n = a.shape[0], b.shape[1]
+    if planes is None:
+        planes = cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N) < _multiprocessors(a.device)
+    out = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    for launch in chunked_launches(aligned(a), aligned(b), chunks, out, planes):
+        launch()
     return out
 
 
