@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 HQ, HKV, DIM = 32, 8, 128
+FP_OPS = ("FADD", "FMUL", "FFMA", "FMNMX", "MUFU")
 CASES = {  # name: (Tq, Tk, dtype)
     "prefill": (8192, 8192, "bfloat16"),
     "prefill_8193": (8193, 8193, "bfloat16"),
@@ -110,6 +111,9 @@ def facts():
                 num_warps=binary.num_warps,
                 code=binary.code(),
                 specialisation=binary.specialization,
+                async_loads=binary.count("LDGSTS"),
+                shared_bytes=binary.shared_bytes,
+                fp_ops={op: n for op, n in binary.opcodes.items() if op.startswith(FP_OPS)},
             )
         )
     return facts
@@ -162,3 +166,19 @@ def test_binaries_do_not_change_with_lengths(facts):
     ]:
         for key in ("specialisation", "code"):
             assert [f[key] for f in facts[case]] == [f[key] for f in facts[same_as]], (case, key)
+
+
+def test_the_combine_loads_split_states_ahead_of_its_fold(facts):
+    """The fold over the splits is a chain: each split's state is copied to shared memory
+    (cp.async) stages ahead, never waited for at its own turn. Its arithmetic is the same
+    for the contiguous and the paged decode (the same merge, the same binary but for reads)."""
+    combines = {
+        case: f
+        for case, binaries in facts.items()
+        for f in binaries
+        if f["kernel"] == "_combine_kernel"
+    }
+    assert set(combines) >= {"decode", "paged_decode", "fp32_decode"}
+    for case, f in combines.items():
+        assert f["async_loads"] > 0 and f["shared_bytes"] <= 227 * 1024, (case, f)
+    assert combines["decode"]["fp_ops"] == combines["paged_decode"]["fp_ops"]
