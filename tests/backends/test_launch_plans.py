@@ -8,12 +8,14 @@ kernels through plans, and benchmarks/gpu_probe.py compares their bits with ``ke
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import triton
+import triton.language as tl
 from triton import knobs
 
 common = importlib.import_module("bik.backends.triton._common")
@@ -148,3 +150,60 @@ def test_no_triton_host_arithmetic_in_the_launchers():
                     ("triton", "cdiv"),
                     ("triton", "next_power_of_2"),
                 }, f"{path.name}: triton.{node.attr} on the host"
+
+
+def _parameters(kernel):
+    """LaunchPlans.parameters, also for a kernel the interpreter wraps (read off its
+    signature and triton.jit's arguments)."""
+    if isinstance(kernel, triton.runtime.jit.JITFunction):
+        return common.LaunchPlans().parameters(kernel)
+    unspecialised = set(kernel.kwargs.get("do_not_specialize") or ())
+    return tuple(
+        (name, p.annotation is tl.constexpr, name not in unspecialised)
+        for name, p in inspect.signature(kernel.fn).parameters.items()
+    )
+
+
+def _site_keys_decide_the_binary(launches):
+    """Each launcher-given plan key stands for one argument key (a superset of what
+    Triton's binder specialises on)."""
+    plans, full = common.LaunchPlans(), {}
+    plans.parameters = _parameters  # type: ignore[method-assign]
+    for launch in launches:
+        assert launch.plan_key is not None
+        site = plans.site_key(launch, 0)
+        full.setdefault(site, set()).add(plans.key(launch, 0))
+    assert all(len(keys) == 1 for keys in full.values()), "a plan key hides a specialisation"
+    return len(full)
+
+
+def test_the_linear_launchers_plan_key_decides_its_binary():
+    sm90 = pytest.importorskip("bik.tools.sm90")
+    matmul = importlib.import_module("bik.backends.triton.matmul")
+    launches = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in (1, 7, 16, 17, 64, 300, 5000):
+            for n, k in ((8, 16), (24, 40), (4096, 4096), (4104, 4096), (4096, 14336)):
+                x, out, weight = (
+                    sm90.meta(rows, k, dtype=dtype),
+                    sm90.meta(rows, n, dtype=dtype),
+                    sm90.meta(n, k, dtype=dtype),
+                )
+                for bias in (None, sm90.meta(n, dtype=dtype)):
+                    for bucket in {matmul.token_bucket(rows, n), *matmul.ALL_BUCKETS[:2]}:
+                        launches.append(matmul.linear_launch(x, weight, bias, out, bucket))
+    assert _site_keys_decide_the_binary(launches) > 20
+
+
+def test_the_rms_norm_launchers_plan_key_decides_its_binary():
+    rms_norm = importlib.import_module("bik.backends.triton.rms_norm")
+    launches = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, 3, 64):
+            for d in (1, 7, 16, 64, 4096, 5000, 20000):
+                for padded in (0, 8):  # a row stride wider than the row
+                    x = torch.zeros(rows, d + padded, dtype=dtype)[:, :d]
+                    weight, out = torch.zeros(d, dtype=dtype), torch.zeros(rows, d, dtype=dtype)
+                    for eps in (1e-6, 1e-5, 0):
+                        launches.append(rms_norm.rms_norm_launch(x, weight, out, eps))
+    assert _site_keys_decide_the_binary(launches) > 20

@@ -18,7 +18,10 @@ specialisation compiles and launches through ``kernel[grid]`` as usual and keeps
 kernel; every later launch with the same specialisation calls that compiled kernel directly,
 skipping Triton's binder and cache lookup (2-37 us of host time a call on an H200 host:
 benchmarks/README.md). The plan's key is a superset of what Triton's binder specialises on,
-so a plan always runs the binary ``kernel[grid]`` would.
+so a plan always runs the binary ``kernel[grid]`` would: read off every argument, or, for the
+hot decode launches (linear, rms_norm), given by the launcher from the few facts that decide
+it (``Launch.plan_key``: 0.1 us instead of 3-5 us on a 2-core AMD EPYC, tested to decide the
+argument key over a grid of shapes).
 
 ``bik.tools.sm90`` compiles the same :class:`Launch` descriptions for Hopper with no GPU and
 reads the instructions they became.
@@ -66,6 +69,12 @@ def upcast_dot_operands(dtype):
     return INTERPRET and dtype == torch.bfloat16
 
 
+def alignments(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    """Whether each tensor starts 16-byte aligned: the part of a plan key Triton's binder reads
+    off a pointer."""
+    return tuple(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+
+
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a copy of it when its first element is not :data:`ALIGNMENT`-byte aligned
     (a view into the middle of a buffer), so every launch sees the alignment it was compiled
@@ -88,6 +97,11 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 3
     extra_options: dict[str, Any] = field(default_factory=dict)
+    plan_key: tuple | None = None
+    """What decides the binary, said by the launcher more cheaply than :meth:`LaunchPlans.key`
+    walks every argument (the hot decode launches): two launches of one kernel with equal
+    ``plan_key`` and options must have equal argument keys (tests/backends/
+    test_launch_plans.py checks it over random shapes). None: the arguments' key."""
 
     def options(self) -> dict[str, Any]:
         """The compile options this launch pins."""
@@ -105,7 +119,8 @@ class Launch:
             PLANS.launch(self)
 
 
-_I32 = range(-(2**31), 2**31)
+I32 = range(-(2**31), 2**31)
+"""The integers Triton passes as 32-bit (wider ones get a 64-bit binary)."""
 
 
 def _argument_key(value: Any, specialized: bool) -> Any:
@@ -121,8 +136,8 @@ def _argument_key(value: Any, specialized: bool) -> Any:
         return value
     if isinstance(value, int):
         if not specialized:
-            return value in _I32
-        return value in _I32, value == 1, value % 16 == 0
+            return value in I32
+        return value in I32, value == 1, value % 16 == 0
     if isinstance(value, float):
         return float
     raise TypeError(f"bik launch: no plan key for an argument of type {type(value).__name__}")
@@ -160,10 +175,23 @@ class LaunchPlans:
             arguments,
         )
 
+    @staticmethod
+    def site_key(launch: Launch, device: int) -> tuple:
+        """The plan of a launch whose launcher gave its ``plan_key``."""
+        options = tuple(sorted(launch.extra_options.items())) if launch.extra_options else ()
+        return (
+            launch.kernel,
+            device,
+            launch.num_warps,
+            launch.num_stages,
+            options,
+            ("site", launch.plan_key),  # never equal to an argument key
+        )
+
     def launch(self, launch: Launch) -> None:
         hooked = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
         device = torch.cuda.current_device()
-        key = self.key(launch, device)
+        key = self.key(launch, device) if launch.plan_key is None else self.site_key(launch, device)
         compiled = None if hooked else self.compiled.get(key)
         if compiled is None:
             compiled = launch.kernel[launch.grid](**launch.args, **launch.options())

@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...contract import MATMUL_BLOCK_K, tp_tree_sum
-from ._common import ALIGNMENT, Launch, aligned, cdiv, dot_acc, upcast_dot_operands
+from ._common import ALIGNMENT, I32, Launch, aligned, alignments, cdiv, dot_acc, upcast_dot_operands
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
@@ -366,6 +366,7 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
 
     tiles = cdiv(n, bucket.block_w) * cdiv(rows, bucket.block_t)
     programs = _programs(x.device, tiles)
+    tensors = (weight, x, out, weight if bias is None else bias)
     return Launch(
         _linear_kernel,
         (programs,),
@@ -387,6 +388,16 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
         ),
         num_warps=bucket.num_warps,
         num_stages=bucket.num_stages,
+        plan_key=(
+            bucket,
+            tuple(t.dtype for t in tensors),
+            alignments(*tensors),
+            bias is None,
+            n,
+            k,
+            rows in I32,
+            programs in I32,
+        ),
     )
 
 

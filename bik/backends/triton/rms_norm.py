@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ...contract import RMS_NORM_ONE_PASS, ROW_CHUNK_CAP, row_chunk
-from ._common import Launch, aligned
+from ._common import I32, Launch, aligned, alignments
 from ._rows import kernel_rows, stride_in_vectors, vector_width
 
 
@@ -80,6 +80,8 @@ def rms_norm_launch(x, weight, out, eps, one_pass: int = RMS_NORM_ONE_PASS) -> L
     block, warps = block_and_warps(d, one_pass)
     vec = vector_width(d, x.dtype)
     assert out.is_contiguous() and out.shape == x.shape
+    stride = stride_in_vectors(x, vec)
+    tensors = (x, weight, out)
     return Launch(
         _rms_norm_kernel,
         (rows,),
@@ -87,14 +89,22 @@ def rms_norm_launch(x, weight, out, eps, one_pass: int = RMS_NORM_ONE_PASS) -> L
             x_ptr=x,
             w_ptr=weight,
             y_ptr=out,
-            stride_x=stride_in_vectors(x, vec),
-            eps=eps,
+            stride_x=stride,
+            eps=float(eps),  # one binary whatever number type the caller passed
             D=d,
             BLOCK=block,
             VEC=vec,
         ),
         num_warps=warps,
         num_stages=1,
+        plan_key=(
+            tuple(t.dtype for t in tensors),
+            alignments(*tensors),
+            stride in I32,
+            d,
+            block,
+            vec,
+        ),
     )
 
 
