@@ -126,21 +126,35 @@ I32 = range(-(2**31), 2**31)
 def _argument_key(value: Any, specialized: bool) -> Any:
     """What Triton's binder specialises a non-constexpr argument on, or a superset of it:
     a tensor's dtype and 16-byte alignment, a descriptor's dtype, block and alignment, an
-    integer's width and (unless ``do_not_specialize``) whether it is 1 or divisible by 16."""
-    if isinstance(value, torch.Tensor):
+    integer's width and (unless ``do_not_specialize``) whether it is 1 or divisible by 16.
+    The exact types come first (by identity: half the cost of an isinstance chain), integers
+    first of all: lengths and strides are most of a launch's arguments."""
+    kind = type(value)
+    if kind is int:  # _int_key, inlined: the call would cost a third of the key
+        in_i32 = value in I32
+        return (in_i32, value == 1, value % 16 == 0) if specialized else in_i32
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
         return value.dtype, value.data_ptr() % ALIGNMENT == 0
+    if kind is float:
+        return float
     if isinstance(value, TensorDescriptor):
         base = value.base
         return base.dtype, tuple(value.block_shape), base.data_ptr() % ALIGNMENT == 0
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
-        if not specialized:
-            return value in I32
-        return value in I32, value == 1, value % 16 == 0
+        return _int_key(value, specialized)
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % ALIGNMENT == 0
     if isinstance(value, float):
         return float
     raise TypeError(f"bik launch: no plan key for an argument of type {type(value).__name__}")
+
+
+def _int_key(value: int, specialized: bool) -> Any:
+    if not specialized:
+        return value in I32
+    return value in I32, value == 1, value % 16 == 0
 
 
 class LaunchPlans:
