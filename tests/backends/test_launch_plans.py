@@ -207,3 +207,50 @@ def test_the_rms_norm_launchers_plan_key_decides_its_binary():
                     for eps in (1e-6, 1e-5, 0):
                         launches.append(rms_norm.rms_norm_launch(x, weight, out, eps))
     assert _site_keys_decide_the_binary(launches) > 20
+
+
+def _attention_cases():
+    """Decode, prefill and paged steps over dtypes, head shapes, options, sinks and paths."""
+    from bik.backends.base import AttentionOptions
+
+    options = [
+        AttentionOptions(True, 0.125, 256),
+        AttentionOptions(False, 0.125, 512),
+        AttentionOptions(True, 0.125, 256, softcap=30.0, window=128),
+    ]
+    for dtype in (torch.bfloat16, torch.float32):
+        for hq, hkv, d in ((8, 8, 64), (32, 8, 128), (4, 1, 256)):
+            for tq, tk in ((1, 1), (1, 700), (3, 700), (80, 80), (200, 9000)):
+                for option in options:
+                    for sinks in (None, torch.zeros(hq, device="meta")):
+                        yield dtype, hq, hkv, d, tq, tk, option, sinks
+
+
+def test_the_attention_launchers_plan_key_decides_its_binaries():
+    attention = importlib.import_module("bik.backends.triton.attention")
+    launches = []
+    for dtype, hq, hkv, d, tq, tk, option, sinks in _attention_cases():
+        meta = dict(dtype=dtype, device="meta")
+        q, out = torch.empty(2, hq, tq, d, **meta), torch.empty(2, hq, tq, d, **meta)
+        k = torch.empty(2, tk, hkv, d, **meta).transpose(1, 2)  # a strided view
+        v = torch.empty(2, hkv, tk, d, **meta)
+        padded = torch.empty(2, hkv, tk, d + 1, **meta)[..., :d]  # strides of no 16-byte unit
+        kv_start = torch.empty(2, dtype=torch.int32, device="meta")
+        for split_parallel in (None, True, False):
+            for values in (v, padded):
+                launches += attention.attention_launches(
+                    q, k, values, kv_start, out, option, sinks, split_parallel=split_parallel
+                )
+        table = torch.empty(2, 64, dtype=torch.int32, device="meta")
+        lens = torch.empty(2, dtype=torch.int32, device="meta")
+        caches = [torch.empty(128, hkv, 16, d, **meta) for _ in "kv"]
+        step = torch.empty(2, hq, 1, d, **meta)
+        launches += attention.attention_launches(
+            step, *caches, kv_start, step, option, sinks, pages=(table, None, lens)
+        )
+        packed = torch.empty(1, hq, 2 * tq, d, **meta)
+        starts = torch.empty(3, dtype=torch.int32, device="meta")
+        launches += attention.attention_launches(
+            packed, *caches, kv_start, packed, option, sinks, pages=(table, starts, lens)
+        )
+    assert _site_keys_decide_the_binary(launches) > 50

@@ -61,7 +61,16 @@ import triton.language as tl
 
 from ...contract import KEY_BLOCK
 from ..base import AttentionOptions
-from ._common import Launch, aligned, cdiv, dot_acc, next_power_of_2, upcast_dot_operands
+from ._common import (
+    I32,
+    Launch,
+    aligned,
+    alignments,
+    cdiv,
+    dot_acc,
+    next_power_of_2,
+    upcast_dot_operands,
+)
 
 BLOCK_M = 64
 """Query rows per tile for bf16 / fp16: one Hopper warpgroup MMA (m64), prefill and decode
@@ -653,7 +662,31 @@ def attention_launches(
         ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
     else:  # no workspace: the unused pointers point at the output
         ws_acc = ws_max = ws_sum = out
-    pinned: dict[str, Any] = dict(num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES)
+    pointers = (q, k, v, kv_start, out, common["sinks_ptr"], ws_acc, ws_max, ws_sum)
+    pointers += (paging["block_table_ptr"], paging["query_start_ptr"], seq_lens_ptr)
+    unspecialised = (tq, tk, n_splits, paging["stable"])
+    unspecialised += tuple(strides[f"s{t}{axis}"] for t in "qkvo" for axis in "bht")
+    # What decides both kernels' binaries (LaunchPlans: cheaper than a walk over 50 arguments)
+    plan_key = (
+        options,  # causal, scale, split size, softcap, window
+        tuple(t.dtype for t in pointers),
+        alignments(*pointers),
+        (
+            hkv,
+            groups,
+            d,
+            unit,
+            split_parallel,
+            sinks is None,
+            paging["VARLEN"],
+            common["PAGE_SIZE"],
+        ),
+        tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
+        all(value in I32 for value in unspecialised),
+    )
+    pinned: dict[str, Any] = dict(
+        num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES, plan_key=plan_key
+    )
     launches = [
         Launch(
             _attention_kernel,
