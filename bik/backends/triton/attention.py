@@ -662,10 +662,10 @@ def attention_launches(
         ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
     else:  # no workspace: the unused pointers point at the output
         ws_acc = ws_max = ws_sum = out
-    pointers = (q, k, v, kv_start, out, common["sinks_ptr"], ws_acc, ws_max, ws_sum)
-    pointers += (paging["block_table_ptr"], paging["query_start_ptr"], seq_lens_ptr)
-    unspecialised = (tq, tk, n_splits, paging["stable"])
-    unspecialised += tuple(strides[f"s{t}{axis}"] for t in "qkvo" for axis in "bht")
+    pointers = [q, k, v, kv_start, out, common["sinks_ptr"], ws_acc, ws_max, ws_sum]
+    pointers += [paging["block_table_ptr"], paging["query_start_ptr"], seq_lens_ptr]
+    unspecialised = [tq, tk, n_splits, paging["stable"]]
+    unspecialised += [strides[f"s{t}{axis}"] for t in "qkvo" for axis in "bht"]
     # What decides both kernels' binaries (LaunchPlans: cheaper than a walk over 50 arguments)
     plan_key = (
         options,  # causal, scale, split size, softcap, window
