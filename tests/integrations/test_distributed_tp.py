@@ -39,9 +39,10 @@ DTYPES = [torch.float32, torch.bfloat16]
     k_per_chunk=st.integers(1, 20),
     bias=st.booleans(),
 )
-def test_every_tp_degree_gives_the_contract_order(dtype, m, n, k_per_chunk, bias):
+def test_every_tp_degree_gives_the_contract_order(backend, dtype, m, n, k_per_chunk, bias):
     """Random shapes (K = TP_CHUNKS x 1..20 crosses the CPU kernel's 16-lane tails): TP 1, 2,
-    4 and 8 emulated give chunked_linear's bits, and a row alone gives its row in the batch."""
+    4 and 8 emulated give chunked_linear's bits, and a row alone gives its row in the batch,
+    on every backend (triton's 16-bit chunks: its tensor-core kernel)."""
     k = TP_CHUNKS * k_per_chunk
     x, weight = randn((m, k), dtype, seed=1), randn((n, k), dtype, seed=2)
     b = randn((n,), dtype, seed=3) if bias else None
