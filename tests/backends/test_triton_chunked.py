@@ -6,8 +6,9 @@ A row alone gives its row in any batch (tails of the 64-row tile included); the 
 (planes) gives the in-register form's bits; the result is close to float64; the autograd path
 (the custom op) gives the inference bits and the per-chunk composition's gradients. Negative
 control: another chunk count is another order. TP degrees 1, 2, 4 and 8 give chunked_linear's
-bits on every backend: tests/integrations/test_distributed_tp.py. Interpreted on the CPU, compiled on a GPU
-(where the bits are the tensor cores'); the sm_90a binary: tests/backends/test_sm90.py.
+bits on every backend: tests/integrations/test_distributed_tp.py. Interpreted on the CPU,
+compiled on a GPU (where the bits are the tensor cores'); the sm_90a binary:
+tests/backends/test_sm90.py.
 """
 
 import importlib
