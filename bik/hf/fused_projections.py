@@ -37,16 +37,20 @@ class ProjectionGroup:
     """Sibling projections computed as one linear (see the module docstring)."""
 
     def __init__(self, members: list[nn.Linear], pack: bool) -> None:
-        self.members = members
+        self.members, self.pack = members, pack
         self.sizes = [m.out_features for m in members]
-        self.weight = torch.cat([m.weight.detach() for m in members])
-        if pack:  # as the members' (patch_model(pack_weights=True)): packed once, not per call
-            packed_weights.mark(self.weight)
+        self._stack()
         packed_weights.watch_optimizer_steps()  # fused optimizers bump no version counter
-        with_bias = members[0].bias is not None
-        self.bias = torch.cat([m.bias.detach() for m in members]) if with_bias else None
-        self._sources = self._source_key()
         self._pending: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+
+    def _stack(self) -> None:
+        """New stacked copies of the members' weights (and biases)."""
+        self.weight = torch.cat([m.weight.detach() for m in self.members])
+        if self.pack:  # as the members' (patch_model(pack_weights=True)): packed once
+            packed_weights.mark(self.weight)
+        with_bias = self.members[0].bias is not None
+        self.bias = torch.cat([m.bias.detach() for m in self.members]) if with_bias else None
+        self._sources = self._source_key()
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for m in self.members for p in (m.weight, m.bias) if p is not None]
@@ -61,6 +65,9 @@ class ProjectionGroup:
         key = self._source_key()
         if key == self._sources:
             return
+        first = self.members[0].weight
+        if (first.dtype, first.device) != (self.weight.dtype, self.weight.device):
+            return self._stack()  # the model moved (its decoder's buffers are new too)
         with torch.no_grad():
             torch.cat([m.weight for m in self.members], out=self.weight)
             if self.bias is not None:

@@ -196,9 +196,9 @@ def test_fused_projections_give_each_projection_its_own_bits(
 
 
 def test_fused_projections_follow_every_change_of_the_weights():
-    """An in-place update, a replaced parameter and a fused optimizer step (which bumps no
-    version counter) each reach the fused weights before the next step: a fresh unfused
-    decoder of the changed model agrees."""
+    """An in-place update, a replaced parameter, a fused optimizer step (which bumps no
+    version counter) and a conversion of the model each reach the fused weights before the
+    next step: a fresh unfused decoder of the changed model agrees."""
     model = _patched("tiny-qwen3")
     ids, mask = _prompts()
     fused = bik.hf.StaticDecoder(model, ids.shape[1] + 4, fuse_projections=True)
@@ -217,7 +217,11 @@ def test_fused_projections_follow_every_change_of_the_weights():
         gate.grad = torch.ones_like(gate)
         optimizer.step()
 
-    for change in (change_in_place, replace_parameter, fused_optimizer_step):
+    def convert_the_model():
+        model.to(torch.bfloat16)
+
+    changes = (change_in_place, replace_parameter, fused_optimizer_step, convert_the_model)
+    for change in changes:
         before = fused.generate(ids, mask, 4)[1]
         change()
         after = fused.generate(ids, mask, 4)[1]
