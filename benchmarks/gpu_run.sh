@@ -12,7 +12,7 @@
 #        (`test kernels -- -m "not slow"`), without one, in place of them
 #        (`test -- tests/backends/test_gpu.py -k decode`); `files PART` lists a part's files
 #   bash benchmarks/gpu_run.sh bench GROUP [BENCH ARGS]
-#        GROUP: matmul (linear), attention (decode, prefill, paged decode), rows (rms_norm,
+#        GROUP: matmul (linear, the TP-invariant tp_linear), attention (decode, prefill, paged decode), rows (rms_norm,
 #        log_softmax, token_logprobs), e2e (patched models: Qwen3-style, SmolLM2-135M's
 #        shapes, MoE), quick (every op, small), all (long);
 #        BENCH ARGS go to `python -m bik bench` (e.g. --min-time 0.1)
@@ -339,7 +339,7 @@ step_bench() {
   local group=$1 ops=() extra=()
   shift
   case "$group" in
-  matmul) ops=(linear) ;;
+  matmul) ops=(linear tp_linear) ;;
   attention) ops=(attention_decode attention_prefill attention_paged_decode) ;;
   rows) ops=(rms_norm log_softmax token_logprobs) ;;
   e2e) ops=(e2e_forward e2e_decode e2e_hybrid_decode moe_block e2e_moe_forward) ;;

@@ -210,6 +210,8 @@ def test_cuda_cases_cover_llama_and_qwen_shapes():
     assert {_field(c.shape, "D") for c in full if c.op == "rms_norm"} >= {2048, 4096}
     assert {_field(c.shape, "V") for c in full if c.op == "log_softmax"} >= {128256, 152064}
     assert {"e2e_decode", "e2e_forward", "token_logprobs"} <= {c.op for c in full}
+    tp = {(_field(c.shape, "M"), _field(c.shape, "K")) for c in full if c.op == "tp_linear"}
+    assert {(1, 4096), (8192, 4096), (1, 14336), (8192, 14336)} <= tp
     quick_ops = {c.op for c in cases.cuda_cases(True)}
     assert {"linear", "attention_decode", "attention_prefill", "e2e_decode"} <= quick_ops
 

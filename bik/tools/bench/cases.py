@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
 import bik
+from bik.distributed import chunked_linear
 from bik.families import FAMILIES
 from bik.layers.delta_rule import gated_delta_rule
 from bik.layers.paged_attention import paged_attention
@@ -76,6 +77,13 @@ def linear(m: int, k: int, n: int, model: str = "") -> Case:
     return Case(
         "linear", label, 2 * m * k * n, 2 * (m * k + n * k + m * n), inputs, bik.linear, F.linear
     )
+
+
+def tp_linear(m: int, k: int, n: int, model: str = "") -> Case:
+    """The tensor-parallel-invariant order of a row-parallel linear
+    (bik.distributed.chunked_linear, TP_CHUNKS chunks: on the triton backend its tensor-core
+    chunked kernel) vs F.linear."""
+    return replace(linear(m, k, n, model), op="tp_linear", bik=chunked_linear)
 
 
 def linear_packed(m: int, k: int, n: int) -> Case:
@@ -576,6 +584,10 @@ LINEAR_SHAPES = [
     ("Qwen2.5-7B gate/up", 3584, 18944),
     ("Qwen2.5-7B down", 18944, 3584),
 ]
+ROW_PARALLEL_SHAPES = [  # what tensor parallelism splits along K: o_proj and down_proj
+    ("Llama-3.1-8B o", 4096, 4096),
+    ("Llama-3.1-8B down", 14336, 4096),
+]
 DECODE_ROWS, PREFILL_ROWS = (1, 16, 64), (2048, 8192)  # M: decode batches, prefill tokens
 LM_HEAD = ("Llama-3.1-8B lm_head", 4096, 128256)
 
@@ -596,6 +608,7 @@ def cuda_cases(quick: bool) -> list[Case]:
     rows = DECODE_ROWS + PREFILL_ROWS
     cases = [linear(m, k, n, model) for model, k, n in LINEAR_SHAPES for m in rows]
     cases += [linear(m, LM_HEAD[1], LM_HEAD[2], LM_HEAD[0]) for m in (1, 64, 2048)]
+    cases += [tp_linear(m, k, n, model) for model, k, n in ROW_PARALLEL_SHAPES for m in rows]
     cases += [rms_norm(r, d) for d in (2048, 3584, 4096) for r in (1, 64, 2048, 8192)]
     cases += [log_softmax(r, v) for v in (32000, 128256, 152064) for r in (1, 64, 2048)]
     cases += [token_logprobs(r, v) for v in (128256, 152064) for r in (64, 2048)]
