@@ -254,3 +254,20 @@ def test_the_attention_launchers_plan_key_decides_its_binaries():
             packed, *caches, kv_start, packed, option, sinks, pages=(table, starts, lens)
         )
     assert _site_keys_decide_the_binary(launches) > 50
+
+
+def test_the_log_softmax_launchers_plan_key_decides_their_binaries():
+    lsm = importlib.import_module("bik.backends.triton.log_softmax")
+    launches = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, 3, 200):
+            for vocab in (1, 7, 100, 4096, 32000, 151936):
+                for padded in (0, 8):
+                    x = torch.empty(rows, vocab + padded, dtype=dtype, device="meta")[:, :vocab]
+                    for temperature in (1.0, 0.7, 2):
+                        out = torch.empty(rows, vocab, dtype=torch.float32, device="meta")
+                        launches += lsm.log_softmax_launches(x, out, temperature)
+                        tokens = torch.empty(rows, dtype=torch.long, device="meta")
+                        out = torch.empty(rows, dtype=torch.float32, device="meta")
+                        launches += lsm.token_logprobs_launches(x, tokens, out, temperature)
+    assert _site_keys_decide_the_binary(launches) > 50

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...contract import LOG_SOFTMAX_SEGMENT, row_chunk
-from ._common import Launch, aligned, cdiv
+from ._common import I32, Launch, aligned, alignments, cdiv
 from ._rows import kernel_rows, stride_in_vectors, vector_width
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -208,7 +208,7 @@ def _stats_launch(x, temperature, segment):
             max_ptr=seg_max,
             sum_ptr=seg_sum,
             stride_x=stride_in_vectors(x, vec),
-            temperature=temperature,
+            temperature=float(temperature),  # one binary whatever number type was passed
             **shape,
         ),
         num_warps=_warps(width),
@@ -253,14 +253,19 @@ def log_softmax_launches(x, out, temperature, segment: int = LOG_SOFTMAX_SEGMENT
             log_total_ptr=log_total if not merge else seg_sum,
             y_ptr=out,
             stride_x=stats.args["stride_x"],
-            temperature=temperature,
+            temperature=float(temperature),  # one binary whatever number type was passed
             MERGE=merge,
             **shape,
         ),
         num_warps=stats.num_warps,
         num_stages=1,
     )
-    return [stats, write] if merge else [stats, fold, write]
+    tensors = (x, out, seg_max, seg_sum, row_max, log_total)
+    plan_key = _plan_key(shape, stats.args["stride_x"], rows, *tensors)
+    launches = [stats, write] if merge else [stats, fold, write]
+    for launch in launches:
+        launch.plan_key = plan_key
+    return launches
 
 
 def token_logprobs_launches(
@@ -281,7 +286,7 @@ def token_logprobs_launches(
             out_ptr=out,
             R=rows,
             stride_x=stats.args["stride_x"],
-            temperature=temperature,
+            temperature=float(temperature),  # one binary whatever number type was passed
             SEGMENTS=shape["SEGMENTS"],
             VEC=shape["VEC"],
             SCALED=shape["SCALED"],
@@ -290,7 +295,16 @@ def token_logprobs_launches(
         num_warps=ROWS // 32,
         num_stages=1,
     )
+    plan_key = _plan_key(shape, stats.args["stride_x"], rows, logits, tokens, out, seg_max, seg_sum)
+    stats.plan_key = gather.plan_key = plan_key
     return [stats, gather]
+
+
+def _plan_key(shape: dict, stride: int, rows: int, *tensors: torch.Tensor) -> tuple:
+    """What decides one call's binaries (LaunchPlans; tested against the arguments' key): the
+    row's constexprs, every tensor's dtype and alignment, 32-bit row counts and strides."""
+    dtypes = tuple(t.dtype for t in tensors)
+    return tuple(shape.items()), dtypes, alignments(*tensors), stride in I32, rows in I32
 
 
 def log_softmax(x, temperature, out_dtype, segment: int = LOG_SOFTMAX_SEGMENT):
