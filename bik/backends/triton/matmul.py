@@ -235,33 +235,26 @@ def _chunked_kernel(
     stride_cc,
     stride_cm,
     stride_cn,
-    CHUNKS: tl.constexpr,
-    PLANES: tl.constexpr,
+    TREE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The TP-invariant order of ``a [M, CHUNKS * chunk_k] @ b`` in fp32. PLANES off: one
-    program per output tile computes every chunk and the whole tree in registers into
-    ``c [M, N]``. PLANES on: one program per (tile, chunk, grid axis 2) computes that chunk
-    alone into plane ``c[chunk]`` of ``c [CHUNKS, M, N]``, for :func:`_plane_tree_kernel`."""
+    """The TP-invariant order of ``a [M, C * chunk_k] @ b`` in fp32: each program sums TREE
+    chunks by the tree in registers, from chunk ``program_id(2)``. TREE = C (a grid axis 2 of
+    one): a program per output tile computes every chunk and the whole tree into ``c [M, N]``.
+    TREE = 1: a program per (tile, chunk) computes that chunk alone into plane ``c[chunk]`` of
+    ``c [C, M, N]``, for :func:`_plane_tree_kernel`."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PLANES:
-        chunk = tl.program_id(2)
-        acc = _chunk_tree(
-            a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, chunk,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            1, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-        c_ptr += chunk.to(tl.int64) * stride_cc
-    else:
-        acc = _chunk_tree(
-            a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, 0,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            CHUNKS, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    first = tl.program_id(2)  # planes: this program's chunk; the tree in registers: 0
+    acc = _chunk_tree(
+        a_ptr, b_ptr, rows, rows < M, cols, N, chunk_k, first,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        TREE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    c_ptr += first.to(tl.int64) * stride_cc  # stride_cc is 0 for the tree in registers
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -547,14 +540,13 @@ def chunked_launches(a, b, chunks, out, planes: bool) -> list[Launch]:
         stride_cc=m * n if planes else 0,
         stride_cm=target.stride(-2),
         stride_cn=target.stride(-1),
-        CHUNKS=chunks,
-        PLANES=planes,
+        TREE=1 if planes else chunks,
         UPCAST=upcast_dot_operands(a.dtype),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
     )
-    grid = (*tiles, chunks) if planes else tiles
+    grid = (*tiles, chunks if planes else 1)
     launches = [Launch(_chunked_kernel, grid, args, num_warps=CHUNKED_NUM_WARPS)]
     if planes:
         tree_args = dict(
