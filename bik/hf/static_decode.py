@@ -232,6 +232,7 @@ class StaticDecoder:
         if not isinstance(fuse_projections, bool):
             raise TypeError(f"fuse_projections: expected a bool, got {fuse_projections!r}")
         self._groups = projection_groups(model) if fuse_projections else {}
+        self._distinct_groups = list(dict.fromkeys(self._groups.values()))  # refreshed a step
         self.model, self.max_len = model, max_len
         self.graph_requested = graph
         self._cache: Any = None
@@ -349,7 +350,7 @@ class StaticDecoder:
         self._tokens.copy_(tokens[:, None])
         self._step.longest = max(self._lengths)
         self._lengths = [n + 1 for n in self._lengths]
-        for group in dict.fromkeys(self._groups.values()):
+        for group in self._distinct_groups:
             group.refresh()
         if self._graph is not None:  # checked when captured: nothing to decide per step
             self._graph.replay()
