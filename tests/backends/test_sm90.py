@@ -5,6 +5,8 @@ the Triton wheel's own ptxas, use the instructions the design relies on.
   local-memory spills; shared memory within Hopper's 227 KiB;
 - a row count never changes the binary inside a bucket (no specialisation on M);
 - the tile and grouped kernels: HGMMA for 16-bit inputs, FMA (IEEE, never TF32) for fp32;
+- the grouped linear kernel (experts in the nn.Linear layout): the linear kernel's HGMMA at
+  every bucket, TMA loads, no spills;
 - the TP-invariant chunked kernel: HGMMA, no spill at up to 8 chunks, one binary for every
   row count; its decode form (a program per chunk, then a plane tree of plain adds) too.
 """
@@ -46,6 +48,14 @@ def grouped():
     return matmul.grouped_matmul_launch(a, b, offsets, out)
 
 
+def grouped_linear(bucket):
+    """Qwen3-30B-A3B's expert gate/up projection: 128 experts of [1536, 2048]."""
+    x, out = sm90.meta(4096, 2048), sm90.meta(4096, 1536)
+    offsets = torch.zeros(129, dtype=torch.int64, device="meta")
+    weight = sm90.meta(128, 1536, 2048)
+    return matmul.grouped_linear_launch(x, weight, offsets, out, bucket)
+
+
 LAUNCHES = {
     **{("linear", b): linear(b.max_rows or 4096, 4096, 4096, bucket=b) for b in matmul.ALL_BUCKETS},
     "linear fp16": linear(1, 4096, 4096, torch.float16),
@@ -56,6 +66,7 @@ LAUNCHES = {
     **{("tile", rows): tile_matmul(rows, 256, 4096, torch.bfloat16) for rows in (1, 17, 4096)},
     "tile fp32": tile_matmul(64, 256, 4096, torch.float32),
     "grouped": grouped(),
+    **{("grouped linear", b): grouped_linear(b) for b in matmul.ALL_BUCKETS},
     **{("chunked", rows, c): chunked(rows, c)[0] for rows in (1, 8192) for c in (1, 2, 4, 8)},
     **{("planes", i): launch for i, launch in enumerate(chunked(1, 8, planes=True))},
 }
@@ -116,6 +127,16 @@ def test_fp32_matmul_is_ieee_fma_not_tf32(binary):
 
 def test_grouped_kernel_uses_wgmma(binary):
     assert_hopper_grade(binary["grouped"])
+
+
+@pytest.mark.parametrize(
+    "bucket", matmul.ALL_BUCKETS, ids=lambda b: f"W{b.block_w}xT{b.block_t}s{b.num_stages}"
+)
+def test_grouped_linear_uses_wgmma_and_tma_at_every_bucket(binary, bucket):
+    compiled = binary["grouped linear", bucket]
+    assert_hopper_grade(compiled)
+    assert compiled.count("UTMALDG") > 0, "operands should arrive by TMA"
+    assert compiled.mma == binary["linear", bucket].mma, "the linear kernel's instruction"
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 4, 8])

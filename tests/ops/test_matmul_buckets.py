@@ -1,4 +1,6 @@
-"""The Triton linear kernel's token buckets: every bucket gives a row its single-row bits.
+"""The Triton linear kernel's token buckets: every bucket gives a row its single-row bits; the
+grouped (mixture-of-experts) kernel, which shares its tile product, gives an expert's rows the
+bits of the expert's own linear.
 
 ``_linear_kernel`` (bf16 / fp16 weights that TMA can describe) changes its token tile, warps
 and stages with the row count; these tests run it (in the interpreter, or on a GPU) and check
@@ -160,3 +162,63 @@ def test_a_fused_projection_gives_the_separate_projections_bits(rows):
     fused = bik.linear(x, torch.cat(parts))
     separate = torch.cat([bik.linear(x, w) for w in parts], dim=-1)
     assert_bitwise(fused, separate, "fused q/k/v vs separate")
+
+
+@pytest.fixture
+def grouped_spy(monkeypatch):
+    """The token bucket of every grouped TMA launch, in order."""
+    seen = []
+    launch = matmul.grouped_linear_launch
+
+    def spy(x, weight, offsets, out, bucket):
+        seen.append(bucket)
+        return launch(x, weight, offsets, out, bucket)
+
+    monkeypatch.setattr(matmul, "grouped_linear_launch", spy)
+    return seen
+
+
+@settings(max_examples=6)
+@given(
+    dtype=st.sampled_from(HALF),
+    rows=st.integers(1, 300),
+    groups=st.integers(1, 6),
+    n=st.integers(1, 20).map(lambda i: 8 * i),
+    k=st.integers(1, 12).map(lambda i: 8 * i),
+    seed=st.integers(0, 50),
+)
+def test_an_expert_gets_the_bits_of_its_own_linear(grouped_spy, dtype, rows, groups, n, k, seed):
+    """MoE experts in the nn.Linear layout run the linear kernel's tile product: every row of
+    every group (tiles that end inside a group, groups left empty) has the bits bik.linear
+    gives it through its group's weight alone."""
+    grouped_spy.clear()  # the fixture outlives one example
+    x, weight = randn((rows, k), dtype, seed), randn((groups, n, k), dtype, seed + 1)
+    chosen = torch.randint(0, groups, (rows,), generator=torch.Generator().manual_seed(seed))
+    out = bik.grouped_linear(x, weight, chosen.to(DEVICE))
+    for group in range(groups):
+        mine = (chosen == group).to(DEVICE)
+        if mine.any():
+            assert_bitwise(out[mine], bik.linear(x[mine], weight[group]), f"group {group}")
+    assert grouped_spy == [matmul._bucket(-(-rows // groups), weight[0], None)]
+
+
+def test_the_grouped_bucket_follows_the_mean_rows_per_group(grouped_spy, monkeypatch):
+    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ())
+    weight = randn((4, 24, 32), torch.bfloat16, 16)
+    x = randn((600, 32), torch.bfloat16, 17)
+    chosen = (torch.arange(600) % 4).to(DEVICE)
+    decode = bik.grouped_linear(x[:8], weight, chosen[:8])
+    prefill = bik.grouped_linear(x, weight, chosen)
+    assert [b.block_t for b in grouped_spy] == [16, 128]
+    assert_bitwise(prefill[:8], decode, "8 rows alone vs among 600")
+
+
+def test_other_expert_layouts_and_fp32_take_the_tile_kernel(grouped_spy):
+    chosen = torch.tensor([0, 1, 1], device=DEVICE)
+    stacked = randn((2, 48, 32), torch.bfloat16, 18)  # gate and up halves of [G, 2N, K]
+    for weight in (stacked[:, :24], stacked.float()):
+        x = randn((3, 32), weight.dtype, 19)
+        expected = torch.einsum("rk,rnk->rn", x.double(), weight.double()[chosen])
+        got = bik.grouped_linear(x, weight, chosen)
+        assert_close_to_reference(got, expected, weight.dtype, "grouped tile kernel")
+    assert grouped_spy == []

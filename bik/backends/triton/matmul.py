@@ -16,8 +16,11 @@ number of rows, so a row's bits do not change with the batch:
   runs, and on a GPU :func:`buckets_agree` checks it once per (N, K, dtype) before first use
   and falls back to the single-row bucket for every row count if it fails.
 - ``_matmul_kernel`` (every other case: fp32, per-batch weights, N-contiguous ``b``, strides
-  TMA cannot take): fixed 64 x 64 tiles, the same for every M. The grouped
-  (mixture-of-experts) kernel shares its tile loop, :func:`_tile_product`.
+  TMA cannot take): fixed 64 x 64 tiles, the same for every M.
+
+The grouped (mixture-of-experts) kernels reuse them: ``_grouped_linear_kernel`` runs
+``_linear_kernel``'s tile product (:func:`_swapped_tile`) for 16-bit experts that TMA can
+describe, ``_grouped_matmul_kernel`` the tile kernel's (:func:`_tile_product`) otherwise.
 """
 
 import functools
@@ -284,6 +287,29 @@ def _plane_tree_kernel(
     tl.store(out_ptr + offsets, total, mask=mask)
 
 
+@triton.jit
+def _swapped_tile(
+    w_desc,
+    x_desc,
+    w0,
+    t0,
+    K,
+    UPCAST: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """fp32 ``w[w0 : w0 + BLOCK_W] @ x[t0 : t0 + BLOCK_T]^T`` from two TMA descriptors. The
+    only reduction: ascending BLOCK_K tiles into one fp32 accumulator. TMA fills out-of-range
+    K with zeros, which add exact zeros at the same place for every row."""
+    acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = w_desc.load([w0, k0])
+        x = x_desc.load([t0, k0])
+        acc = dot_acc(w, tl.trans(x), acc, UPCAST)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _linear_kernel(
     w_desc,
@@ -314,13 +340,7 @@ def _linear_kernel(
         in_group = tile % (GROUP_T * w_tiles)
         t0 = (group_first + in_group % group_size) * BLOCK_T
         w0 = in_group // group_size * BLOCK_W
-        # The only reduction: ascending BLOCK_K tiles into one fp32 accumulator. TMA fills
-        # out-of-range K with zeros, which add exact zeros at the same place for every row.
-        acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w = w_desc.load([w0, k0])
-            x = x_desc.load([t0, k0])
-            acc = dot_acc(w, tl.trans(x), acc, UPCAST)
+        acc = _swapped_tile(w_desc, x_desc, w0, t0, K, UPCAST, BLOCK_W, BLOCK_T, BLOCK_K)
         if HAS_BIAS:  # epilogue in fp32, then the one rounding to the output dtype
             features = w0 + tl.arange(0, BLOCK_W)
             bias = tl.load(bias_ptr + features, mask=features < N, other=0.0)
@@ -349,13 +369,14 @@ def _programs(device: torch.device, tiles: int) -> int:
     return min(tiles, _multiprocessors(device))
 
 
+def _descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
+
+
 def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
     """The launch computing ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])``."""
     rows, k = x.shape
     n = weight.shape[0]
-
-    def descriptor(tensor, block):
-        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
 
     tiles = cdiv(n, bucket.block_w) * cdiv(rows, bucket.block_t)
     programs = _programs(x.device, tiles)
@@ -364,9 +385,9 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
         _linear_kernel,
         (programs,),
         dict(
-            w_desc=descriptor(weight, [bucket.block_w, LINEAR_BLOCK_K]),
-            x_desc=descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
-            out_desc=descriptor(out, [bucket.block_t, bucket.block_w]),
+            w_desc=_descriptor(weight, [bucket.block_w, LINEAR_BLOCK_K]),
+            x_desc=_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
+            out_desc=_descriptor(out, [bucket.block_t, bucket.block_w]),
             bias_ptr=bias if bias is not None else weight,
             M=rows,
             N=n,
@@ -646,19 +667,19 @@ def _grouped_matmul_kernel(
     )
 
 
-def _row_tiles(offsets, rows):
-    """Tiles of BLOCK_M rows that never straddle two groups, as (group, first row, end row)
+def _row_tiles(offsets, rows, block):
+    """Tiles of ``block`` rows that never straddle two groups, as (group, first row, end row)
     per tile, padded with group -1 up to a bound known without reading ``offsets`` on the
-    host: sum(ceil(count / BLOCK_M)) <= ceil(rows / BLOCK_M) + groups."""
+    host: sum(ceil(count / block)) <= ceil(rows / block) + groups."""
     groups = offsets.numel() - 1
     counts = offsets[1:] - offsets[:-1]
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles = (counts + block - 1) // block
     tile_end = tiles.cumsum(0)
-    index = torch.arange(cdiv(rows, BLOCK_M) + groups, device=offsets.device)
+    index = torch.arange(cdiv(rows, block) + groups, device=offsets.device)
     group = torch.searchsorted(tile_end, index, right=True)
     used = group < groups
     group = group.clamp(max=groups - 1)
-    start = offsets[group] + (index - (tile_end[group] - tiles[group])) * BLOCK_M
+    start = offsets[group] + (index - (tile_end[group] - tiles[group])) * block
     end = offsets[group + 1]
     return torch.where(used, group, -1), start, end
 
@@ -668,7 +689,7 @@ def grouped_matmul_launch(a, b, offsets, out) -> Launch:
     ``a [R, K]`` times ``b[g] [K, N]`` (``b [G, K, N]``, any strides)."""
     rows, k = a.shape
     n = b.shape[2]
-    tile_group, tile_start, tile_end = _row_tiles(offsets, rows)
+    tile_group, tile_start, tile_end = _row_tiles(offsets, rows, BLOCK_M)
     return Launch(
         _grouped_matmul_kernel,
         (tile_group.numel(), cdiv(n, BLOCK_N)),
@@ -696,9 +717,99 @@ def grouped_matmul_launch(a, b, offsets, out) -> Launch:
     )
 
 
+@triton.jit
+def _grouped_linear_kernel(
+    w_desc,
+    x_desc,
+    out_ptr,
+    tile_group_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    N,
+    K,
+    stride_om,
+    UPCAST: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Row tile i (inside one group's rows, as in _grouped_matmul_kernel) times feature tile j
+    of its group's weight, by _linear_kernel's own tile product: the weight is ``[G * N, K]``,
+    group g's features rows ``g * N ..``. A tile that runs past the group's rows (or past its
+    N features into the next group's) computes values that are never stored: every output
+    element is its own accumulator."""
+    tile = tl.program_id(0)
+    group = tl.load(tile_group_ptr + tile)
+    if group < 0:
+        return
+    start = tl.load(tile_start_ptr + tile).to(tl.int32)
+    end = tl.load(tile_end_ptr + tile).to(tl.int32)
+    w0 = tl.program_id(1) * BLOCK_W
+    acc = _swapped_tile(
+        w_desc, x_desc, group.to(tl.int32) * N + w0, start, K, UPCAST, BLOCK_W, BLOCK_T, BLOCK_K
+    )
+    features = w0 + tl.arange(0, BLOCK_W)
+    rows = start + tl.arange(0, BLOCK_T)
+    ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_om + features[:, None]
+    mask = (features[:, None] < N) & (rows[None, :] < end)
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def grouped_takes_tma(weight: torch.Tensor) -> bool:
+    """Whether ``weight [G, N, K]`` suits ``_grouped_linear_kernel``: each group's weight suits
+    ``_linear_kernel`` (:func:`takes_tma`) and the groups lie one after another (one ``[G * N,
+    K]`` descriptor)."""
+    return takes_tma(weight[0]) and weight.stride(0) == weight.shape[1] * weight.stride(1)
+
+
+def grouped_linear_launch(x, weight, offsets, out, bucket: TokenBucket) -> Launch:
+    """The launch computing rows ``offsets[g]:offsets[g+1]`` of ``out [R, N]`` as those rows of
+    ``x [R, K]`` times ``weight[g] [N, K]^T`` (``weight [G, N, K]`` with
+    :func:`grouped_takes_tma`), in ``bucket``'s tile."""
+    rows, k = x.shape
+    groups, n = weight.shape[:2]
+    stacked = weight.as_strided((groups * n, k), (weight.stride(1), 1))
+    tile_group, tile_start, tile_end = _row_tiles(offsets, rows, bucket.block_t)
+    return Launch(
+        _grouped_linear_kernel,
+        (tile_group.numel(), cdiv(n, bucket.block_w)),
+        dict(
+            w_desc=_descriptor(stacked, [bucket.block_w, LINEAR_BLOCK_K]),
+            x_desc=_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
+            out_ptr=out,
+            tile_group_ptr=tile_group,
+            tile_start_ptr=tile_start,
+            tile_end_ptr=tile_end,
+            N=n,
+            K=k,
+            stride_om=out.stride(0),
+            UPCAST=upcast_dot_operands(x.dtype),
+            BLOCK_W=bucket.block_w,
+            BLOCK_T=bucket.block_t,
+            BLOCK_K=LINEAR_BLOCK_K,
+        ),
+        num_warps=bucket.num_warps,
+        num_stages=bucket.num_stages,
+    )
+
+
 def grouped_matmul(a, b, offsets):
     """Rows ``offsets[g]:offsets[g+1]`` of ``a [R, K]`` times ``b[g] [K, N]`` (``b [G, K, N]``,
-    any strides) -> ``[R, N]`` in a's dtype."""
-    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
-    grouped_matmul_launch(aligned(a), aligned(b), offsets, out)()
+    any strides) -> ``[R, N]`` in a's dtype.
+
+    A ``b`` that is the transpose of a 16-bit ``[G, N, K]`` weight TMA can read (the
+    nn.Linear layout per expert, as transformers and vLLM keep experts) runs
+    ``_grouped_linear_kernel``: each row gets the bits :func:`matmul` gives it through its
+    group's weight alone (``_linear_kernel``), in the token bucket of the mean rows per group
+    (any bucket gives the same bits: :func:`buckets_agree`, checked once per shape as for a
+    linear). Other layouts and fp32 run the tile kernel's 64 x 64 tiles."""
+    rows, n = a.shape[0], b.shape[2]
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    weight = b.transpose(1, 2)
+    if grouped_takes_tma(weight):
+        x, weight = aligned(a.contiguous()), aligned(weight)
+        bucket = _bucket(cdiv(rows, weight.shape[0]), weight[0], None)
+        grouped_linear_launch(x, weight, offsets, out, bucket)()
+    else:
+        grouped_matmul_launch(aligned(a), aligned(b), offsets, out)()
     return out
