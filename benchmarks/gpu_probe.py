@@ -36,6 +36,10 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   tensor-core chunked kernel) against ``bik.linear`` and cuBLAS, replayed from CUDA graphs,
   at decode and prefill rows; its bits at TP 1, 2, 4, 8 (each rank's ``rank_partial`` of its
   K slice, the partials combined in rank order) and a row alone against its row in the batch.
+- ``moe``: the experts' grouped GEMM at Qwen3-30B-A3B's shapes (128 experts, 8 a token),
+  kernel to kernel on rows sorted by expert, replayed from CUDA graphs: the triton grouped
+  linear (the linear kernel's tile product), the 64 x 64 tile kernel it replaced and torch's
+  ``_grouped_mm``; an expert's rows against ``bik.linear`` through its weight alone.
 - ``profile``: where an eager bik.linear's host time goes (cProfile, by own time).
 
 ``--rehearse`` (no GPU): compiles every GEMM candidate for sm_90a (wgmma shape, registers,
@@ -120,6 +124,7 @@ PART_SHARES = {
     "static": 0.1,
     "cutlass": 0.05,
     "chunked": 0.05,
+    "moe": 0.05,
     "profile": 0.05,
 }
 
@@ -365,6 +370,69 @@ def chunked_row(x: torch.Tensor, weight: torch.Tensor) -> dict[str, Any]:
     return row
 
 
+# Qwen3-30B-A3B's experts: 128 of them, 8 a token, gate/up [1536, 2048] and down [2048, 768].
+MOE_EXPERTS, MOE_TOP_K = 128, 8
+MOE_WEIGHTS = [("Qwen3-30B-A3B gate/up", 2048, 1536), ("Qwen3-30B-A3B down", 768, 2048)]
+MOE_TOKENS = (1, 16, 256, 4096)
+
+
+def part_moe(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """The experts' grouped GEMM: the triton grouped linear (the linear kernel's tile product)
+    and the 64 x 64 tile kernel it replaced, against torch's ``_grouped_mm``, kernel to kernel
+    on rows already sorted by expert, each replayed from a CUDA graph."""
+    experts, top_k = (4, 2) if tiny else (MOE_EXPERTS, MOE_TOP_K)
+    with bik.use_backend("triton"):
+        moe_rows(record, experts, top_k, device, dtype, deadline, tiny)
+
+
+def moe_rows(record: Recorder, experts: int, top_k: int, device, dtype, deadline, tiny) -> None:
+    for label, k, n in [("tiny", 64, 48)] if tiny else MOE_WEIGHTS:
+        weight = torch.randn(experts, n, k, device=device).to(dtype)
+        for tokens in (1, 40) if tiny else MOE_TOKENS:
+            if time.monotonic() > deadline:
+                return record(part="moe", cut=f"T={tokens} K={k} N={n}")
+            chosen = torch.randint(0, experts, (tokens * top_k,), device=device)
+            x = torch.randn(tokens * top_k, k, device=device).to(dtype)
+            row = moe_row(x, weight, chosen)
+            record(part="moe", shape=f"T={tokens} top{top_k} of {experts} K={k} N={n} ({label})",
+                   **row)  # fmt: skip
+
+
+def moe_row(x: torch.Tensor, weight: torch.Tensor, chosen: torch.Tensor) -> dict[str, Any]:
+    order = torch.sort(chosen, stable=True).indices
+    counts = torch.bincount(chosen, minlength=weight.shape[0])
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    packed, b = x[order], weight.transpose(1, 2)
+    out = triton_matmul.grouped_matmul(packed, b, offsets)
+
+    def tile():
+        result = torch.empty_like(out)
+        triton_matmul.grouped_matmul_launch(packed, b, offsets, result)()
+        return result
+
+    mine = chosen[order] == chosen[order][-1]
+    row: dict[str, Any] = {
+        "bucket": bucket_of(-(-x.shape[0] // weight.shape[0]), weight[0])._asdict(),
+        "expert_equal_linear": same(out[mine], bik.linear(packed[mine], weight[chosen[order][-1]])),
+    }
+    ends = offsets[1:].to(torch.int32)
+    try:  # the non-invariant baseline, checked to compute the same product
+        baseline = torch._grouped_mm(packed, b, offs=ends)
+        row["max_diff_grouped_mm"] = (out.float() - baseline.float()).abs().max().item()
+    except (RuntimeError, AttributeError) as error:  # not on this GPU / torch
+        row["grouped_mm"] = f"{type(error).__name__}: {error}"[:200]
+    if x.device.type != "cuda":
+        return row
+    row["us"], _ = graph_us(lambda: triton_matmul.grouped_matmul(packed, b, offsets), calls=10)
+    row["tile_us"], _ = graph_us(tile, calls=10)
+    row["vs_tile"] = row["tile_us"] / row["us"]
+    if "max_diff_grouped_mm" in row:
+        row["grouped_mm_us"], _ = graph_us(lambda: torch._grouped_mm(packed, b, offs=ends), 10)
+        row["vs_grouped_mm"] = row["grouped_mm_us"] / row["us"]
+    row["tflops"] = 2 * x.shape[0] * x.shape[1] * weight.shape[1] / row["us"] / 1e6
+    return row
+
+
 TABLE_ROWS = (1, 16, 64, 128, 512, 2048, 8192)
 
 
@@ -558,6 +626,7 @@ PARTS = {
     "static": part_static,
     "cutlass": part_cutlass,
     "chunked": part_chunked,
+    "moe": part_moe,
     "profile": part_profile,
 }
 
