@@ -20,6 +20,9 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   with the single-row bucket's: a candidate that changes a row's bits cannot enter the table.
 - ``attention``: decode over 1k-32k keys at batch 1 and 16, the split kernel and the combine
   kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
+- ``prefill``: causal prefill (2k, 8k; GQA 32/8, head 128) in the shipped tile and each
+  candidate tile (128 rows over two warpgroups) against SDPA (flash), replayed from CUDA
+  graphs, and each candidate's output against the shipped tile's, bit for bit.
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
   one, a Qwen3.5-style hybrid; plans on and off, the bits compared) against the unpatched
   model.
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import importlib
 import io
 import json
@@ -120,6 +124,7 @@ PART_SHARES = {
     "table": 0.15,
     "gemm": 0.2,
     "attention": 0.15,
+    "prefill": 0.1,
     "e2e": 0.15,
     "static": 0.1,
     "cutlass": 0.05,
@@ -517,6 +522,52 @@ def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool)
         record(**row)
 
 
+def part_prefill(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
+    """Causal prefill in the shipped tile and in each candidate tile (``PREFILL_CANDIDATES``)
+    against SDPA (flash), replayed from CUDA graphs; each candidate's output against the
+    shipped tile's, bit for bit (a candidate that moves a bit cannot be shipped)."""
+    heads, kv_heads, dim = (4, 2, 16) if tiny else (32, 8, 128)
+    for length in (100,) if tiny else (2048, 8192):
+        q = torch.randn(1, heads, length, dim, device=device).to(dtype)
+        k, v = (torch.randn(1, kv_heads, length, dim, device=device).to(dtype) for _ in "kv")
+        if not prefill_rows(record, q, k, v, deadline):
+            return
+
+
+def prefill_rows(record: Recorder, q, k, v, deadline: float) -> bool:
+    """One shape's rows of :func:`part_prefill`; False if the deadline came."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bik.ops.attention import validate_options
+
+    (_, heads, length, dim), kv_heads = q.shape, k.shape[1]
+    shape = f"B=1 H={heads}/{kv_heads} T={length} D={dim} causal"
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    options = validate_options(q, True, None, None, None, None, None)
+    run = functools.partial(triton_attention.attention, q, k, v, kv_start, options)
+    shipped = run()
+    sdpa_us = None
+    if q.device.type == "cuda":
+        sdpa = functools.partial(
+            F.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True
+        )
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            sdpa_us, _ = graph_us(sdpa, calls=5)
+    for tile in [triton_attention.shipped_tile(q.dtype), *triton_attention.PREFILL_CANDIDATES]:
+        if time.monotonic() > deadline:
+            record(part="prefill", cut=f"{shape} {tile}")
+            return False
+        row: dict[str, Any] = dict(part="prefill", shape=shape, tile=tile._asdict())
+        row["equal_shipped"] = same(run(tile=tile), shipped)
+        if sdpa_us is not None:
+            row["us"], _ = graph_us(functools.partial(run, tile=tile), calls=5)
+            row["sdpa_flash_us"] = sdpa_us
+            row["vs_sdpa"] = sdpa_us / row["us"]
+            row["tflops"] = 4 * heads * length * length / 2 * dim / row["us"] / 1e6
+        record(**row)
+    return True
+
+
 def e2e_cases(tiny: bool) -> list[cases.Case]:
     if tiny:
         return [cases.end_to_end("decode", 2, 8, 64, 2, new_tokens=2)]
@@ -622,6 +673,7 @@ PARTS = {
     "table": part_table,
     "gemm": part_gemm,
     "attention": part_attention,
+    "prefill": part_prefill,
     "e2e": part_e2e,
     "static": part_static,
     "cutlass": part_cutlass,

@@ -8,7 +8,9 @@ memory, and their binaries do not change with Tk (8192 vs 8193) nor with the dec
 its binary the same for 8192 or 8193 tokens and 16 or 5 sequences; a paged decode step runs
 split-parallel with decode's instructions. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
-nothing either. Checked with the Triton of .venv (3.9) and of `make test-gpu-image` (3.6).
+nothing either. The candidate prefill tiles (128 rows over two warpgroups) issue prefill's
+instructions and spill nothing. Checked with the Triton of .venv (3.9) and of `make
+test-gpu-image` (3.6).
 
 The launches are described here with meta tensors and compiled by ``bik.tools.sm90``.
 """
@@ -19,6 +21,8 @@ import torch
 from bik.backends.base import AttentionOptions
 
 sm90 = pytest.importorskip("bik.tools.sm90")
+
+from bik.backends.triton.attention import PREFILL_CANDIDATES  # noqa: E402 (needs triton)
 
 pytestmark = pytest.mark.skipif(
     not all((sm90.TOOLS / tool).exists() for tool in ("ptxas", "cuobjdump")),
@@ -51,14 +55,15 @@ PAGED_CASES = {
 PAGE, BLOCKS = 16, 8192
 
 
-def launches(tq, tk, dtype):
+def launches(tq, tk, dtype, tile=None):
     from bik.backends.triton.attention import attention_launches
 
     dtype = getattr(torch, dtype)
     q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
     k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
     kv_start = sm90.meta(1, dtype=torch.int32)
-    return attention_launches(q, k, v, kv_start, out, AttentionOptions(True, DIM**-0.5, 256))
+    options = AttentionOptions(True, DIM**-0.5, 256)
+    return attention_launches(q, k, v, kv_start, out, options, tile=tile)
 
 
 def paged_launches(tokens, sequences, dtype):
@@ -91,15 +96,20 @@ def paged_launches(tokens, sequences, dtype):
     )
 
 
+# The prefill tiles benchmarks/gpu_probe.py times against the shipped one
+CANDIDATES = {f"prefill_{'x'.join(map(str, tile))}": tile for tile in PREFILL_CANDIDATES}
+
+
 @pytest.fixture(scope="module")
 def facts():
     """{case: [facts of each launch's binary]}, every case compiled in one go."""
     cases = [(name, launch) for name, shape in CASES.items() for launch in launches(*shape)]
+    cases += [(name, *launches(8192, 8192, "bfloat16", tile)) for name, tile in CANDIDATES.items()]
     cases += [
         (name, launch) for name, shape in PAGED_CASES.items() for launch in paged_launches(*shape)
     ]
     binaries = sm90.compile_launches([launch for _, launch in cases])
-    facts = {name: [] for name in [*CASES, *PAGED_CASES]}
+    facts = {name: [] for name in [*CASES, *PAGED_CASES, *CANDIDATES]}
     for (name, launch), binary in zip(cases, binaries):
         facts[name].append(
             dict(
@@ -140,6 +150,8 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
     assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"] == facts["paged"][0]["mma"]
     assert facts["paged_decode"][0]["mma"] == facts["decode"][0]["mma"]
+    for candidate in CANDIDATES:  # two warpgroups, each issuing the shipped tile's HGMMA
+        assert facts[candidate][0]["mma"] == facts["prefill"][0]["mma"], candidate
     for prefill, decode in [
         ("prefill", "decode"),
         ("fp32_prefill", "fp32_decode"),

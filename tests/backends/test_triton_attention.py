@@ -15,6 +15,7 @@ from bik.backends import reference
 from bik.backends.base import AttentionOptions
 from bik.backends.triton.attention import (
     BLOCK_M,
+    PREFILL_CANDIDATES,
     _use_split_parallel,
     attention,
     attention_launches,
@@ -69,6 +70,35 @@ def test_in_register_and_split_parallel_paths_give_the_same_bits(
         q, k, v, causal, 0.3, kv_start, split, softcap, window if causal else None, logits
     )
     assert_bitwise(split_parallel, in_registers, "split-parallel vs in-register")
+
+
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    tile=st.sampled_from(PREFILL_CANDIDATES),
+    groups=st.sampled_from([1, 3, 4]),
+    tq=st.integers(1, 90),
+    extra=st.integers(0, 100),
+    causal=st.booleans(),
+    window=WINDOWS,
+    sinks=st.booleans(),
+    data=st.data(),
+)
+def test_a_candidate_prefill_tile_gives_the_shipped_tiles_bits(
+    dtype, tile, groups, tq, extra, causal, window, sinks, data
+):
+    # Rows end anywhere inside a 128-row tile and its second warpgroup's 64 rows.
+    tk = tq + extra
+    q, k, v = inputs(2, 2, groups, tq, tk, 16, dtype, seed=tq * 5 + extra)
+    starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
+    kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    logits = randn((2 * groups,), torch.float32, tq, scale=2.0) if sinks else None
+    options = AttentionOptions(causal, 0.3, 32, None, window if causal else None)
+    shipped = attention(q, k, v, kv_start, options, logits, split_parallel=False)
+    for split_parallel in (False, True):
+        got = attention(
+            q, k, v, kv_start, options, logits, split_parallel=split_parallel, tile=tile
+        )
+        assert_bitwise(got, shipped, f"{tile}, split-parallel {split_parallel}")
 
 
 @pytest.mark.parametrize("dim", [160, 256])

@@ -53,7 +53,7 @@ every stride allows it, a property of the layout and head dim, not of the length
 stay vectorised while the binary is the same for every sequence length.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -554,15 +554,30 @@ def _stride_unit(*tensors):
     return 1
 
 
-def _block_m(dtype):
-    """Query rows per tile: a function of the dtype only, the same on both paths."""
-    return FP32_BLOCK_M if dtype == torch.float32 else BLOCK_M
+class AttentionTile(NamedTuple):
+    """Query rows a program (``block_m``), its warps and its pipeline stages."""
+
+    block_m: int
+    num_warps: int
+    num_stages: int
 
 
-def _num_warps(dtype):
-    """Warps per program: a function of the dtype only, the same on both paths (so the same
-    dot layout and reduction trees)."""
-    return FP32_NUM_WARPS if dtype == torch.float32 else NUM_WARPS
+def shipped_tile(dtype) -> AttentionTile:
+    """The tile of both paths: a function of the dtype only (so the same dot layout and
+    reduction trees for prefill and decode)."""
+    if dtype == torch.float32:
+        return AttentionTile(FP32_BLOCK_M, FP32_NUM_WARPS, NUM_STAGES)
+    return AttentionTile(BLOCK_M, NUM_WARPS, NUM_STAGES)
+
+
+PREFILL_CANDIDATES = (AttentionTile(128, 8, 3), AttentionTile(128, 8, 2))
+"""16-bit prefill tiles not shipped yet: two warpgroups (each the shipped tile's HGMMA on its
+64 rows) share every key and value block, halving those loads per FLOP; sm_90a shows no spill
+with Triton 3.6 or 3.9 (tests/backends/test_sm90_attention.py). A row's arithmetic is its
+warpgroup's, the same as in a 64-row tile, and rows its tile adds only see identity work, so
+the bits should not move: the interpreter tests check it, and benchmarks/gpu_probe.py's
+``prefill`` part times each against the shipped tile and compares every row's bits on a GPU,
+which decides whether one replaces it."""
 
 
 def _use_split_parallel(batch, hkv, rows, n_splits, d, block_m=BLOCK_M):
@@ -589,6 +604,7 @@ def attention_launches(
     *,
     split_parallel=None,
     pages=None,
+    tile: AttentionTile | None = None,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
@@ -599,14 +615,17 @@ def attention_launches(
     :func:`paged_attention`): k and v are the caches ``[num_blocks, Hkv, block_size, D]``;
     q and out are ``[S, Hq, 1, D]`` views of a decode step's tokens (``query_start`` None),
     or ``[1, Hq, T, D]`` views of a packed step's (a program per sequence and kv head, tiles
-    for the longest query possible, the in-register path)."""
+    for the longest query possible, the in-register path). ``tile`` None: the shipped
+    tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
+    and the GPU probe."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
     rows = tq * groups
     split_size, window, softcap = options.split_size, options.window, options.softcap
     n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
-    block_m = _block_m(q.dtype)
+    tile = tile or shipped_tile(q.dtype)
+    block_m = tile.block_m
     if pages is not None:
         table, query_start, seq_lens = pages
         n_splits = cdiv(table.shape[1] * tk, split_size)  # the longest sequence's
@@ -685,7 +704,7 @@ def attention_launches(
         all(value in I32 for value in unspecialised),
     )
     pinned: dict[str, Any] = dict(
-        num_warps=_num_warps(q.dtype), num_stages=NUM_STAGES, plan_key=plan_key
+        num_warps=tile.num_warps, num_stages=tile.num_stages, plan_key=(tile, plan_key)
     )
     launches = [
         Launch(
@@ -731,15 +750,17 @@ def attention_launches(
     return launches
 
 
-def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, *, split_parallel=None):
+def attention(
+    q, k, v, kv_start, options: AttentionOptions, sinks=None, *, split_parallel=None, tile=None
+):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``split_parallel``: see
-    :func:`attention_launches` (the bits are the same either way)."""
+    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``split_parallel`` and
+    ``tile``: see :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
     sinks = None if sinks is None else aligned(sinks)
     for launch in attention_launches(
-        q, k, v, kv_start, out, options, sinks, split_parallel=split_parallel
+        q, k, v, kv_start, out, options, sinks, split_parallel=split_parallel, tile=tile
     ):
         launch()
     return out
