@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 common = importlib.import_module("bik.backends.triton._common")
 
@@ -271,3 +272,16 @@ def test_the_log_softmax_launchers_plan_key_decides_their_binaries():
                         out = torch.empty(rows, dtype=torch.float32, device="meta")
                         launches += lsm.token_logprobs_launches(x, tokens, out, temperature)
     assert _site_keys_decide_the_binary(launches) > 50
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (300, 4096), (8, 2048)])
+def test_a_tma_descriptor_has_the_fields_triton_constructor_sets(shape):
+    """The linear kernels' descriptors skip the constructor's checks, never its fields: a new
+    Triton field without a default, or a default that changes, shows up here."""
+    matmul = importlib.import_module("bik.backends.triton.matmul")
+    tensor = torch.empty(shape, dtype=torch.bfloat16)
+    fast = matmul._descriptor(tensor, [16, 64])
+    built = TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [16, 64])
+    assert vars(fast).keys() == vars(built).keys()
+    assert fast.base is built.base
+    assert all(vars(fast)[k] == vars(built)[k] for k in vars(built) if k != "base")
