@@ -20,9 +20,10 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   with the single-row bucket's: a candidate that changes a row's bits cannot enter the table.
 - ``attention``: decode over 1k-32k keys at batch 1 and 16, the split kernel and the combine
   kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
-- ``prefill``: causal prefill (2k, 8k; GQA 32/8, head 128) in the shipped tile and each
-  candidate tile (128 rows over two warpgroups) against SDPA (flash), replayed from CUDA
-  graphs, and each candidate's output against the shipped tile's, bit for bit.
+- ``prefill``: causal prefill (2k, 8k; GQA 32/8, head 128) as shipped (keys and values by
+  TMA), with pointer loads, in each candidate tile (128 rows over two warpgroups) and with
+  64-key blocks (timing only: another order than the contract's) against SDPA (flash),
+  replayed from CUDA graphs; each variant's output against the shipped one's, bit for bit.
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
   one, a Qwen3.5-style hybrid; plans on and off, the bits compared) against the unpatched
   model.
@@ -79,7 +80,7 @@ import torch.nn.functional as F
 import bik
 from bik.backends import cutlass_sm90
 from bik.backends.triton import _common
-from bik.contract import TP_CHUNKS
+from bik.contract import KEY_BLOCK, TP_CHUNKS
 from bik.distributed import chunked_linear, combine_partials, rank_partial
 from bik.tools.bench import cases, graphs
 from bik.tools.bench.plain_static import PlainStaticDecode
@@ -87,6 +88,7 @@ from bik.tools.bench.plain_static import PlainStaticDecode
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
 triton_attention = importlib.import_module("bik.backends.triton.attention")
+PREFILL_CANDIDATES = triton_attention.PREFILL_CANDIDATES
 
 TokenBucket = triton_matmul.TokenBucket
 
@@ -523,15 +525,38 @@ def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool)
 
 
 def part_prefill(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
-    """Causal prefill in the shipped tile and in each candidate tile (``PREFILL_CANDIDATES``)
-    against SDPA (flash), replayed from CUDA graphs; each candidate's output against the
-    shipped tile's, bit for bit (a candidate that moves a bit cannot be shipped)."""
+    """Causal prefill as shipped (TMA keys and values, the shipped tile), with pointer loads,
+    in each candidate tile (``PREFILL_CANDIDATES``) and with 64-key blocks (timing only: not
+    the contract's order) against SDPA (flash), replayed from CUDA graphs; each variant's
+    output against the shipped one's, bit for bit (a variant that moves a bit cannot ship)."""
     heads, kv_heads, dim = (4, 2, 16) if tiny else (32, 8, 128)
     for length in (100,) if tiny else (2048, 8192):
         q = torch.randn(1, heads, length, dim, device=device).to(dtype)
         k, v = (torch.randn(1, kv_heads, length, dim, device=device).to(dtype) for _ in "kv")
         if not prefill_rows(record, q, k, v, deadline):
             return
+
+
+def prefill_variants(dtype) -> list[tuple[str, dict[str, Any], int]]:
+    """(label, attention() choices, key block) of each variant :func:`part_prefill` times."""
+    shipped = triton_attention.shipped_tile(dtype)
+    variants = [("shipped", {}, KEY_BLOCK), ("pointer loads", {"tma_kv": False}, KEY_BLOCK)]
+    variants += [(f"tile {tuple(t)}", {"tile": t}, KEY_BLOCK) for t in PREFILL_CANDIDATES]
+    variants += [(f"{2 * KEY_BLOCK}-key blocks, tile {tuple(t)}", {"tile": t}, 2 * KEY_BLOCK)
+                 for t in (shipped, *PREFILL_CANDIDATES)]  # fmt: skip
+    return variants
+
+
+@contextlib.contextmanager
+def key_block(keys: int):
+    """Attention launches with ``keys`` keys a block (for timing: another order than the
+    contract's unless ``keys`` is KEY_BLOCK)."""
+    saved = triton_attention.BLOCK_N
+    triton_attention.BLOCK_N = keys
+    try:
+        yield
+    finally:
+        triton_attention.BLOCK_N = saved
 
 
 def prefill_rows(record: Recorder, q, k, v, deadline: float) -> bool:
@@ -553,14 +578,16 @@ def prefill_rows(record: Recorder, q, k, v, deadline: float) -> bool:
         )
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             sdpa_us, _ = graph_us(sdpa, calls=5)
-    for tile in [triton_attention.shipped_tile(q.dtype), *triton_attention.PREFILL_CANDIDATES]:
+    for label, choices, keys in prefill_variants(q.dtype):
         if time.monotonic() > deadline:
-            record(part="prefill", cut=f"{shape} {tile}")
+            record(part="prefill", cut=f"{shape} {label}")
             return False
-        row: dict[str, Any] = dict(part="prefill", shape=shape, tile=tile._asdict())
-        row["equal_shipped"] = same(run(tile=tile), shipped)
+        row: dict[str, Any] = dict(part="prefill", shape=shape, variant=label)
+        with key_block(keys):
+            row["equal_shipped"] = same(run(**choices), shipped)
+            if sdpa_us is not None:
+                row["us"], _ = graph_us(functools.partial(run, **choices), calls=5)
         if sdpa_us is not None:
-            row["us"], _ = graph_us(functools.partial(run, tile=tile), calls=5)
             row["sdpa_flash_us"] = sdpa_us
             row["vs_sdpa"] = sdpa_us / row["us"]
             row["tflops"] = 4 * heads * length * length / 2 * dim / row["us"] / 1e6

@@ -276,11 +276,10 @@ def test_the_log_softmax_launchers_plan_key_decides_their_binaries():
 
 @pytest.mark.parametrize("shape", [(1, 64), (300, 4096), (8, 2048)])
 def test_a_tma_descriptor_has_the_fields_triton_constructor_sets(shape):
-    """The linear kernels' descriptors skip the constructor's checks, never its fields: a new
+    """bik's descriptors (linear, attention) skip the constructor's checks, never its fields: a new
     Triton field without a default, or a default that changes, shows up here."""
-    matmul = importlib.import_module("bik.backends.triton.matmul")
     tensor = torch.empty(shape, dtype=torch.bfloat16)
-    fast = matmul._descriptor(tensor, [16, 64])
+    fast = common.tma_descriptor(tensor, [16, 64])
     built = TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [16, 64])
     assert vars(fast).keys() == vars(built).keys()
     assert fast.base is built.base

@@ -8,7 +8,8 @@ memory, and their binaries do not change with Tk (8192 vs 8193) nor with the dec
 its binary the same for 8192 or 8193 tokens and 16 or 5 sequences; a paged decode step runs
 split-parallel with decode's instructions. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
-nothing either. The candidate prefill tiles (128 rows over two warpgroups) issue prefill's
+nothing either. 16-bit keys and values arrive by TMA (paged caches: pointer loads). The
+candidate prefill tiles (128 rows over two warpgroups) issue prefill's
 instructions and spill nothing. Checked with the Triton of .venv (3.9) and of `make
 test-gpu-image` (3.6).
 
@@ -122,6 +123,7 @@ def facts():
                 code=binary.code(),
                 specialisation=binary.specialization,
                 async_loads=binary.count("LDGSTS"),
+                tma_loads=binary.count("UTMALDG"),
                 shared_bytes=binary.shared_bytes,
                 fp_ops={op: n for op, n in binary.opcodes.items() if op.startswith(FP_OPS)},
             )
@@ -159,6 +161,16 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
         ("fp32_prefill", "fp32_paged"),
     ]:
         assert facts[prefill][0]["num_warps"] == facts[decode][0]["num_warps"]
+
+
+def test_keys_and_values_arrive_by_tma_unless_paged(facts):
+    """16-bit contiguous keys and values by TMA boxes (fewer registers: no per-element
+    addresses); fp32 and paged caches by pointer loads."""
+    for case, binaries in facts.items():
+        split = binaries[0]
+        assert split["kernel"] == "_attention_kernel"
+        by_tma = not case.startswith(("fp32", "paged"))
+        assert (split["tma_loads"] > 0) == by_tma, (case, split["tma_loads"])
 
 
 def test_no_spills(facts):

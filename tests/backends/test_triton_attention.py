@@ -101,6 +101,50 @@ def test_a_candidate_prefill_tile_gives_the_shipped_tiles_bits(
         assert_bitwise(got, shipped, f"{tile}, split-parallel {split_parallel}")
 
 
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    groups=st.sampled_from([1, 4]),
+    tq=st.integers(1, 70),
+    extra=st.integers(0, 100),
+    dim=st.sampled_from([8, 40, 64, 160]),  # 40: dims past D in the box; 160: value chunks
+    causal=st.booleans(),
+    window=WINDOWS,
+    sinks=st.booleans(),
+    split_parallel=st.booleans(),
+    data=st.data(),
+)
+def test_keys_and_values_by_tma_give_the_pointer_loads_bits(
+    dtype, groups, tq, extra, dim, causal, window, sinks, split_parallel, data
+):
+    tk = tq + extra
+    q, k, v = inputs(2, 2, groups, tq, tk, dim, dtype, seed=tq * 3 + extra)
+    starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
+    kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    logits = randn((2 * groups,), torch.float32, tq, scale=2.0) if sinks else None
+    options = AttentionOptions(causal, 0.3, 32, 1.5, window if causal else None)
+    args = (q, k, v, kv_start, options, logits)
+    by_tma = attention(*args, split_parallel=split_parallel, tma_kv=True)
+    assert_bitwise(by_tma, attention(*args, split_parallel=split_parallel, tma_kv=False), "tma")
+
+
+def test_tma_reads_keys_and_values_where_their_layout_allows():
+    def chosen(k):
+        q = randn((1, 2, 3, k.shape[-1]), k.dtype, 1)
+        out = torch.empty_like(q)
+        kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+        launch = attention_launches(q, k, k, kv_start, out, AttentionOptions(True, 0.1, 32))[0]
+        return launch.args["TMA_KV"]
+
+    assert chosen(randn((1, 1, 40, 64), torch.bfloat16, 2))
+    assert chosen(randn((1, 40, 1, 64), torch.float16, 3).transpose(1, 2))  # [B, T, H, D] view
+    assert not chosen(randn((1, 1, 40, 64), torch.float32, 4))  # fp32: FMA dots
+    assert not chosen(randn((1, 1, 40, 12), torch.bfloat16, 5))  # 24-byte rows
+    q, k = randn((1, 1, 3, 12), torch.bfloat16, 6), randn((1, 1, 40, 12), torch.bfloat16, 7)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    with pytest.raises(ValueError, match="tma_kv: TMA cannot read"):
+        attention(q, k, k, kv_start, AttentionOptions(True, 0.1, 32), tma_kv=True)
+
+
 @pytest.mark.parametrize("dim", [160, 256])
 def test_wide_heads_run_in_value_chunks_on_both_paths(dim):
     # D > 128 is cut into 128-wide chunks of output dims (160: a masked tail chunk).

@@ -29,7 +29,7 @@ reads the instructions they became.
 """
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -83,6 +83,29 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "meta" or tensor.data_ptr() % ALIGNMENT == 0:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
+
+
+_DESCRIPTOR_DEFAULTS = {
+    f.name: f.default for f in fields(TensorDescriptor) if f.default is not MISSING
+}
+
+
+def tma_descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """The TMA descriptor of ``tensor`` read in boxes of ``block``: the fields Triton's
+    constructor sets (its defaults for the optional ones), set directly. Its checks (16-byte
+    aligned base and strides, a contiguous last dim, positive sizes, a valid block) cost
+    1.1-1.7 us a descriptor on the host (a linear builds three); every caller has already
+    made them true (its layout check, :func:`aligned`, the op layer's return on empty
+    inputs, constant blocks), so they are not run again on every call."""
+    descriptor = object.__new__(TensorDescriptor)
+    vars(descriptor).update(
+        _DESCRIPTOR_DEFAULTS,
+        base=tensor,
+        shape=list(tensor.shape),
+        strides=list(tensor.stride()),
+        block_shape=block,
+    )
+    return descriptor
 
 
 @dataclass

@@ -31,6 +31,11 @@ Both compute a split state with the same code, tile shape and warps (so the same
 instructions and reduction trees), store it in fp32 exactly, and merge it with the same
 elementwise formula (no FMA contraction), so a row's bits do not depend on the path.
 
+Loads: 16-bit keys and values whose strides TMA can take (not a paged cache) arrive by TMA
+boxes of one head's BLOCK_N keys (:func:`_kv_takes_tma`), the others by masked pointer loads;
+both give the dots the same values (zeros past the keys and the head dim), so the same bits,
+and TMA leaves more registers to the two fp32 accumulators.
+
 Work a row does not need is exact identity, which is why a row's bits do not depend on the
 other rows of its tile nor on the tile's bounds. A tile visits the union of its rows' key
 blocks and splits; for a row that sees none of a block's keys, the scores are -inf, so its
@@ -62,6 +67,7 @@ import triton.language as tl
 from ...contract import KEY_BLOCK
 from ..base import AttentionOptions
 from ._common import (
+    ALIGNMENT,
     I32,
     Launch,
     aligned,
@@ -69,6 +75,7 @@ from ._common import (
     cdiv,
     dot_acc,
     next_power_of_2,
+    tma_descriptor,
     upcast_dot_operands,
 )
 
@@ -179,6 +186,10 @@ def _page_rows(base, page, slot, page_stride, row_stride, cols, col_stride, mask
 @triton.jit
 def _split_state(
     q,
+    k_desc,
+    v_desc,
+    b,
+    kv_head,
     k_base,
     v_base,
     skt,
@@ -186,6 +197,7 @@ def _split_state(
     svt,
     svd,
     vdims,
+    vdims_start,
     split,
     first_key,
     block_lo,
@@ -205,6 +217,7 @@ def _split_state(
     WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -218,8 +231,10 @@ def _split_state(
     the value dims ``vdims`` only (every chunk of value dims computes the same scores).
 
     PAGE_SIZE > 0: the keys and values sit in a paged cache; key n is row ``n % PAGE_SIZE`` of
-    page ``pages_ptr[n // PAGE_SIZE]`` (pages ``skp`` / ``svp`` elements apart). Only the
-    addresses change: a block loads the same tile, so the same bits.
+    page ``pages_ptr[n // PAGE_SIZE]`` (pages ``skp`` / ``svp`` elements apart). TMA_KV: they
+    arrive by TMA from the descriptors ``k_desc`` / ``v_desc`` (``[B, Hkv, Tk, D]``, boxes of
+    one head's BLOCK_N keys), which fill keys past Tk and dims past D with zeros, as the
+    masked loads do. Only the addresses change: a block loads the same tile, so the same bits.
     """
     lo = first_key + split * split_size
     hi = tl.minimum(lo + split_size, key_hi)
@@ -242,6 +257,8 @@ def _split_state(
             page = tl.load(pages_ptr + keys // PAGE_SIZE, mask=keys < Tk, other=0).to(tl.int64)
             slot = keys % PAGE_SIZE
             k = _page_rows(k_base, page, slot, skp, skt, dims, skd, k_mask)
+        elif TMA_KV:
+            k = k_desc.load([b, kv_head, n0, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
         scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
@@ -262,6 +279,8 @@ def _split_state(
         v_mask = (keys[:, None] < Tk) & _in_head(vdims, D, BLOCK_D)
         if PAGE_SIZE > 0:
             v = _page_rows(v_base, page, slot, svp, svt, vdims, svd, v_mask)
+        elif TMA_KV:
+            v = v_desc.load([b, kv_head, n0, vdims_start]).reshape(BLOCK_N, BLOCK_DV)
         else:
             v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
         acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
@@ -323,6 +342,8 @@ def _attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     kv_start_ptr,
     out_ptr,
     sinks_ptr,
@@ -367,6 +388,7 @@ def _attention_kernel(
     SINKS: tl.constexpr,
     UNIT: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    TMA_KV: tl.constexpr,
     VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -426,6 +448,10 @@ def _attention_kernel(
     for split in range(split_first, split_last):
         part_max, part_sum, part_acc = _split_state(
             q,
+            k_desc,
+            v_desc,
+            b.to(tl.int32),
+            kv_head.to(tl.int32),
             k_base,
             v_base,
             skt * UNIT,
@@ -433,6 +459,7 @@ def _attention_kernel(
             svt * UNIT,
             svd,
             vdims,
+            chunk * BLOCK_DV,
             split,
             first_key,
             block_lo,
@@ -452,6 +479,7 @@ def _attention_kernel(
             WINDOW,
             UPCAST,
             PAGE_SIZE,
+            TMA_KV,
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
@@ -542,6 +570,19 @@ def _combine_kernel(
     tl.store(_out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask)
 
 
+def _kv_takes_tma(*tensors) -> bool:
+    """Whether TMA can read these ``[B, Hkv, Tk, D]`` keys / values: 16-bit (fp32 keeps its
+    FMA dots' register operands), not empty (a descriptor has no zero-size dim), a contiguous
+    last dim and 16-byte strides (the base is :func:`aligned` already)."""
+    return all(
+        t.element_size() == 2
+        and t.numel() > 0
+        and t.stride(3) == 1
+        and all(s * 2 % ALIGNMENT == 0 for s in t.stride()[:3])
+        for t in tensors
+    )
+
+
 def _stride_unit(*tensors):
     """Elements per 16 bytes when every batch / head / position stride is a multiple of it,
     else 1. Strides are passed divided by it (unspecialised) and multiplied back in the
@@ -605,6 +646,7 @@ def attention_launches(
     split_parallel=None,
     pages=None,
     tile: AttentionTile | None = None,
+    tma_kv: bool | None = None,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
@@ -617,7 +659,8 @@ def attention_launches(
     or ``[1, Hq, T, D]`` views of a packed step's (a program per sequence and kv head, tiles
     for the longest query possible, the in-register path). ``tile`` None: the shipped
     tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
-    and the GPU probe."""
+    and the GPU probe. ``tma_kv`` None: keys and values arrive by TMA when their layout allows
+    (:func:`_kv_takes_tma`, not paged); False forces the pointer loads (the same bits)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -625,6 +668,10 @@ def attention_launches(
     split_size, window, softcap = options.split_size, options.window, options.softcap
     n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
     tile = tile or shipped_tile(q.dtype)
+    if tma_kv is None:
+        tma_kv = pages is None and _kv_takes_tma(k, v)
+    elif tma_kv and (pages is not None or not _kv_takes_tma(k, v)):
+        raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
     block_m = tile.block_m
     if pages is not None:
         table, query_start, seq_lens = pages
@@ -699,6 +746,7 @@ def attention_launches(
             sinks is None,
             paging["VARLEN"],
             common["PAGE_SIZE"],
+            tma_kv,
         ),
         tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
         all(value in I32 for value in unspecialised),
@@ -714,6 +762,9 @@ def attention_launches(
                 q_ptr=q,
                 k_ptr=k,
                 v_ptr=v,
+                k_desc=tma_descriptor(k, [1, 1, BLOCK_N, block_d]) if tma_kv else k,
+                v_desc=tma_descriptor(v, [1, 1, BLOCK_N, block_dv]) if tma_kv else v,
+                TMA_KV=tma_kv,
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
                 ws_sum_ptr=ws_sum,
@@ -750,18 +801,15 @@ def attention_launches(
     return launches
 
 
-def attention(
-    q, k, v, kv_start, options: AttentionOptions, sinks=None, *, split_parallel=None, tile=None
-):
+def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, **choices):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``split_parallel`` and
-    ``tile``: see :func:`attention_launches` (the bits are the same either way)."""
+    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``choices``
+    (``split_parallel``, ``tile``, ``tma_kv``): see :func:`attention_launches` (the bits are
+    the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
     sinks = None if sinks is None else aligned(sinks)
-    for launch in attention_launches(
-        q, k, v, kv_start, out, options, sinks, split_parallel=split_parallel, tile=tile
-    ):
+    for launch in attention_launches(q, k, v, kv_start, out, options, sinks, **choices):
         launch()
     return out
 

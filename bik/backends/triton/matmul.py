@@ -23,19 +23,26 @@ The grouped (mixture-of-experts) kernels reuse them: ``_grouped_linear_kernel`` 
 describe, ``_grouped_matmul_kernel`` the tile kernel's (:func:`_tile_product`) otherwise.
 """
 
-import dataclasses
 import functools
 import warnings
-from dataclasses import MISSING
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...contract import MATMUL_BLOCK_K, tp_tree_sum
-from ._common import ALIGNMENT, I32, Launch, aligned, alignments, cdiv, dot_acc, upcast_dot_operands
+from ._common import (
+    ALIGNMENT,
+    I32,
+    Launch,
+    aligned,
+    alignments,
+    cdiv,
+    dot_acc,
+    tma_descriptor,
+    upcast_dot_operands,
+)
 
 # One configuration for every M: a row's K-order can never depend on the batch size.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, MATMUL_BLOCK_K
@@ -371,29 +378,6 @@ def _programs(device: torch.device, tiles: int) -> int:
     return min(tiles, _multiprocessors(device))
 
 
-_DESCRIPTOR_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not MISSING
-}
-
-
-def _descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """The TMA descriptor of ``tensor`` read in tiles of ``block``: the fields Triton's
-    constructor sets (its defaults for the optional ones), set directly. Its checks (16-byte
-    aligned base and row strides, a contiguous last dim, positive sizes, a valid block) cost
-    1.1-1.7 us a descriptor on the host, three a linear; every caller has already made them
-    true (:func:`takes_tma`, :func:`aligned`, the op layer's empty-input return, the bucket
-    constants), so they are not run again on every call."""
-    descriptor = object.__new__(TensorDescriptor)
-    vars(descriptor).update(
-        _DESCRIPTOR_DEFAULTS,
-        base=tensor,
-        shape=list(tensor.shape),
-        strides=list(tensor.stride()),
-        block_shape=block,
-    )
-    return descriptor
-
-
 def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
     """The launch computing ``out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])``."""
     rows, k = x.shape
@@ -406,9 +390,9 @@ def linear_launch(x, weight, bias, out, bucket: TokenBucket) -> Launch:
         _linear_kernel,
         (programs,),
         dict(
-            w_desc=_descriptor(weight, [bucket.block_w, LINEAR_BLOCK_K]),
-            x_desc=_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
-            out_desc=_descriptor(out, [bucket.block_t, bucket.block_w]),
+            w_desc=tma_descriptor(weight, [bucket.block_w, LINEAR_BLOCK_K]),
+            x_desc=tma_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
+            out_desc=tma_descriptor(out, [bucket.block_t, bucket.block_w]),
             bias_ptr=bias if bias is not None else weight,
             M=rows,
             N=n,
@@ -795,8 +779,8 @@ def grouped_linear_launch(x, weight, offsets, out, bucket: TokenBucket) -> Launc
         _grouped_linear_kernel,
         (tile_group.numel(), cdiv(n, bucket.block_w)),
         dict(
-            w_desc=_descriptor(stacked, [bucket.block_w, LINEAR_BLOCK_K]),
-            x_desc=_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
+            w_desc=tma_descriptor(stacked, [bucket.block_w, LINEAR_BLOCK_K]),
+            x_desc=tma_descriptor(x, [bucket.block_t, LINEAR_BLOCK_K]),
             out_ptr=out,
             tile_group_ptr=tile_group,
             tile_start_ptr=tile_start,
