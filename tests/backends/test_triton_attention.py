@@ -1,12 +1,14 @@
 """Triton attention internals: the in-register and the split-parallel path give the same bits,
 GQA-packed decode equals prefill, prefill has no workspace, both paths are accurate."""
 
+import importlib
+
 import pytest
 
 pytest.importorskip("triton")
 
 import torch
-from conftest import invariant_backends
+from conftest import DEVICE, invariant_backends
 from helpers import DTYPES, assert_bitwise, assert_close_to_reference, randn
 from hypothesis import given
 from hypothesis import strategies as st
@@ -24,6 +26,8 @@ from bik.backends.triton.attention import (
 pytestmark = pytest.mark.skipif(
     "triton" not in invariant_backends(), reason="the triton backend cannot run here"
 )
+attention_module = importlib.import_module("bik.backends.triton.attention")
+common = importlib.import_module("bik.backends.triton._common")
 
 SOFTCAPS = st.sampled_from([None, 1.5, 30.0])
 WINDOWS = st.sampled_from([None, 1, 5, 17, 40])
@@ -143,6 +147,37 @@ def test_tma_reads_keys_and_values_where_their_layout_allows():
     kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
     with pytest.raises(ValueError, match="tma_kv: TMA cannot read"):
         attention(q, k, k, kv_start, AttentionOptions(True, 0.1, 32), tma_kv=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_tma_check_passes_here(dtype):  # the interpreter, or the GPU's own binaries
+    assert attention_module.tma_kv_agrees(dtype, 64, DEVICE)
+
+
+def test_a_failed_tma_check_keeps_the_pointer_loads(monkeypatch):
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(attention_module.TMA_KV_CHECK, "results", {})
+    calls = []
+    monkeypatch.setattr(attention_module, "tma_kv_agrees", lambda *key: calls.append(key) or False)
+    q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    options = AttentionOptions(True, 0.1, 32)
+    with pytest.warns(UserWarning, match="keys and values by TMA .* changed bits"):
+        launch = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
+    again = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
+    assert not launch.args["TMA_KV"] and not again.args["TMA_KV"]
+    assert calls == [(torch.bfloat16, 64, q.device)]  # checked once per (dtype, head dim)
+
+
+def test_an_unchecked_tma_choice_loads_by_pointer_while_a_graph_records(monkeypatch):
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(attention_module.TMA_KV_CHECK, "results", {})
+    monkeypatch.setattr(common, "capturing", lambda device: True)
+    q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    options = AttentionOptions(True, 0.1, 32)
+    launch = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
+    assert not launch.args["TMA_KV"] and attention_module.TMA_KV_CHECK.results == {}
 
 
 @pytest.mark.parametrize("dim", [160, 256])

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 matmul = importlib.import_module("bik.backends.triton.matmul")
+common = importlib.import_module("bik.backends.triton._common")
 HALF = [torch.bfloat16, torch.float16]
 PROBE_ROWS = 300  # two tiles of the widest bucket, the second one a tail
 # Row counts at every bucket edge, and one past it.
@@ -86,7 +87,7 @@ def test_a_wide_weight_takes_the_wide_buckets_with_the_same_bits(bucket_spy, mon
     """Wider than one wave of 64-feature tiles (a "GPU" of 4 SMs here, on any device): the
     decode rows get the deeper pipeline, 100 rows the 128-feature tile; each row's bits are
     its bits alone."""
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
     monkeypatch.setattr(matmul, "_multiprocessors", lambda device: 4)
     weight = randn((5 * matmul.WIDE_TILE_FEATURES, 64), torch.bfloat16, 13)
     x = randn((100, 64), torch.bfloat16, 14)
@@ -97,7 +98,7 @@ def test_a_wide_weight_takes_the_wide_buckets_with_the_same_bits(bucket_spy, mon
 
 
 def test_fp32_and_untma_able_shapes_take_the_tile_kernel(bucket_spy, monkeypatch):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
     bik.linear(randn((3, 64), torch.float32, 7), randn((32, 64), torch.float32, 8))
     bik.linear(randn((3, 60), torch.bfloat16, 7), randn((32, 60), torch.bfloat16, 8))  # K*2 % 16
     assert bucket_spy == []
@@ -110,11 +111,11 @@ def test_buckets_agree():  # in the interpreter, or HGMMA on a Hopper GPU
 
 
 def test_a_failed_bucket_check_falls_back_to_the_single_row_bucket(monkeypatch, bucket_spy):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(matmul, "_bucket_check", {})
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(matmul.BUCKETS_CHECK, "results", {})
     monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: False)
     weight, x = randn((24, 32), torch.bfloat16, 10), randn((100, 32), torch.bfloat16, 11)
-    with pytest.warns(UserWarning, match=r"buckets disagree for \(N, K\) = \(24, 32\)"):
+    with pytest.warns(UserWarning, match=r"token buckets .* changed bits for \(24, 32, "):
         batched = bik.linear(x, weight)
     bik.linear(x, weight)  # checked once per shape: no second warning, same bucket
     assert bucket_spy == [matmul.TOKEN_BUCKETS[0]] * 2
@@ -123,8 +124,8 @@ def test_a_failed_bucket_check_falls_back_to_the_single_row_bucket(monkeypatch, 
 
 def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
     calls = []
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(matmul, "_bucket_check", {})
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(matmul.BUCKETS_CHECK, "results", {})
     monkeypatch.setattr(matmul, "buckets_agree", lambda weight, bias: calls.append(1) or True)
     weight = randn((24, 32), torch.bfloat16, 10)
     for rows in (1, 100, 300, 600):
@@ -136,11 +137,11 @@ def test_a_passed_bucket_check_runs_once_per_shape(monkeypatch, bucket_spy):
 def test_an_unchecked_shape_uses_the_single_row_bucket_while_a_graph_records(
     monkeypatch, bucket_spy
 ):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(matmul, "_bucket_check", {})
-    monkeypatch.setattr(matmul, "_capturing", lambda device: True)
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(matmul.BUCKETS_CHECK, "results", {})
+    monkeypatch.setattr(common, "capturing", lambda device: True)
     bik.linear(randn((100, 32), torch.bfloat16, 12), randn((24, 32), torch.bfloat16, 10))
-    assert bucket_spy == [matmul.TOKEN_BUCKETS[0]] and matmul._bucket_check == {}
+    assert bucket_spy == [matmul.TOKEN_BUCKETS[0]] and matmul.BUCKETS_CHECK.results == {}
 
 
 def test_an_unaligned_view_gives_the_aligned_bits():
@@ -203,7 +204,7 @@ def test_an_expert_gets_the_bits_of_its_own_linear(grouped_spy, dtype, rows, gro
 
 
 def test_the_grouped_bucket_follows_the_mean_rows_per_group(grouped_spy, monkeypatch):
-    monkeypatch.setattr(matmul, "SELF_CHECK_DEVICES", ())
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", ())
     weight = randn((4, 24, 32), torch.bfloat16, 16)
     x = randn((600, 32), torch.bfloat16, 17)
     chosen = (torch.arange(600) % 4).to(DEVICE)
@@ -222,3 +223,30 @@ def test_other_expert_layouts_and_fp32_take_the_tile_kernel(grouped_spy):
         got = bik.grouped_linear(x, weight, chosen)
         assert_close_to_reference(got, expected, weight.dtype, "grouped tile kernel")
     assert grouped_spy == []
+
+
+def test_the_grouped_check_passes_here():  # the interpreter, or the GPU's own binaries
+    assert matmul.grouped_agrees(randn((4, 24, 32), torch.bfloat16, 20))
+
+
+def test_a_failed_grouped_check_runs_one_linear_per_group(monkeypatch, grouped_spy):
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(matmul.GROUPED_CHECK, "results", {})
+    monkeypatch.setattr(matmul, "grouped_agrees", lambda weight: False)
+    weight, x = randn((3, 24, 32), torch.bfloat16, 21), randn((50, 32), torch.bfloat16, 22)
+    chosen = (torch.arange(50) % 3).to(DEVICE)
+    with pytest.warns(UserWarning, match="grouped linear kernel changed bits for"):
+        out = bik.grouped_linear(x, weight, chosen)
+    assert grouped_spy == []
+    for group in range(3):
+        mine = chosen == group
+        assert_bitwise(out[mine], bik.linear(x[mine], weight[group]), f"group {group}")
+
+
+def test_an_unchecked_grouped_shape_is_refused_while_a_graph_records(monkeypatch):
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(matmul.GROUPED_CHECK, "results", {})
+    monkeypatch.setattr(common, "capturing", lambda device: True)
+    weight, x = randn((3, 24, 32), torch.bfloat16, 21), randn((5, 32), torch.bfloat16, 22)
+    with pytest.raises(RuntimeError, match="run one eager call first"):
+        bik.grouped_linear(x, weight, torch.zeros(5, dtype=torch.int64, device=DEVICE))

@@ -29,6 +29,8 @@ reads the instructions they became.
 """
 
 import os
+import warnings
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -83,6 +85,51 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "meta" or tensor.data_ptr() % ALIGNMENT == 0:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
+
+
+SELF_CHECK_DEVICES = ("cuda",)
+"""Where a launch choice meant to keep every bit of a plainer one (a token bucket, TMA loads,
+the grouped linear kernel) is checked on the device before its first use (:class:`SelfCheck`)."""
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is recording on ``device``'s current stream (no host sync then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class SelfCheck:
+    """A launch choice that must give the bits of a plainer one, proven once per key on a
+    device of :data:`SELF_CHECK_DEVICES` before its first use. No document promises that a
+    GPU binary keeps the bits the interpreter tests show, so the device itself is asked: a
+    check that fails warns once and keeps the plain choice for that key. While a CUDA graph
+    records (no host sync) an unchecked key takes the plain choice and stays unchecked, or,
+    where the plain choice cannot be captured (``capturable=False``), is refused."""
+
+    def __init__(self, what: str, capturable: bool = True) -> None:
+        self.what, self.capturable = what, capturable
+        self.results: dict[tuple, bool] = {}
+
+    def allows(self, key: tuple, device: torch.device, check: Callable[[], bool]) -> bool:
+        """Whether the choice may run for ``key`` on ``device`` (``check`` proves it)."""
+        if device.type not in SELF_CHECK_DEVICES:
+            return True
+        slot = (*key, device)
+        if slot not in self.results and capturing(device):
+            if self.capturable:
+                return False
+            raise RuntimeError(
+                f"bik triton: {self.what} is not checked yet for {key} on {device}, and the "
+                "check cannot run while a CUDA graph records: run one eager call first"
+            )
+        if slot not in self.results:
+            self.results[slot] = check()
+            if not self.results[slot]:
+                warnings.warn(
+                    f"bik triton: {self.what} changed bits for {key} on {device}; the plain "
+                    "launch runs for it instead (bit-exact, slower)",
+                    stacklevel=3,
+                )
+        return self.results[slot]
 
 
 _DESCRIPTOR_DEFAULTS = {

@@ -70,6 +70,7 @@ from ._common import (
     ALIGNMENT,
     I32,
     Launch,
+    SelfCheck,
     aligned,
     alignments,
     cdiv,
@@ -583,6 +584,32 @@ def _kv_takes_tma(*tensors) -> bool:
     )
 
 
+TMA_KV_CHECK = SelfCheck("keys and values by TMA (pointer loads are the plain launch)")
+
+
+def _tma_kv_checked(dtype, d: int, device: torch.device) -> bool:
+    return TMA_KV_CHECK.allows((dtype, d), device, lambda: tma_kv_agrees(dtype, d, device))
+
+
+def tma_kv_agrees(dtype, d: int, device: torch.device) -> bool:
+    """Whether TMA loads give the pointer loads' bits for keys and values of this dtype and
+    head dim on ``device``: a causal GQA prefill of two sequences with their own first keys
+    (tile tails, several splits) in registers, and its last token's split-parallel decode."""
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device).to(dtype)
+
+    q, k, v = randn(2, 4, 70, d), randn(2, 2, 300, d), randn(2, 2, 300, d)
+    kv_start = torch.tensor([0, 17], dtype=torch.int32, device=device)
+    options = AttentionOptions(True, d**-0.5, 64)
+    for query in (q, q[:, :, -1:]):
+        args = (query, k, v, kv_start, options)
+        if not torch.equal(attention(*args, tma_kv=True), attention(*args, tma_kv=False)):
+            return False
+    return True
+
+
 def _stride_unit(*tensors):
     """Elements per 16 bytes when every batch / head / position stride is a multiple of it,
     else 1. Strides are passed divided by it (unspecialised) and multiplied back in the
@@ -660,7 +687,8 @@ def attention_launches(
     for the longest query possible, the in-register path). ``tile`` None: the shipped
     tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
     and the GPU probe. ``tma_kv`` None: keys and values arrive by TMA when their layout allows
-    (:func:`_kv_takes_tma`, not paged); False forces the pointer loads (the same bits)."""
+    (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`tma_kv_agrees` has passed once
+    for the dtype and head dim; False forces the pointer loads (the same bits)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -669,7 +697,7 @@ def attention_launches(
     n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
     tile = tile or shipped_tile(q.dtype)
     if tma_kv is None:
-        tma_kv = pages is None and _kv_takes_tma(k, v)
+        tma_kv = pages is None and _kv_takes_tma(k, v) and _tma_kv_checked(k.dtype, d, k.device)
     elif tma_kv and (pages is not None or not _kv_takes_tma(k, v)):
         raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
     block_m = tile.block_m

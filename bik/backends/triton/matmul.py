@@ -24,7 +24,7 @@ describe, ``_grouped_matmul_kernel`` the tile kernel's (:func:`_tile_product`) o
 """
 
 import functools
-import warnings
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -36,6 +36,7 @@ from ._common import (
     ALIGNMENT,
     I32,
     Launch,
+    SelfCheck,
     aligned,
     alignments,
     cdiv,
@@ -86,7 +87,6 @@ WIDE_TILE_FEATURES = 64  # a weight is wide when it has more tiles of this many 
 LINEAR_BLOCK_K = 64  # K tile of _linear_kernel: 128-byte rows in bf16, TMA's widest swizzle
 GROUP_T = 8  # token tiles visited together, so a weight tile is reused from L2
 HOPPER_SMS = 132  # programs of a persistent launch described without a device (H100 SXM)
-SELF_CHECK_DEVICES = ("cuda",)  # where buckets_agree runs before a shape's first use
 
 
 @triton.jit
@@ -455,32 +455,17 @@ def buckets_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) -> boo
     )
 
 
-_bucket_check: dict[tuple, bool] = {}
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+BUCKETS_CHECK = SelfCheck("the token buckets (the single-row one is the plain launch)")
 
 
 def _bucket(rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> TokenBucket:
-    """The token bucket for ``rows``, once :func:`buckets_agree` has passed for this (N, K,
-    dtype, device) on a device that needs the check; the single-row bucket if it failed."""
+    """The token bucket for ``rows`` once :func:`buckets_agree` has passed for this (N, K,
+    dtype) on the device; the single-row bucket for every row count if it failed."""
     chosen = token_bucket(rows, weight.shape[0], _multiprocessors(weight.device))
-    if weight.device.type not in SELF_CHECK_DEVICES:
+    key = (*weight.shape, weight.dtype)
+    if BUCKETS_CHECK.allows(key, weight.device, lambda: buckets_agree(weight, bias)):
         return chosen
-    key = (*weight.shape, weight.dtype, weight.device)
-    if key not in _bucket_check and _capturing(weight.device):
-        return TOKEN_BUCKETS[0]  # no host sync while a CUDA graph records: check it later
-    if key not in _bucket_check:
-        _bucket_check[key] = buckets_agree(weight, bias)
-        if not _bucket_check[key]:
-            warnings.warn(
-                f"bik triton matmul: token buckets disagree for (N, K) = {tuple(weight.shape)}, "
-                f"{weight.dtype} on {weight.device}; every row count uses the single-row "
-                "bucket for this shape (bit-exact, slower)",
-                stacklevel=3,
-            )
-    return chosen if _bucket_check[key] else TOKEN_BUCKETS[0]
+    return TOKEN_BUCKETS[0]
 
 
 def matmul_launch(a, b, bias, out) -> Launch:
@@ -798,6 +783,39 @@ def grouped_linear_launch(x, weight, offsets, out, bucket: TokenBucket) -> Launc
     )
 
 
+def grouped_agrees(weight: torch.Tensor) -> bool:
+    """Whether ``_grouped_linear_kernel`` gives rows of up to three of ``weight``'s groups, in
+    every token bucket, the bits the single-row linear bucket gives them through their
+    group's weight alone (rows split unevenly: one, a third, the rest)."""
+    weight = weight[:3]
+    rows = max(b.max_rows for b in ALL_BUCKETS if b.max_rows is not None) + 1
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, weight.shape[2], generator=generator, device=weight.device)
+    x = x.to(weight.dtype)
+    bounds = [0, 1, rows // 3, rows][: weight.shape[0]] + [rows]
+    offsets = torch.tensor(bounds, dtype=torch.int64, device=weight.device)
+    expected = _per_group_linear(x, weight, bounds)
+    for bucket in ALL_BUCKETS:
+        got = torch.empty_like(expected)
+        grouped_linear_launch(x, weight, offsets, got, bucket)()
+        if not torch.equal(got, expected):
+            return False
+    return True
+
+
+def _per_group_linear(x, weight, bounds: list[int]) -> torch.Tensor:
+    """The plain launch of the grouped linear: each group's rows through the single-row linear
+    bucket with its weight, one launch per group (``bounds`` read on the host)."""
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=x.dtype, device=x.device)
+    for group, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            out[start:end] = _run_linear(x[start:end], weight[group], None, TOKEN_BUCKETS[0])
+    return out
+
+
+GROUPED_CHECK = SelfCheck("the grouped linear kernel", capturable=False)
+
+
 def grouped_matmul(a, b, offsets):
     """Rows ``offsets[g]:offsets[g+1]`` of ``a [R, K]`` times ``b[g] [K, N]`` (``b [G, K, N]``,
     any strides) -> ``[R, N]`` in a's dtype.
@@ -807,14 +825,20 @@ def grouped_matmul(a, b, offsets):
     ``_grouped_linear_kernel``: each row gets the bits :func:`matmul` gives it through its
     group's weight alone (``_linear_kernel``), in the token bucket of the mean rows per group
     (any bucket gives the same bits: :func:`buckets_agree`, checked once per shape as for a
-    linear). Other layouts and fp32 run the tile kernel's 64 x 64 tiles."""
+    linear); on a GPU :func:`grouped_agrees` checks that once per (N, K, dtype) before first
+    use, and if it fails the groups run one linear each. Other layouts and fp32 run the tile
+    kernel's 64 x 64 tiles."""
     rows, n = a.shape[0], b.shape[2]
-    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     weight = b.transpose(1, 2)
-    if grouped_takes_tma(weight):
-        x, weight = aligned(a.contiguous()), aligned(weight)
-        bucket = _bucket(cdiv(rows, weight.shape[0]), weight[0], None)
-        grouped_linear_launch(x, weight, offsets, out, bucket)()
-    else:
+    if not grouped_takes_tma(weight):
+        out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
         grouped_matmul_launch(aligned(a), aligned(b), offsets, out)()
+        return out
+    x, weight = aligned(a.contiguous()), aligned(weight)
+    key = (*weight.shape[1:], weight.dtype)
+    if not GROUPED_CHECK.allows(key, weight.device, lambda: grouped_agrees(weight)):
+        return _per_group_linear(x, weight, offsets.tolist())
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    bucket = _bucket(cdiv(rows, weight.shape[0]), weight[0], None)
+    grouped_linear_launch(x, weight, offsets, out, bucket)()
     return out
