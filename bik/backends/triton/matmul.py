@@ -507,10 +507,11 @@ def matmul(a, b, bias):
     k = a.shape[-1]
     weight = b.t() if b.dim() == 2 else b[0].t()  # [N, K]
     if (b.dim() == 2 or b.shape[0] == 1) and takes_tma(weight):
-        x = aligned(a.reshape(-1, k).contiguous())
+        flat = a.dim() == 2  # the ops' rows: no reshape either way (a view costs ~0.5 us)
+        x = aligned((a if flat else a.reshape(-1, k)).contiguous())
         weight, bias = aligned(weight), bias if bias is None else aligned(bias)
         out = _run_linear(x, weight, bias, _bucket(x.shape[0], weight, bias))
-        return out.reshape(*a.shape[:-1], -1)
+        return out if flat else out.reshape(*a.shape[:-1], -1)
     if a.dim() == 2:  # the tile kernel's layout has a batch dim
         return matmul(a.unsqueeze(0), b.unsqueeze(0), bias)[0]
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
