@@ -145,13 +145,13 @@ def tma_descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
     made them true (its layout check, :func:`aligned`, the op layer's return on empty
     inputs, constant blocks), so they are not run again on every call."""
     descriptor = object.__new__(TensorDescriptor)
-    vars(descriptor).update(
-        _DESCRIPTOR_DEFAULTS,
-        base=tensor,
-        shape=list(tensor.shape),
-        strides=list(tensor.stride()),
-        block_shape=block,
-    )
+    descriptor.__dict__ = {
+        **_DESCRIPTOR_DEFAULTS,
+        "base": tensor,
+        "shape": [*tensor.shape],
+        "strides": [*tensor.stride()],
+        "block_shape": block,
+    }
     return descriptor
 
 

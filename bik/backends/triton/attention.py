@@ -571,16 +571,19 @@ def _combine_kernel(
     tl.store(_out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask)
 
 
-def _kv_takes_tma(*tensors) -> bool:
-    """Whether TMA can read these ``[B, Hkv, Tk, D]`` keys / values: 16-bit (fp32 keeps its
-    FMA dots' register operands), not empty (a descriptor has no zero-size dim), a contiguous
-    last dim and 16-byte strides (the base is :func:`aligned` already)."""
-    return all(
-        t.element_size() == 2
-        and t.numel() > 0
-        and t.stride(3) == 1
-        and all(s * 2 % ALIGNMENT == 0 for s in t.stride()[:3])
-        for t in tensors
+def _kv_takes_tma(k, v, unit: int) -> bool:
+    """Whether TMA can read these ``[B, Hkv, Tk, D]`` keys and values, given the stride unit
+    of the launch (:func:`_stride_unit`: 16 bytes exactly when every batch, head and position
+    stride of q, k, v and out is a multiple of 16 bytes): 16-bit (fp32 keeps its FMA dots'
+    register operands), not empty (a descriptor has no zero-size dim), a contiguous last dim
+    (the bases are :func:`aligned` already). Read from facts the launch has anyway: it runs
+    at every decode step of every layer."""
+    return (
+        k.element_size() == 2
+        and unit * 2 == ALIGNMENT
+        and k.stride(3) == 1
+        and v.stride(3) == 1
+        and k.numel() > 0
     )
 
 
@@ -696,10 +699,6 @@ def attention_launches(
     split_size, window, softcap = options.split_size, options.window, options.softcap
     n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
     tile = tile or shipped_tile(q.dtype)
-    if tma_kv is None:
-        tma_kv = pages is None and _kv_takes_tma(k, v) and _tma_kv_checked(k.dtype, d, k.device)
-    elif tma_kv and (pages is not None or not _kv_takes_tma(k, v)):
-        raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
     block_m = tile.block_m
     if pages is not None:
         table, query_start, seq_lens = pages
@@ -709,6 +708,12 @@ def attention_launches(
     if split_parallel is None:
         split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
+    if tma_kv is None:
+        tma_kv = (
+            pages is None and _kv_takes_tma(k, v, unit) and _tma_kv_checked(k.dtype, d, k.device)
+        )
+    elif tma_kv and (pages is not None or not _kv_takes_tma(k, v, unit)):
+        raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
     tiles = cdiv(rows, block_m)
     block_d = max(16, next_power_of_2(d))
     block_dv = min(block_d, MAX_BLOCK_DV)
