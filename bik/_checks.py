@@ -1,6 +1,7 @@
 """Input validation shared by the ops: every error names the argument and what was expected."""
 
 import numbers
+import weakref
 
 import numpy
 import torch
@@ -120,7 +121,8 @@ def values_in_range(name, values, low, high, what):
     device form is used on every device, so the check does not break the graph. Fake
     tensors (FakeTensorMode, meta tensors) have no values: the check is skipped, as under
     torch.compile's tracing; under torch.vmap or torch.func transforms the values checked
-    are those of the whole batch.
+    are those of the whole batch. A tensor bik built itself within the range
+    (:func:`known_in_range`) is not checked again until it is written to.
     """
     if values.numel() == 0:
         return
@@ -128,14 +130,61 @@ def values_in_range(name, values, low, high, what):
     compiling = torch.compiler.is_compiling()  # Dynamo traces no functorch query below
     if not compiling:
         values = _unwrapped(values)
-        if _without_values(values):
+        if _without_values(values) or _KNOWN_IN_RANGE.holds(values, low, high):
             return
-    if values.device.type != "cpu" or compiling:
+    _check_range(values, low, high, expected, on_device=values.device.type != "cpu" or compiling)
+
+
+def _check_range(values, low, high, expected, on_device):
+    if on_device:
         torch._assert_async(((values >= low) & (values <= high)).all(), expected)
         return
     smallest, largest = int(values.min()), int(values.max())
     if smallest < low or largest > high:
         raise ValueError(f"{expected}, got min {smallest}, max {largest}")
+
+
+def known_in_range(values: torch.Tensor, low: int, high: int) -> None:
+    """Record that every value of ``values``, a tensor bik built itself (never a caller's:
+    only its builder knows), lies in ``[low, high]``, so that :func:`values_in_range` queues
+    no check for it. A decode step hands the ``kv_start`` it derived from the mask to every
+    layer; on a GPU each check is five queued launches of host work."""
+    _KNOWN_IN_RANGE.add(values, low, high)
+
+
+class _KnownInRange:
+    """Tensors with the range their builder vouched for and the version they had then: a
+    write into one bumps its version, and its next check runs. An inference tensor (it has
+    no version counter) is never recorded. Entries hold a weak reference, so a freed
+    tensor's id never answers for a new one; the table is cleared when full."""
+
+    SIZE = 64
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[weakref.ref, int, int, int]] = {}
+
+    def add(self, values: torch.Tensor, low: int, high: int) -> None:
+        if values.is_inference():
+            return
+        if len(self.entries) >= self.SIZE:
+            self.entries.clear()
+        self.entries[id(values)] = (weakref.ref(values), values._version, low, high)
+
+    def holds(self, values: torch.Tensor, low: int, high: int) -> bool:
+        """Whether ``values``, unwritten since it was recorded, lies within ``[low, high]``."""
+        entry = self.entries.get(id(values))
+        if entry is None:
+            return False
+        ref, version, known_low, known_high = entry
+        return (
+            ref() is values
+            and version == values._version
+            and low <= known_low
+            and known_high <= high
+        )
+
+
+_KNOWN_IN_RANGE = _KnownInRange()
 
 
 def _unwrapped(values: torch.Tensor) -> torch.Tensor:

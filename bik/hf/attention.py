@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import _checks
 from ..backends import reference
 from ..families import SUPPORTED_FAMILIES
 from ..ops.attention import attention
@@ -70,6 +71,10 @@ def _cached_kv_bounds(mask, batch, tq, tk, window, position_ids):
     if cached is not None and cached[0]() is mask and cached[1] == key:
         return cached[2]
     bounds = _kv_bounds(mask, batch, tq, tk, window, position_ids)
+    kv_start, kv_len, _ = bounds
+    # built in [0, kv_len - 1] (the keys of the mask's runs): bik.attention, which gets the
+    # keys up to kv_len, need not check it again in every layer
+    _checks.known_in_range(kv_start, 0, max(kv_len - 1, 0))
     _last_bounds[0] = (weakref.ref(mask), key, bounds)
     return bounds
 
