@@ -525,8 +525,9 @@ def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool)
 
 
 def part_prefill(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
-    """Causal prefill as shipped (TMA keys and values, the shipped tile), with pointer loads,
-    in each candidate tile (``PREFILL_CANDIDATES``) and with 64-key blocks (timing only: not
+    """Causal prefill as shipped (TMA keys and values, the shipped tile, no mask on the key
+    blocks every row sees whole), with pointer loads, with every block masked, in each
+    candidate tile (``PREFILL_CANDIDATES``) and with 64-key blocks (timing only: not
     the contract's order) against SDPA (flash), replayed from CUDA graphs; each variant's
     output against the shipped one's, bit for bit (a variant that moves a bit cannot ship)."""
     heads, kv_heads, dim = (4, 2, 16) if tiny else (32, 8, 128)
@@ -541,6 +542,7 @@ def prefill_variants(dtype) -> list[tuple[str, dict[str, Any], int]]:
     """(label, attention() choices, key block) of each variant :func:`part_prefill` times."""
     shipped = triton_attention.shipped_tile(dtype)
     variants = [("shipped", {}, KEY_BLOCK), ("pointer loads", {"tma_kv": False}, KEY_BLOCK)]
+    variants += [("every block masked", {"mask_every_block": True}, KEY_BLOCK)]
     variants += [(f"tile {tuple(t)}", {"tile": t}, KEY_BLOCK) for t in PREFILL_CANDIDATES]
     variants += [(f"{2 * KEY_BLOCK}-key blocks, tile {tuple(t)}", {"tile": t}, 2 * KEY_BLOCK)
                  for t in (shipped, *PREFILL_CANDIDATES)]  # fmt: skip

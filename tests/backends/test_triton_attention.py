@@ -131,6 +131,46 @@ def test_keys_and_values_by_tma_give_the_pointer_loads_bits(
     assert_bitwise(by_tma, attention(*args, split_parallel=split_parallel, tma_kv=False), "tma")
 
 
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    groups=st.sampled_from([1, 4]),
+    tq=st.integers(1, 100),
+    extra=st.integers(0, 100),
+    causal=st.booleans(),
+    window=WINDOWS,
+    split_parallel=st.booleans(),
+    data=st.data(),
+)
+def test_blocks_seen_whole_give_the_masked_bits(
+    dtype, groups, tq, extra, causal, window, split_parallel, data
+):
+    """A 16-bit tile skips the mask of a key block all its rows see whole: the bits of
+    masking every block (tiles of 64 rows, so with groups 1 and over 64 queries a tile's
+    first row lies past a few whole blocks)."""
+    tk = tq + extra
+    q, k, v = inputs(2, 2, groups, tq, tk, 16, dtype, seed=tq * 7 + extra)
+    starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
+    kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    options = AttentionOptions(causal, 0.3, 64, None, window if causal else None)
+    args = (q, k, v, kv_start, options)
+    skipped = attention(*args, split_parallel=split_parallel)
+    masked = attention(*args, split_parallel=split_parallel, mask_every_block=True)
+    assert_bitwise(skipped, masked, "whole blocks")
+
+
+@pytest.mark.parametrize("window", [None, 97])
+def test_the_blocks_at_the_edges_of_whole_are_masked(window):
+    """The edges of the skipped range, exactly: 100 queries over 130 keys (one kv head, no
+    groups), so the second tile's first row sits at key 94 (its last block seen whole ends
+    there, the next one at key 95 is partial) and, under a window of 97, its last row at 129
+    misses key 32, the first key of a block every other row sees."""
+    q, k, v = inputs(1, 1, 1, 100, 130, 16, torch.bfloat16, seed=11)
+    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+    args = (q, k, v, kv_start, AttentionOptions(True, 0.3, 64, None, window))
+    masked = attention(*args, mask_every_block=True)
+    assert_bitwise(attention(*args), masked, "whole blocks")
+
+
 def test_tma_reads_keys_and_values_where_their_layout_allows():
     def chosen(k):
         q = randn((1, 2, 3, k.shape[-1]), k.dtype, 1)

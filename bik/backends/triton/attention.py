@@ -698,6 +698,7 @@ def attention_launches(
     pages=None,
     tile: AttentionTile | None = None,
     tma_kv: bool | None = None,
+    mask_every_block: bool = False,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
@@ -712,7 +713,9 @@ def attention_launches(
     tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
     and the GPU probe. ``tma_kv`` None: keys and values arrive by TMA when their layout allows
     (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`tma_kv_agrees` has passed once
-    for the dtype and head dim; False forces the pointer loads (the same bits)."""
+    for the dtype and head dim; False forces the pointer loads (the same bits).
+    ``mask_every_block``: no key block skips the mask, as fp32's never do (the same bits;
+    for tests and the GPU probe)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -801,6 +804,7 @@ def attention_launches(
             paging["VARLEN"],
             common["PAGE_SIZE"],
             tma_kv,
+            mask_every_block,
         ),
         tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
         all(value in I32 for value in unspecialised),
@@ -819,7 +823,8 @@ def attention_launches(
                 k_desc=tma_descriptor(k, [1, 1, BLOCK_N, block_d]) if tma_kv else k,
                 v_desc=tma_descriptor(v, [1, 1, BLOCK_N, block_dv]) if tma_kv else v,
                 TMA_KV=tma_kv,
-                WHOLE_BLOCKS=q.dtype != torch.float32,  # fp32's FMA dots spill with the branch
+                # fp32's FMA dots spill with the branch
+                WHOLE_BLOCKS=q.dtype != torch.float32 and not mask_every_block,
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
                 ws_sum_ptr=ws_sum,
@@ -859,8 +864,8 @@ def attention_launches(
 def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, **choices):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
     -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``choices``
-    (``split_parallel``, ``tile``, ``tma_kv``): see :func:`attention_launches` (the bits are
-    the same either way)."""
+    (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``): see
+    :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
     sinks = None if sinks is None else aligned(sinks)
