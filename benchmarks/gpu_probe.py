@@ -12,7 +12,9 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   per call, the host's issue time (``host_us``: calls issued without waiting, divided by their
   number), the eager time and the time replayed from a CUDA graph (``mode`` "eager" / "graph"),
   for bik with launch plans, bik through ``kernel[grid]`` (``BIK_LAUNCH_PLANS=0``) and torch;
-  and whether all three bik paths give the same bits.
+  and whether all three bik paths give the same bits. bik's host time is also split in two:
+  the op layer and launchers with the launches recorded, not run (``op_side_host_us``), and
+  those launches alone, through the plans and Triton's launcher (``launch_host_us``).
 - ``table``: ``bik.linear`` as shipped (its bucket table) against cuBLAS at 1-8192 rows,
   eager and replayed from a CUDA graph, and the last row's bits against that row alone.
 - ``gemm``: candidate token buckets of the linear kernel (tile, warps, stages) against cuBLAS,
@@ -21,7 +23,8 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
 - ``attention``: decode over 1k-32k keys at batch 1 and 16, the split kernel and the combine
   kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
 - ``prefill``: causal prefill (2k, 8k; GQA 32/8, head 128) as shipped (keys and values by
-  TMA), with pointer loads, in each candidate tile (128 rows over two warpgroups) and with
+  TMA, no mask on key blocks every row sees whole), with pointer loads, with every block
+  masked, in each candidate tile (128 rows over two warpgroups) and with
   64-key blocks (timing only: another order than the contract's) against SDPA (flash),
   replayed from CUDA graphs; each variant's output against the shipped one's, bit for bit.
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
@@ -188,6 +191,34 @@ def launch_plans(on: bool):
         _common.LAUNCH_PLANS = saved
 
 
+@contextlib.contextmanager
+def launches_recorded():
+    """Kernel launches recorded instead of run: what is left of a call's host time is the op
+    layer's and the launchers' (checks, allocations, launch descriptions)."""
+    recorded: list[_common.Launch] = []
+    saved = _common.Launch.__call__
+    _common.Launch.__call__ = lambda launch: recorded.append(launch)  # type: ignore[method-assign]
+    try:
+        yield recorded
+    finally:
+        _common.Launch.__call__ = saved  # type: ignore[method-assign]
+
+
+def host_split(bik_fn, device) -> dict[str, float]:
+    """A call's host time in two parts: the op layer and launchers with the launches
+    recorded, not run (``op_side_host_us``), and the recorded launches alone, through the
+    plans and Triton's launcher to the driver (``launch_host_us``)."""
+    with launches_recorded() as recorded:
+        op_side = graphs.host_us(bik_fn, device)
+        recorded.clear()
+        bik_fn()
+    launches = list(recorded)
+    return dict(
+        op_side_host_us=op_side,
+        launch_host_us=graphs.host_us(lambda: [launch() for launch in launches], device),
+    )
+
+
 def same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and torch.equal(a, b)
@@ -225,6 +256,7 @@ def part_host(record: Recorder, device, dtype, deadline: float, tiny: bool) -> N
             bik_fn()  # the first call builds the plan
             row["plans_equal_jit"] = same(bik_fn(), reference)
             row["host_us"] = graphs.host_us(bik_fn, device)
+            row.update(host_split(bik_fn, device))
             row["eager_us"] = eager_us(bik_fn, device)
         row["torch_host_us"] = graphs.host_us(torch_fn, device)
         row["torch_eager_us"] = eager_us(torch_fn, device)

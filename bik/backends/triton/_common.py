@@ -28,6 +28,7 @@ argument key over a grid of shapes; on a 2-core AMD EPYC a linear's launch side 
 reads the instructions they became.
 """
 
+import operator
 import os
 import warnings
 from collections.abc import Callable
@@ -237,6 +238,7 @@ class LaunchPlans:
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
         self._parameters: dict[Any, tuple[tuple[str, bool, bool], ...]] = {}
+        self._arguments: dict[Any, Callable[[dict[str, Any]], tuple]] = {}
 
     def parameters(self, kernel: Any) -> tuple[tuple[str, bool, bool], ...]:
         """(name, is constexpr, specialised) for each of ``kernel``'s parameters, in order."""
@@ -245,6 +247,16 @@ class LaunchPlans:
                 (p.name, p.is_constexpr, not p.do_not_specialize) for p in kernel.params
             )
         return self._parameters[kernel]
+
+    def arguments(self, kernel: Any) -> Callable[[dict[str, Any]], tuple]:
+        """Reads ``kernel``'s arguments off a launch's ``args`` in its parameter order, in one
+        C-level ``itemgetter`` (a Python loop over attention's 56 parameters took 2 us)."""
+        if kernel not in self._arguments:
+            names = [name for name, _, _ in self.parameters(kernel)]
+            self._arguments[kernel] = (
+                operator.itemgetter(*names) if len(names) > 1 else lambda args: (args[names[0]],)
+            )
+        return self._arguments[kernel]
 
     def key(self, launch: Launch, device: int) -> tuple:
         arguments = tuple(
@@ -293,7 +305,7 @@ class LaunchPlans:
             None,  # launch metadata and hooks: only for a profiler, which takes the path above
             None,
             None,
-            *(launch.args[name] for name, _, _ in self.parameters(launch.kernel)),
+            *self.arguments(launch.kernel)(launch.args),
         )
 
 
