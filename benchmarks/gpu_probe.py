@@ -24,7 +24,8 @@ taken, so a cut run keeps what it measured. ``DIR/probe.md`` summarises the reco
   kernel timed apart, against SDPA with its backend pinned (flash); causal prefill 2k and 8k.
 - ``prefill``: causal prefill (2k, 8k; GQA 32/8, head 128) as shipped (keys and values by
   TMA, no mask on key blocks every row sees whole), with pointer loads, with every block
-  masked, in each candidate tile (128 rows over two warpgroups) and with
+  masked, with the accumulator rescaled only after a block that moved some row's maximum,
+  in each candidate tile (128 rows over two warpgroups) and with
   64-key blocks (timing only: another order than the contract's) against SDPA (flash),
   replayed from CUDA graphs; each variant's output against the shipped one's, bit for bit.
 - ``e2e``: greedy decode of a patched model (SmolLM2-135M's shapes, a Qwen3-style 2048-wide
@@ -558,10 +559,11 @@ def part_attention(record: Recorder, device, dtype, deadline: float, tiny: bool)
 
 def part_prefill(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
     """Causal prefill as shipped (TMA keys and values, the shipped tile, no mask on the key
-    blocks every row sees whole), with pointer loads, with every block masked, in each
-    candidate tile (``PREFILL_CANDIDATES``) and with 64-key blocks (timing only: not
-    the contract's order) against SDPA (flash), replayed from CUDA graphs; each variant's
-    output against the shipped one's, bit for bit (a variant that moves a bit cannot ship)."""
+    blocks every row sees whole), with pointer loads, with every block masked, with the
+    conditional rescale, in each candidate tile (``PREFILL_CANDIDATES``) and with 64-key
+    blocks (timing only: not the contract's order) against SDPA (flash), replayed from CUDA
+    graphs; each variant's output against the shipped one's, bit for bit (a variant that
+    moves a bit cannot ship)."""
     heads, kv_heads, dim = (4, 2, 16) if tiny else (32, 8, 128)
     for length in (100,) if tiny else (2048, 8192):
         q = torch.randn(1, heads, length, dim, device=device).to(dtype)
@@ -575,6 +577,7 @@ def prefill_variants(dtype) -> list[tuple[str, dict[str, Any], int]]:
     shipped = triton_attention.shipped_tile(dtype)
     variants = [("shipped", {}, KEY_BLOCK), ("pointer loads", {"tma_kv": False}, KEY_BLOCK)]
     variants += [("every block masked", {"mask_every_block": True}, KEY_BLOCK)]
+    variants += [("conditional rescale", {"conditional_rescale": True}, KEY_BLOCK)]
     variants += [(f"tile {tuple(t)}", {"tile": t}, KEY_BLOCK) for t in PREFILL_CANDIDATES]
     variants += [(f"{2 * KEY_BLOCK}-key blocks, tile {tuple(t)}", {"tile": t}, 2 * KEY_BLOCK)
                  for t in (shipped, *PREFILL_CANDIDATES)]  # fmt: skip

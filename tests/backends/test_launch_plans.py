@@ -242,9 +242,10 @@ def test_the_attention_launchers_plan_key_decides_its_binaries():
                 launches += attention.attention_launches(
                     q, k, values, kv_start, out, option, sinks, split_parallel=split_parallel
                 )
-        launches += attention.attention_launches(
-            q, k, v, kv_start, out, option, sinks, mask_every_block=True
-        )
+        for choice in ("mask_every_block", "conditional_rescale"):
+            launches += attention.attention_launches(
+                q, k, v, kv_start, out, option, sinks, **{choice: True}
+            )
         table = torch.empty(2, 64, dtype=torch.int32, device="meta")
         lens = torch.empty(2, dtype=torch.int32, device="meta")
         caches = [torch.empty(128, hkv, 16, d, **meta) for _ in "kv"]

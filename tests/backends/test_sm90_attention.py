@@ -9,8 +9,8 @@ its binary the same for 8192 or 8193 tokens and 16 or 5 sequences; a paged decod
 split-parallel with decode's instructions. fp32 uses no
 tensor-core instruction at all (IEEE, never TF32), the same warps on both paths, and spills
 nothing either. 16-bit keys and values arrive by TMA (paged caches: pointer loads). The
-candidate prefill tiles (128 rows over two warpgroups) issue prefill's
-instructions and spill nothing. Checked with the Triton of .venv (3.9) and of `make
+candidate prefill tiles (128 rows over two warpgroups) and the conditional rescale issue
+prefill's instructions and spill nothing. Checked with the Triton of .venv (3.9) and of `make
 test-gpu-image` (3.6).
 
 The launches are described here with meta tensors and compiled by ``bik.tools.sm90``.
@@ -56,7 +56,7 @@ PAGED_CASES = {
 PAGE, BLOCKS = 16, 8192
 
 
-def launches(tq, tk, dtype, tile=None):
+def launches(tq, tk, dtype, **choices):
     from bik.backends.triton.attention import attention_launches
 
     dtype = getattr(torch, dtype)
@@ -64,7 +64,7 @@ def launches(tq, tk, dtype, tile=None):
     k, v = sm90.meta(1, HKV, tk, DIM, dtype=dtype), sm90.meta(1, HKV, tk, DIM, dtype=dtype)
     kv_start = sm90.meta(1, dtype=torch.int32)
     options = AttentionOptions(True, DIM**-0.5, 256)
-    return attention_launches(q, k, v, kv_start, out, options, tile=tile)
+    return attention_launches(q, k, v, kv_start, out, options, **choices)
 
 
 def paged_launches(tokens, sequences, dtype):
@@ -97,15 +97,21 @@ def paged_launches(tokens, sequences, dtype):
     )
 
 
-# The prefill tiles benchmarks/gpu_probe.py times against the shipped one
-CANDIDATES = {f"prefill_{'x'.join(map(str, tile))}": tile for tile in PREFILL_CANDIDATES}
+# The prefill variants benchmarks/gpu_probe.py times against the shipped kernel: its tiles
+# and the conditional rescale
+CANDIDATES: dict[str, dict] = {
+    f"prefill_{'x'.join(map(str, tile))}": {"tile": tile} for tile in PREFILL_CANDIDATES
+}
+CANDIDATES["prefill_conditional_rescale"] = {"conditional_rescale": True}
 
 
 @pytest.fixture(scope="module")
 def facts():
     """{case: [facts of each launch's binary]}, every case compiled in one go."""
     cases = [(name, launch) for name, shape in CASES.items() for launch in launches(*shape)]
-    cases += [(name, *launches(8192, 8192, "bfloat16", tile)) for name, tile in CANDIDATES.items()]
+    cases += [
+        (name, *launches(8192, 8192, "bfloat16", **choices)) for name, choices in CANDIDATES.items()
+    ]
     cases += [
         (name, launch) for name, shape in PAGED_CASES.items() for launch in paged_launches(*shape)
     ]
@@ -152,7 +158,7 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
                 assert f["mma"] and all(op.startswith("HGMMA.") for op in f["mma"]), (case, f)
     assert facts["prefill"][0]["mma"] == facts["decode"][0]["mma"] == facts["paged"][0]["mma"]
     assert facts["paged_decode"][0]["mma"] == facts["decode"][0]["mma"]
-    for candidate in CANDIDATES:  # two warpgroups, each issuing the shipped tile's HGMMA
+    for candidate in CANDIDATES:  # (128-row tiles: two warpgroups) the shipped tile's HGMMA
         assert facts[candidate][0]["mma"] == facts["prefill"][0]["mma"], candidate
     for prefill, decode in [
         ("prefill", "decode"),

@@ -131,6 +131,13 @@ def test_keys_and_values_by_tma_give_the_pointer_loads_bits(
     assert_bitwise(by_tma, attention(*args, split_parallel=split_parallel, tma_kv=False), "tma")
 
 
+# Launch choices that must keep the shipped kernel's bits: every key block masked (the
+# shipped 16-bit kernel skips the mask of a block all its rows see whole), and the accumulator
+# rescaled only after a block that gave some row of the tile a new maximum.
+SAME_BITS_CHOICES = [{"mask_every_block": True}, {"conditional_rescale": True}]
+
+
+@pytest.mark.parametrize("choice", SAME_BITS_CHOICES, ids=lambda choice: next(iter(choice)))
 @given(
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     groups=st.sampled_from([1, 4]),
@@ -139,23 +146,24 @@ def test_keys_and_values_by_tma_give_the_pointer_loads_bits(
     causal=st.booleans(),
     window=WINDOWS,
     split_parallel=st.booleans(),
+    flat=st.booleans(),
     data=st.data(),
 )
-def test_blocks_seen_whole_give_the_masked_bits(
-    dtype, groups, tq, extra, causal, window, split_parallel, data
+def test_launch_choices_keep_the_shipped_bits(
+    choice, dtype, groups, tq, extra, causal, window, split_parallel, flat, data
 ):
-    """A 16-bit tile skips the mask of a key block all its rows see whole: the bits of
-    masking every block (tiles of 64 rows, so with groups 1 and over 64 queries a tile's
-    first row lies past a few whole blocks)."""
+    """Tiles of 64 rows, so with groups 1 and over 64 queries a tile's first row lies past a
+    few whole blocks; ``flat`` queries (all scores equal) keep every row's maximum from the
+    first block on, so the conditional rescale skips."""
     tk = tq + extra
     q, k, v = inputs(2, 2, groups, tq, tk, 16, dtype, seed=tq * 7 + extra)
+    q = q * 0 if flat else q
     starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
     kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
     options = AttentionOptions(causal, 0.3, 64, None, window if causal else None)
     args = (q, k, v, kv_start, options)
-    skipped = attention(*args, split_parallel=split_parallel)
-    masked = attention(*args, split_parallel=split_parallel, mask_every_block=True)
-    assert_bitwise(skipped, masked, "whole blocks")
+    shipped = attention(*args, split_parallel=split_parallel)
+    assert_bitwise(attention(*args, split_parallel=split_parallel, **choice), shipped, choice)
 
 
 @pytest.mark.parametrize("window", [None, 97])

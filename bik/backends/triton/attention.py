@@ -232,6 +232,7 @@ def _split_state(
     PAGE_SIZE: tl.constexpr,
     TMA_KV: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
+    CONDITIONAL_RESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -301,7 +302,12 @@ def _split_state(
             v = v_desc.load([b, kv_head, n0, vdims_start]).reshape(BLOCK_N, BLOCK_DV)
         else:
             v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
-        acc = dot_acc(probs.to(v.dtype), v, acc * rescale[:, None], UPCAST)
+        if CONDITIONAL_RESCALE:  # exact: a row whose max held rescales by exp(0) = 1
+            if tl.max((new_max != row_max).to(tl.int32), axis=0) > 0:
+                acc = acc * rescale[:, None]
+        else:
+            acc = acc * rescale[:, None]
+        acc = dot_acc(probs.to(v.dtype), v, acc, UPCAST)
         row_max = new_max
     return row_max, row_sum, acc
 
@@ -408,6 +414,7 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr,
     TMA_KV: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
+    CONDITIONAL_RESCALE: tl.constexpr,
     VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -502,6 +509,7 @@ def _attention_kernel(
             PAGE_SIZE,
             TMA_KV,
             WHOLE_BLOCKS,
+            CONDITIONAL_RESCALE,
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,
@@ -699,6 +707,7 @@ def attention_launches(
     tile: AttentionTile | None = None,
     tma_kv: bool | None = None,
     mask_every_block: bool = False,
+    conditional_rescale: bool = False,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
@@ -715,7 +724,10 @@ def attention_launches(
     (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`tma_kv_agrees` has passed once
     for the dtype and head dim; False forces the pointer loads (the same bits).
     ``mask_every_block``: no key block skips the mask, as fp32's never do (the same bits;
-    for tests and the GPU probe)."""
+    for tests and the GPU probe). ``conditional_rescale``: a key block after which no row of
+    the tile has a new maximum leaves the accumulator as it is instead of multiplying it by
+    exp(0) = 1 (the same bits; a tile-wide test a block, not shipped until a GPU shows it
+    pays: the probe times it)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -805,6 +817,7 @@ def attention_launches(
             common["PAGE_SIZE"],
             tma_kv,
             mask_every_block,
+            conditional_rescale,
         ),
         tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
         all(value in I32 for value in unspecialised),
@@ -825,6 +838,7 @@ def attention_launches(
                 TMA_KV=tma_kv,
                 # fp32's FMA dots spill with the branch
                 WHOLE_BLOCKS=q.dtype != torch.float32 and not mask_every_block,
+                CONDITIONAL_RESCALE=conditional_rescale,
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
                 ws_sum_ptr=ws_sum,
@@ -864,7 +878,8 @@ def attention_launches(
 def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, **choices):
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
     -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``choices``
-    (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``): see
+    (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``,
+    ``conditional_rescale``): see
     :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
