@@ -105,36 +105,11 @@ def test_a_candidate_prefill_tile_gives_the_shipped_tiles_bits(
         assert_bitwise(got, shipped, f"{tile}, split-parallel {split_parallel}")
 
 
-@given(
-    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-    groups=st.sampled_from([1, 4]),
-    tq=st.integers(1, 70),
-    extra=st.integers(0, 100),
-    dim=st.sampled_from([8, 40, 64, 160]),  # 40: dims past D in the box; 160: value chunks
-    causal=st.booleans(),
-    window=WINDOWS,
-    sinks=st.booleans(),
-    split_parallel=st.booleans(),
-    data=st.data(),
-)
-def test_keys_and_values_by_tma_give_the_pointer_loads_bits(
-    dtype, groups, tq, extra, dim, causal, window, sinks, split_parallel, data
-):
-    tk = tq + extra
-    q, k, v = inputs(2, 2, groups, tq, tk, dim, dtype, seed=tq * 3 + extra)
-    starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
-    kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
-    logits = randn((2 * groups,), torch.float32, tq, scale=2.0) if sinks else None
-    options = AttentionOptions(causal, 0.3, 32, 1.5, window if causal else None)
-    args = (q, k, v, kv_start, options, logits)
-    by_tma = attention(*args, split_parallel=split_parallel, tma_kv=True)
-    assert_bitwise(by_tma, attention(*args, split_parallel=split_parallel, tma_kv=False), "tma")
-
-
-# Launch choices that must keep the shipped kernel's bits: every key block masked (the
-# shipped 16-bit kernel skips the mask of a block all its rows see whole), and the accumulator
-# rescaled only after a block that gave some row of the tile a new maximum.
-SAME_BITS_CHOICES = [{"mask_every_block": True}, {"conditional_rescale": True}]
+# Launch choices that must keep the shipped kernel's bits: keys and values by pointer loads
+# instead of TMA boxes, every key block masked (the shipped 16-bit kernel skips the mask of a
+# block all its rows see whole), and the accumulator rescaled only after a block that gave
+# some row of the tile a new maximum.
+SAME_BITS_CHOICES = [{"tma_kv": False}, {"mask_every_block": True}, {"conditional_rescale": True}]
 
 
 @pytest.mark.parametrize("choice", SAME_BITS_CHOICES, ids=lambda choice: next(iter(choice)))
@@ -143,27 +118,44 @@ SAME_BITS_CHOICES = [{"mask_every_block": True}, {"conditional_rescale": True}]
     groups=st.sampled_from([1, 4]),
     tq=st.integers(1, 100),
     extra=st.integers(0, 100),
+    dim=st.sampled_from([8, 40, 64, 160]),  # 40: dims past D in the box; 160: value chunks
     causal=st.booleans(),
     window=WINDOWS,
+    softcap=st.sampled_from([None, 1.5]),
+    sinks=st.booleans(),
     split_parallel=st.booleans(),
     flat=st.booleans(),
     data=st.data(),
 )
 def test_launch_choices_keep_the_shipped_bits(
-    choice, dtype, groups, tq, extra, causal, window, split_parallel, flat, data
+    choice,
+    dtype,
+    groups,
+    tq,
+    extra,
+    dim,
+    causal,
+    window,
+    softcap,
+    sinks,
+    split_parallel,
+    flat,
+    data,
 ):
     """Tiles of 64 rows, so with groups 1 and over 64 queries a tile's first row lies past a
     few whole blocks; ``flat`` queries (all scores equal) keep every row's maximum from the
     first block on, so the conditional rescale skips."""
     tk = tq + extra
-    q, k, v = inputs(2, 2, groups, tq, tk, 16, dtype, seed=tq * 7 + extra)
+    q, k, v = inputs(2, 2, groups, tq, tk, dim, dtype, seed=tq * 7 + extra)
     q = q * 0 if flat else q
     starts = data.draw(st.lists(st.integers(0, tk - 1), min_size=2, max_size=2))
     kv_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
-    options = AttentionOptions(causal, 0.3, 64, None, window if causal else None)
-    args = (q, k, v, kv_start, options)
-    shipped = attention(*args, split_parallel=split_parallel)
-    assert_bitwise(attention(*args, split_parallel=split_parallel, **choice), shipped, choice)
+    logits = randn((2 * groups,), torch.float32, tq, scale=2.0) if sinks else None
+    options = AttentionOptions(causal, 0.3, 64, softcap, window if causal else None)
+    args = (q, k, v, kv_start, options, logits)
+    shipped = attention(*args, split_parallel=split_parallel, tma_kv=True)
+    chosen = attention(*args, split_parallel=split_parallel, **{"tma_kv": True, **choice})
+    assert_bitwise(chosen, shipped, choice)
 
 
 @pytest.mark.parametrize("window", [None, 97])
