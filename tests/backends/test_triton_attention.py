@@ -190,34 +190,46 @@ def test_tma_reads_keys_and_values_where_their_layout_allows():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_tma_check_passes_here(dtype):  # the interpreter, or the GPU's own binaries
-    assert attention_module.tma_kv_agrees(dtype, 64, DEVICE)
+def test_the_fast_choices_check_passes_here(dtype):  # the interpreter, or the GPU's binaries
+    assert attention_module.fast_choices_agree(dtype, 64, DEVICE)
 
 
-def test_a_failed_tma_check_keeps_the_pointer_loads(monkeypatch):
-    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(attention_module.TMA_KV_CHECK, "results", {})
-    calls = []
-    monkeypatch.setattr(attention_module, "tma_kv_agrees", lambda *key: calls.append(key) or False)
-    q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
+def _fast_choices(q, k, v) -> tuple[bool, bool]:
+    """(keys and values by TMA, whole blocks unmasked) in the launch of a causal prefill."""
     kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
-    options = AttentionOptions(True, 0.1, 32)
+    out, options = torch.empty_like(q), AttentionOptions(True, 0.1, 32)
+    args = attention_launches(q, k, v, kv_start, out, options)[0].args
+    return args["TMA_KV"], args["WHOLE_BLOCKS"]
+
+
+def test_a_failed_fast_choices_check_keeps_the_plain_launch(monkeypatch):
+    monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
+    monkeypatch.setattr(attention_module.FAST_CHOICES_CHECK, "results", {})
+    calls = []
+    monkeypatch.setattr(
+        attention_module, "fast_choices_agree", lambda *key: calls.append(key) or False
+    )
+    q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
     with pytest.warns(UserWarning, match="keys and values by TMA .* changed bits"):
-        launch = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
-    again = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
-    assert not launch.args["TMA_KV"] and not again.args["TMA_KV"]
+        first = _fast_choices(q, k, v)
+    assert first == _fast_choices(q, k, v) == (False, False)
     assert calls == [(torch.bfloat16, 64, q.device)]  # checked once per (dtype, head dim)
 
 
-def test_an_unchecked_tma_choice_loads_by_pointer_while_a_graph_records(monkeypatch):
+def test_unchecked_fast_choices_take_the_plain_launch_while_a_graph_records(monkeypatch):
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(attention_module.TMA_KV_CHECK, "results", {})
+    monkeypatch.setattr(attention_module.FAST_CHOICES_CHECK, "results", {})
     monkeypatch.setattr(common, "capturing", lambda device: True)
     q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
-    kv_start = torch.zeros(1, dtype=torch.int32, device=q.device)
-    options = AttentionOptions(True, 0.1, 32)
-    launch = attention_launches(q, k, v, kv_start, torch.empty_like(q), options)[0]
-    assert not launch.args["TMA_KV"] and attention_module.TMA_KV_CHECK.results == {}
+    assert _fast_choices(q, k, v) == (False, False)
+    assert attention_module.FAST_CHOICES_CHECK.results == {}
+
+
+def test_the_fast_choices_where_nothing_is_checked():
+    """On the CPU (the interpreter: no device check) a 16-bit launch takes both; fp32 neither
+    (its FMA dots keep their operands in registers, and spill with the mask's branch)."""
+    assert _fast_choices(*inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)) == (True, True)
+    assert _fast_choices(*inputs(1, 1, 2, 3, 40, 64, torch.float32, seed=8)) == (False, False)
 
 
 @pytest.mark.parametrize("dim", [160, 256])

@@ -616,17 +616,24 @@ def _kv_takes_tma(k, v, unit: int) -> bool:
     )
 
 
-TMA_KV_CHECK = SelfCheck("keys and values by TMA (pointer loads are the plain launch)")
+FAST_CHOICES_CHECK = SelfCheck(
+    "keys and values by TMA and unmasked whole key blocks (pointer loads and every block "
+    "masked are the plain launch)"
+)
 
 
-def _tma_kv_checked(dtype, d: int, device: torch.device) -> bool:
-    return TMA_KV_CHECK.allows((dtype, d), device, lambda: tma_kv_agrees(dtype, d, device))
+def _fast_choices_checked(dtype, d: int, device: torch.device) -> bool:
+    return FAST_CHOICES_CHECK.allows(
+        (dtype, d), device, lambda: fast_choices_agree(dtype, d, device)
+    )
 
 
-def tma_kv_agrees(dtype, d: int, device: torch.device) -> bool:
-    """Whether TMA loads give the pointer loads' bits for keys and values of this dtype and
-    head dim on ``device``: a causal GQA prefill of two sequences with their own first keys
-    (tile tails, several splits) in registers, and its last token's split-parallel decode."""
+def fast_choices_agree(dtype, d: int, device: torch.device) -> bool:
+    """Whether the 16-bit kernel's fast choices (keys and values by TMA, no mask on the key
+    blocks a tile sees whole) give the plain launch's bits (pointer loads, every block
+    masked) for this dtype and head dim on ``device``: a causal GQA prefill of two sequences
+    with their own first keys (tile tails, several splits, whole and partial blocks) in
+    registers, and its last token's split-parallel decode."""
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape):
@@ -637,7 +644,8 @@ def tma_kv_agrees(dtype, d: int, device: torch.device) -> bool:
     options = AttentionOptions(True, d**-0.5, 64)
     for query in (q, q[:, :, -1:]):
         args = (query, k, v, kv_start, options)
-        if not torch.equal(attention(*args, tma_kv=True), attention(*args, tma_kv=False)):
+        fast = attention(*args, tma_kv=True, mask_every_block=False)
+        if not torch.equal(fast, attention(*args, tma_kv=False, mask_every_block=True)):
             return False
     return True
 
@@ -706,7 +714,7 @@ def attention_launches(
     pages=None,
     tile: AttentionTile | None = None,
     tma_kv: bool | None = None,
-    mask_every_block: bool = False,
+    mask_every_block: bool | None = None,
     conditional_rescale: bool = False,
 ) -> list[Launch]:
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
@@ -721,13 +729,14 @@ def attention_launches(
     for the longest query possible, the in-register path). ``tile`` None: the shipped
     tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
     and the GPU probe. ``tma_kv`` None: keys and values arrive by TMA when their layout allows
-    (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`tma_kv_agrees` has passed once
-    for the dtype and head dim; False forces the pointer loads (the same bits).
-    ``mask_every_block``: no key block skips the mask, as fp32's never do (the same bits;
-    for tests and the GPU probe). ``conditional_rescale``: a key block after which no row of
-    the tile has a new maximum leaves the accumulator as it is instead of multiplying it by
-    exp(0) = 1 (the same bits; a tile-wide test a block, not shipped until a GPU shows it
-    pays: the probe times it)."""
+    (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`fast_choices_agree` has passed
+    once for the dtype and head dim; False forces the pointer loads (the same bits).
+    ``mask_every_block`` None: a 16-bit tile skips the mask of a key block all its rows see
+    whole once (on a GPU) :func:`fast_choices_agree` has passed, fp32 masks every block; True
+    / False force one or the other (the same bits; for tests and the GPU probe).
+    ``conditional_rescale``: a key block after which no row of the tile has a new maximum
+    leaves the accumulator as it is instead of multiplying it by exp(0) = 1 (the same bits;
+    a tile-wide test a block, not shipped until a GPU shows it pays: the probe times it)."""
     batch, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     groups = hq // hkv
@@ -746,10 +755,16 @@ def attention_launches(
     unit = _stride_unit(q, k, v, out)
     if tma_kv is None:
         tma_kv = (
-            pages is None and _kv_takes_tma(k, v, unit) and _tma_kv_checked(k.dtype, d, k.device)
+            pages is None
+            and _kv_takes_tma(k, v, unit)
+            and _fast_choices_checked(k.dtype, d, k.device)
         )
     elif tma_kv and (pages is not None or not _kv_takes_tma(k, v, unit)):
         raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
+    if mask_every_block is None:  # fp32's FMA dots spill with the branch
+        mask_every_block = q.dtype == torch.float32 or not _fast_choices_checked(
+            q.dtype, d, q.device
+        )
     tiles = cdiv(rows, block_m)
     block_d = max(16, next_power_of_2(d))
     block_dv = min(block_d, MAX_BLOCK_DV)
@@ -836,8 +851,7 @@ def attention_launches(
                 k_desc=tma_descriptor(k, [1, 1, BLOCK_N, block_d]) if tma_kv else k,
                 v_desc=tma_descriptor(v, [1, 1, BLOCK_N, block_dv]) if tma_kv else v,
                 TMA_KV=tma_kv,
-                # fp32's FMA dots spill with the branch
-                WHOLE_BLOCKS=q.dtype != torch.float32 and not mask_every_block,
+                WHOLE_BLOCKS=not mask_every_block,
                 CONDITIONAL_RESCALE=conditional_rescale,
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
