@@ -49,8 +49,9 @@ Masks: a 16-bit tile's key block that every row of the tile sees whole (below th
 diagonal of its first row, inside the window of its last, before Tk: :func:`_tile`'s
 ``[all_lo, all_hi)``) skips the mask, which would keep every score: the same bits, and on
 sm_90a 65 of the block loop's 420-440 instructions fewer (Triton 3.6 and 3.9), for all but
-about two blocks per tile of a causal prefill and all but the last of a decode. fp32 always
-masks: with the branch, Triton spills its FMA-dot prefill to local memory.
+about two blocks per tile of a causal prefill and all but the last of a decode (on a GPU,
+once :func:`fast_choices_agree` has passed). fp32 always masks: with the branch, Triton
+spills its FMA-dot prefill to local memory.
 
 Sliding window: blocks stay counted from the row's first valid key; a tile skips the key blocks
 and splits wholly before the window of its first query (the skipped work would be identity for
