@@ -754,18 +754,19 @@ def attention_launches(
     if split_parallel is None:
         split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
     unit = _stride_unit(q, k, v, out)
+    # the 16-bit fast choices, asked once a launch (fp32: its FMA dots keep their operands in
+    # registers, and spill with the mask's branch)
+    fast = (
+        q.dtype != torch.float32
+        and (tma_kv is None or mask_every_block is None)
+        and _fast_choices_checked(q.dtype, d, q.device)
+    )
     if tma_kv is None:
-        tma_kv = (
-            pages is None
-            and _kv_takes_tma(k, v, unit)
-            and _fast_choices_checked(k.dtype, d, k.device)
-        )
+        tma_kv = fast and pages is None and _kv_takes_tma(k, v, unit)
     elif tma_kv and (pages is not None or not _kv_takes_tma(k, v, unit)):
         raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
-    if mask_every_block is None:  # fp32's FMA dots spill with the branch
-        mask_every_block = q.dtype == torch.float32 or not _fast_choices_checked(
-            q.dtype, d, q.device
-        )
+    if mask_every_block is None:
+        mask_every_block = not fast
     tiles = cdiv(rows, block_m)
     block_d = max(16, next_power_of_2(d))
     block_dv = min(block_d, MAX_BLOCK_DV)
