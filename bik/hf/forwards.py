@@ -16,7 +16,7 @@ from ..distributed.sharded import local_weight, row_parallel_shard, tp_group
 from ..layers.rotary import rotary_cos_sin
 from ..ops.activations import gelu_tanh, silu
 from ..ops.matmul import linear
-from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
+from ..ops.rms_norm import gemma_rms_norm, rms_norm_like_transformers
 from .autocast import autocast_inputs, run
 from .fused_projections import active_group
 
@@ -57,8 +57,7 @@ class PatchedForward:
             return run(self.backend, autocast_on, self._linear_op(), x, weight, bias)
         autocast_on, _ = autocast_inputs(x.device.type)
         if self.kind == "gemma_rms_norm":  # x * inv_rms * (1 + w), fp32 math, one rounding
-            wide, scale = x.float(), 1.0 + weight.float()
-            return run(self.backend, autocast_on, rms_norm, wide, scale, m.eps).to(x.dtype)
+            return run(self.backend, autocast_on, gemma_rms_norm, x, weight, m.eps)
         eps = m.variance_epsilon
         return run(self.backend, autocast_on, rms_norm_like_transformers, x, weight, eps)
 

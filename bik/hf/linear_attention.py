@@ -19,7 +19,7 @@ import torch
 from ..layers.delta_rule import causal_conv1d, gated_delta_rule
 from ..layers.mamba2 import selective_scan
 from ..ops.activations import sigmoid, silu, softplus
-from ..ops.rms_norm import rms_norm, rms_norm_like_transformers
+from ..ops.rms_norm import gated_rms_norm, rms_norm
 from .autocast import autocast_inputs, run
 from .cache_keyword import pop_cache
 
@@ -68,11 +68,9 @@ class GatedRMSNorm:
         m: Any = self.module
         autocast_on, _ = autocast_inputs(x.device.type)
         eps = m.variance_epsilon
-        if self.activation == "silu":
-            normed = run(self.backend, autocast_on, rms_norm_like_transformers, x, m.weight, eps)
-            return (normed.float() * silu(gate.float())).to(x.dtype)
-        normed = run(self.backend, autocast_on, rms_norm, x.float(), m.weight.float(), eps)
-        return (normed * sigmoid(gate.float())).to(x.dtype)
+        return run(
+            self.backend, autocast_on, gated_rms_norm, x, gate, m.weight, eps, self.activation
+        )
 
 
 class RecurrentLayer:

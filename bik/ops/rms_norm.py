@@ -63,3 +63,28 @@ def rms_norm_like_transformers(x: torch.Tensor, weight: torch.Tensor, eps: float
         dtype = torch.promote_types(x.dtype, weight.dtype)
         x, weight = x.to(dtype), weight.to(dtype)
     return rms_norm(x, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's (and Qwen3.5's) RMSNorm: ``x * inv_rms * (1 + weight)`` in fp32, rounded once
+    to x's dtype. The patched Hugging Face model and bik's vLLM layer both call this."""
+    return rms_norm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str
+) -> torch.Tensor:
+    """transformers' ``RMSNormGated`` in its two forms, one rounding to x's dtype at the end:
+    "silu" (Qwen's Gated DeltaNet): the norm as :func:`rms_norm_like_transformers`, times
+    ``silu(gate)`` in fp32; "sigmoid" (Kimi Delta Attention): the norm and its weight in fp32,
+    times ``sigmoid(gate)``. The gates through bik.silu / bik.sigmoid (layout-independent
+    bits). The patched Hugging Face model and bik's vLLM layer both call this."""
+    from .activations import sigmoid, silu
+
+    if activation == "silu":
+        normed = rms_norm_like_transformers(x, weight, eps)
+        return (normed.float() * silu(gate.float())).to(x.dtype)
+    if activation == "sigmoid":
+        normed = rms_norm(x.float(), weight.float(), eps)
+        return (normed * sigmoid(gate.float())).to(x.dtype)
+    raise ValueError(f"activation: expected 'silu' or 'sigmoid', got {activation!r}")

@@ -162,6 +162,8 @@ def LLM(
     check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust), tensor_parallel)
     enable(backend, tp_invariant=tp_invariant)
     kwargs.setdefault("enforce_eager", True)
+    # recurrent layers' states in fp32, as the trainer keeps them (bik.vllm.gdn)
+    kwargs.setdefault("mamba_ssm_cache_dtype", "float32")
     if tp_invariant:
         kwargs.setdefault("disable_custom_all_reduce", True)
     return vllm.LLM(model=model, **kwargs)
@@ -185,7 +187,8 @@ def _install() -> None:
 
     def process_then_check(model, model_config, *args, **kwargs):
         process(model, model_config, *args, **kwargs)
-        check_model(model, model_config.hf_config.model_type)
+        layers.patch_transformers_modules(model, model_config.hf_text_config.model_type)
+        check_model(model, model_config.hf_text_config)
         _pack_weights(model)
 
     base_loader.process_weights_after_loading = process_then_check

@@ -119,9 +119,7 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
     ) -> None:
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
-            "a sliding window": sliding_window is not None,
             "logit soft-capping": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
             "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             f"kv_cache_dtype {kv_cache_dtype!r}": kv_cache_dtype != "auto",
@@ -135,6 +133,8 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # vLLM's window counts the query's own key, as transformers' and bik.attention's do
+        self.window, self.sinks = sliding_window, sinks
 
     def forward(
         self,
@@ -169,6 +169,8 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
             attn_metadata.query_start,
             attn_metadata.seq_lens,
             scale=self.scale,
+            window=self.window,
+            sinks=self.sinks,
         ).view(output[:tokens].shape)
         return output
 

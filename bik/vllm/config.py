@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..contract import TP_CHUNKS
-from ..families import EXPERT_COUNT_KEYS
+from ..families import EXPERT_COUNT_KEYS, FAMILIES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -95,25 +95,31 @@ def moe_tensor_parallel_problem(config: dict, tensor_parallel: int) -> str | Non
 
 def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> None:
     """Raise for a model bik.vllm cannot run at ``tensor_parallel``, read off its
-    transformers config before vLLM builds it: one with linear-attention layers (vLLM's Gated
-    DeltaNet kernels sum in their own order) or a mixture-of-experts model above TP 1."""
-    if "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
-        raise NotImplementedError(
-            f"bik.vllm: {hf_config.model_type!r} has linear-attention (Gated DeltaNet) "
-            "layers, which vLLM computes with its own kernels, not bik's (bik.patch_model "
-            "computes them for Hugging Face models)"
-        )
+    transformers config before vLLM builds it: a mixture-of-experts model, or one with
+    recurrent (linear-attention or state-space) layers, above TP 1."""
     problem = moe_tensor_parallel_problem(hf_config.to_dict(), tensor_parallel)
+    if problem is None and tensor_parallel > 1 and _recurrent(hf_config):
+        problem = (
+            f"{hf_config.model_type!r} has recurrent (linear-attention) layers: bik.vllm runs "
+            "them at tensor_parallel_size=1"
+        )
     if problem is not None:
         raise NotImplementedError(f"bik.vllm: {problem}")
 
 
-def check_model(model: torch.nn.Module, model_type: str) -> None:
-    """Raise if a loaded model (of transformers' ``model_type``) has a layer vLLM would
-    compute with its own numerics: a custom op bik did not replace (a scaled RoPE variant,
-    another norm or activation), a mixture-of-experts layer bik cannot route (bik.vllm.moe),
-    a quantized linear layer, or a logits soft-cap/scale; with tp_invariant, a row-parallel
-    linear whose K slice does not split into its rank's chunks."""
+def _recurrent(hf_config: "PreTrainedConfig") -> bool:
+    family = FAMILIES.get(hf_config.model_type)
+    return family is not None and family.recurrent is not None
+
+
+def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
+    """Raise if a loaded model (built from the transformers config ``hf_config``) has a
+    layer vLLM would compute with its own numerics: a custom op bik did not replace (a
+    scaled RoPE variant, another norm or activation), a transformers module of vLLM's
+    Transformers backend that reduces in its own order, a mixture-of-experts layer bik
+    cannot route (bik.vllm.moe), a quantized linear layer, or a logits soft-cap/scale; with
+    tp_invariant, a row-parallel linear whose K slice does not split into its rank's
+    chunks."""
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.linear import (
@@ -122,9 +128,12 @@ def check_model(model: torch.nn.Module, model_type: str) -> None:
         UnquantizedLinearMethod,
     )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
 
-    from . import moe, tp_invariant
-    from .layers import BIK_LAYERS
+    from . import gdn, moe, tp_invariant
+    from .layers import BIK_LAYERS, transformers_module_problem
 
     problems: list[str] = []
     bik_layers: list[str] = []
@@ -134,15 +143,24 @@ def check_model(model: torch.nn.Module, model_type: str) -> None:
             continue  # a part of a bik layer that its forward does not call
         if isinstance(module, BIK_LAYERS):
             bik_layers.append(name)
+        elif isinstance(module, gdn.UNCALLED):
+            continue
+        elif isinstance(module, QwenGatedDeltaNetAttention):
+            problem = gdn.problem(name, module)
+            problems.extend([] if problem is None else [problem])
         elif isinstance(module, MoERunner):
             bik_layers.append(name)
-            problems.extend(moe.problems(name, module, model_type))
+            limit = getattr(hf_config, "swiglu_limit", None)
+            problems.extend(moe.problems(name, module, hf_config.model_type, limit))
         elif isinstance(module, CustomOp):
             problems.append(f"{name} ({kind}): not computed by bik")
         elif isinstance(module, LinearBase) and not isinstance(
             module.quant_method, UnquantizedLinearMethod
         ):
             problems.append(f"{name} ({kind}): quantized ({type(module.quant_method).__name__})")
+        elif type(module).__module__.startswith("transformers."):
+            problem = transformers_module_problem(name, module, hf_config.model_type)
+            problems.extend([] if problem is None else [problem])
         elif isinstance(module, LogitsProcessor) and (
             module.soft_cap is not None or module.scale != 1.0
         ):

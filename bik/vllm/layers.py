@@ -23,22 +23,27 @@ from typing import Any
 import torch
 from vllm.distributed import get_tp_group, split_tensor_along_last_dim
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
+    YaRNScalingRotaryEmbedding,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
     get_masked_input_and_mask,
 )
+from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+from vllm.model_executor.models.transformers.fusers.rms_norm import TPAwareRMSNorm
 
 from ..contract import TP_CHUNKS
 from ..distributed import combine_partials, rank_partial
 from ..layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
-from ..ops.activations import silu_and_mul
+from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.matmul import linear
-from ..ops.rms_norm import rms_norm_like_transformers
-from . import moe
+from ..ops.rms_norm import gated_rms_norm, gemma_rms_norm, rms_norm_like_transformers
+from . import gdn, moe
 
 
 class BikRMSNorm(RMSNorm):
@@ -56,6 +61,49 @@ class BikRMSNorm(RMSNorm):
         # self.weight: all ones when the norm has no weight of its own
         out = rms_norm_like_transformers(x, self.weight, self.variance_epsilon)
         return out if residual is None else (out, residual)
+
+
+class BikGemmaRMSNorm(GemmaRMSNorm):
+    """Gemma's RMSNorm (Qwen3.5's, Qwen3-Next's): ``x * inv_rms * (1 + w)`` in fp32 after the
+    residual sum rounded in the activations' dtype, as the Hugging Face decoder layer adds."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = gemma_rms_norm(x, self.weight, self.variance_epsilon)
+        return out if residual is None else (out, residual)
+
+
+class BikRMSNormGated(RMSNormGated):
+    """The gated RMSNorm after a Gated DeltaNet layer: transformers' ``RMSNormGated`` (the
+    norm of the whole row, then the gate), as bik.ops.rms_norm.gated_rms_norm computes it;
+    other forms (grouped, the gate before the norm) are refused when vLLM builds the layer."""
+
+    def __init__(self, hidden_size: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(hidden_size, *args, **kwargs)
+        activation = "silu" if self.activation == "swish" else self.activation
+        if self.group_size not in (None, hidden_size) or not self.norm_before_gate:
+            raise NotImplementedError(
+                "bik.vllm: a gated RMSNorm over groups of channels or with the gate applied "
+                "before the norm"
+            )
+        if activation not in ("silu", "sigmoid"):
+            raise NotImplementedError(f"bik.vllm: a gated RMSNorm with activation {activation!r}")
+        self.bik_activation = activation
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if z is None:
+            raise NotImplementedError("bik.vllm: a gated RMSNorm called without its gate")
+        return gated_rms_norm(x, z, self.weight, self.eps, self.bik_activation)
+
+
+class BikTPAwareRMSNorm(TPAwareRMSNorm, BikRMSNorm):
+    """The RMSNorm vLLM's Transformers backend puts in place of transformers' (OLMo-3,
+    SmolLM3): bik's, over the whole row (vLLM's mixin gathers a TP-sharded input first).
+    A subclass of vLLM's class, so that vLLM's registry initialises it as one."""
 
 
 class BikSiluAndMul(SiluAndMul):
@@ -94,11 +142,12 @@ class BikRotaryEmbedding(RotaryEmbedding):
             init_cache=False,
         )
         self.register_buffer("bik_inv_freq", default_inv_freq(base, rotary_dim), persistent=False)
+        self.bik_scaling = 1.0  # the cos/sin scale (YaRN's attention factor)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        cos, sin = rotary_cos_sin(self.bik_inv_freq, positions, 1.0, query.dtype)
+        cos, sin = rotary_cos_sin(self.bik_inv_freq, positions, self.bik_scaling, query.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, rotary_dim] against [T, heads, D]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
@@ -112,6 +161,78 @@ class BikRotaryEmbedding(RotaryEmbedding):
         if self.rotary_dim < self.head_size:
             out = torch.cat((out, heads[..., self.rotary_dim :]), dim=-1)
         return out.view(x.shape)
+
+
+# transformers' YaRN defaults for keys a config may leave out
+_YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "truncate": True}
+
+
+class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
+    """YaRN RoPE (gpt-oss): BikRotaryEmbedding's forward (vLLM's class is a subclass for
+    vLLM's registry; its base is BikRotaryEmbedding here, which builds no cos/sin cache) with
+    the inverse frequencies and cos/sin scale that transformers' own YaRN function computes
+    from the engine's model config (the trainer's rotary module calls the same function, so
+    both sides start from the same bits); vLLM's arguments must be that config's, else the
+    engine is refused."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        scaling_factor: float,
+        dtype: torch.dtype,
+        **yarn: Any,
+    ) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from vllm.config import get_current_vllm_config
+
+        super().__init__(
+            head_size,
+            rotary_dim,
+            max_position_embeddings,
+            base,
+            is_neox_style,
+            scaling_factor,
+            dtype,
+            **yarn,
+        )
+        config = get_current_vllm_config().model_config.hf_text_config
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        asked = dict(
+            rope_type="yarn",
+            rope_theta=base,
+            factor=scaling_factor,
+            original_max_position_embeddings=max_position_embeddings,
+            **yarn,
+        )
+        differs = sorted(
+            key for key, value in asked.items() if rope.get(key, _YARN_DEFAULTS.get(key)) != value
+        )
+        if differs or getattr(config, "head_dim", rotary_dim) != rotary_dim:
+            settings = ", ".join(differs) or "its width"
+            raise NotImplementedError(
+                f"bik.vllm: a YaRN rotary embedding whose settings ({settings}) are not the "
+                "model config's rope_parameters: bik computes RoPE as transformers computes it "
+                "from the config"
+            )
+        inv_freq, self.bik_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+        self.bik_inv_freq = inv_freq.float()
+
+
+def _gated_attention_forward(self: Any, positions: torch.Tensor, hidden_states: torch.Tensor):
+    """Qwen3NextAttention.forward (Qwen3.5's, Qwen3-Next's full attention) with the output
+    gate's sigmoid through bik.sigmoid, as the trainer computes it (torch's fp32 sigmoid
+    depends on the tensor's layout on a CPU)."""
+    qkv, _ = self.qkv_proj(hidden_states)
+    query, key, value, gate = self._project_qkv_gate(qkv, positions)
+    out = self.attn(query, key, value)
+    if gate is not None:
+        out = out * sigmoid(gate)
+    output, _ = self.o_proj(out)
+    return output
 
 
 def _linear_apply(self, layer, x, bias=None):
@@ -182,13 +303,18 @@ def _vocab_parallel_embedding_forward(
 
 _REPLACED_OPS = {
     "RMSNorm": BikRMSNorm,
+    "GemmaRMSNorm": BikGemmaRMSNorm,
+    "RMSNormGated": BikRMSNormGated,
+    "TPAwareRMSNorm": BikTPAwareRMSNorm,
     "SiluAndMul": BikSiluAndMul,
     "RotaryEmbedding": BikRotaryEmbedding,
+    "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
 }
 _PATCHED_METHODS = (
     (UnquantizedLinearMethod, "apply", _linear_apply),
     (UnquantizedLinearMethod, "process_weights_after_loading", _keep_weights),
     (UnquantizedEmbeddingMethod, "apply", _linear_apply),  # the LM head
+    (Qwen3NextAttention, "forward", _gated_attention_forward),
 )
 BIK_LAYERS = tuple(_REPLACED_OPS.values())
 _TP_INVARIANT_FORWARDS = (
@@ -198,6 +324,52 @@ _TP_INVARIANT_FORWARDS = (
 _VLLM_FORWARDS = {owner: owner.forward for owner, _ in _TP_INVARIANT_FORWARDS}
 
 
+# transformers' module kinds (bik.hf.classify) vLLM's Transformers backend leaves in the model
+# that bik computes: a module that reduces nothing itself, the attention module (its kernel is
+# vLLM's Attention, bik's backend), and the two patched below.
+TRANSFORMERS_KINDS = (None, "attention", "rotary", "silu", "gelu_tanh")
+
+
+def patch_transformers_modules(model: torch.nn.Module, model_type: str) -> None:
+    """vLLM's Transformers backend (OLMo-3, SmolLM3) builds transformers' own model and swaps
+    its linears, norms, activation-and-mul and attention kernel for vLLM layers (bik's, here);
+    what stays transformers' runs the trainer's code. Of that, the rotary embeddings get the
+    forward bik.patch_model gives the trainer's (the same cos/sin bits) and activations bik's;
+    check_model refuses any other kind that reduces."""
+    from ..families import FAMILIES
+    from ..hf.classify import module_kind
+    from ..hf.forwards import Activation, EagerRotary
+
+    family = FAMILIES.get(model_type)
+    for module in model.modules():
+        if not _from_transformers(module):
+            continue
+        kind = module_kind(module, family)
+        if kind == "rotary":
+            module.forward = EagerRotary(module, family is not None and family.bik_rotary)
+        elif kind in ("silu", "gelu_tanh"):
+            module.forward = Activation(kind)
+
+
+def _from_transformers(module: torch.nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
+def transformers_module_problem(name: str, module: torch.nn.Module, model_type: str) -> str | None:
+    """Why ``module`` (one of transformers' own, left in a vLLM model) would compute with
+    numerics bik does not vouch for, or None."""
+    from ..families import FAMILIES
+    from ..hf.classify import module_kind
+
+    family = FAMILIES.get(model_type)
+    if family is None:
+        return f"{name} ({type(module).__name__}): a module of a family bik does not support"
+    kind = module_kind(module, family)
+    if kind in TRANSFORMERS_KINDS:
+        return None
+    return f"{name} ({type(module).__name__}): transformers' {kind} module, not computed by bik"
+
+
 def install() -> None:
     """Register bik's layers with vLLM (once per process)."""
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
@@ -205,7 +377,7 @@ def install() -> None:
     for name, cls in _REPLACED_OPS.items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
-    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS):
+    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS, *gdn.PATCHED_METHODS):
         setattr(owner, name, method)
 
 

@@ -29,11 +29,13 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from ..families import FAMILIES
-from ..layers.moe import expert_mlp, route, route_grouped_sigmoid
-from ..ops.activations import sigmoid
+from ..layers.moe import clamped_swiglu, expert_mlp, route, route_grouped_sigmoid
+from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.matmul import linear
 
 Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> weights, experts
+# gpt-oss's SwiGLU slope: a constant of transformers' GptOssExperts (``alpha``), not a config key
+GPT_OSS_ALPHA = 1.702
 
 
 def _softmax_top_k(
@@ -73,7 +75,10 @@ def _runner_forward(
         router_logits, _ = self.gate(x)
     weights, chosen = routing(router_logits)
     experts: Any = self.routed_experts
-    out = expert_mlp(x, chosen, weights, experts.w13_weight, experts.w2_weight)
+    biases = (experts.w13_bias, experts.w2_bias) if self.moe_config.has_bias else (None, None)
+    out = expert_mlp(
+        x, chosen, weights, experts.w13_weight, experts.w2_weight, *biases, self._bik_activation
+    )
     if self._shared_experts is None:
         return out
     # a gated MLP (gate_up_proj, act_fn, down_proj); Qwen2-MoE's has an expert_gate, whose
@@ -142,9 +147,28 @@ def _routing(router: Any, output_scale: float, fp32_weights: bool) -> Routing | 
     )
 
 
-def problems(name: str, runner: MoERunner, model_type: str) -> list[str]:
-    """What bik cannot compute in ``runner`` (a MoE layer of a ``model_type`` model) in the
-    bik-patched trainer's order; with none, the runner is marked for bik's forward."""
+def _activation(
+    config: Any, model_type: str, swiglu_limit: float | None
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The experts' activation as the trainer computes it: SiLU-and-multiply without biases,
+    or gpt-oss's clamped SwiGLU with biases (gate and up interleaved, as vLLM keeps gpt-oss's
+    ``w13``) at the config's ``swiglu_limit`` (vLLM's own kernel clamps at 7 whatever the
+    config says); None for any other."""
+    activation = config.activation.name
+    if activation == "SILU" and not config.has_bias:
+        return silu_and_mul
+    gpt_oss = model_type == "gpt_oss" and swiglu_limit is not None
+    if activation == "SWIGLUOAI" and config.has_bias and gpt_oss:
+        return functools.partial(clamped_swiglu, alpha=GPT_OSS_ALPHA, limit=swiglu_limit)
+    return None
+
+
+def problems(
+    name: str, runner: MoERunner, model_type: str, swiglu_limit: float | None = None
+) -> list[str]:
+    """What bik cannot compute in ``runner`` (a MoE layer of a ``model_type`` model, with the
+    config's ``swiglu_limit`` for gpt-oss) in the bik-patched trainer's order; with none, the
+    runner is marked for bik's forward."""
     config: Any = runner.moe_config
     router: Any = runner.router
     experts: Any = runner.routed_experts
@@ -162,8 +186,12 @@ def problems(name: str, runner: MoERunner, model_type: str) -> list[str]:
         )
     if not isinstance(experts.quant_method, UnquantizedFusedMoEMethod):
         found.append(f"quantized experts ({type(experts.quant_method).__name__})")
-    if config.has_bias or config.activation.name != "SILU":
-        found.append("experts with biases or an activation other than SiLU-and-multiply")
+    activation = _activation(config, model_type, swiglu_limit)
+    if activation is None:
+        found.append(
+            "experts with biases or an activation other than SiLU-and-multiply (gpt-oss's "
+            "biased, clamped SwiGLU excepted)"
+        )
     parallel = config.moe_parallel_config
     if parallel.tp_size * parallel.dp_size * parallel.ep_size * parallel.pcp_size != 1:
         found.append(
@@ -174,5 +202,5 @@ def problems(name: str, runner: MoERunner, model_type: str) -> list[str]:
         found.append("latent (transformed) expert inputs or outputs")
     if found:
         return [f"{name} ({type(runner).__name__}): {problem}" for problem in found]
-    runner._bik_routing = routing
+    runner._bik_routing, runner._bik_activation = routing, activation
     return []

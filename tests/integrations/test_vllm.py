@@ -138,6 +138,16 @@ CASES = [
     # GLM-4.5: an fp32 sigmoid router with a score-correction bias and groups, a shared
     # expert, a dense first layer, partial RoPE
     ("glm4_moe", "bfloat16", "raw_logprobs", 1.0),
+    # gpt-oss: attention sinks, a sliding window of 8 on every other layer (the prompts
+    # outgrow it, so decode steps read through pages the window has left), YaRN RoPE, a
+    # biased router, biased experts with the clamped SwiGLU at the config's limit
+    ("gpt_oss", "float32", "raw_logprobs", 1.0),
+    ("gpt_oss", "bfloat16", "processed_logprobs", 0.7),
+    # Qwen3-Next: Gated DeltaNet layers (bik.vllm.gdn: the convolution and the rule from the
+    # pooled fp32 state, resumed across the 32-token prefill chunks) beside gated attention,
+    # Gemma-style norms, MoE layers with a gated shared expert
+    ("qwen3_next", "float32", "raw_logprobs", 1.0),
+    ("qwen3_next", "bfloat16", "raw_logprobs", 1.0),
 ]
 
 
@@ -150,6 +160,39 @@ def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temper
     expected = trainer_logprobs(path, dtype, sequences, ref_temperature)
     for i, (mine, theirs) in enumerate(zip(got, expected)):
         unequal = (mine != theirs).sum().item()
+        assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
+
+
+# Families vLLM runs through its Transformers backend (transformers' own modules between vLLM's
+# layers; the backend's norms, activation and attention are bik's, the rotary embedding the
+# trainer's forward): OLMo-3 with a window of 8 on its sliding layers, SmolLM3 with a NoPE layer.
+TRANSFORMERS_BACKEND_CASES = [
+    ("olmo3", "float32", {"sliding_window": 8}),
+    ("olmo3", "bfloat16", {"sliding_window": 8}),
+    ("smollm3", "bfloat16", {}),
+]
+
+
+@pytest.mark.parametrize(("family", "dtype", "overrides"), TRANSFORMERS_BACKEND_CASES)
+def test_transformers_backend_logprobs_equal_the_trainers(model_dir, family, dtype, overrides):
+    """As above, the engine in a child process (bik.vllm.engine): vLLM's Transformers backend
+    rewires transformers' model classes in the process that builds it, and the trainer is
+    transformers' own model."""
+    from bik.vllm.engine import run_engine
+
+    path = model_dir(family, **overrides)
+    sampling = dict(n=2, max_tokens=12, temperature=1.0, logprobs=0, ignore_eos=True)
+    settings = {k: v for k, v in SCHEDULING.items() if k != "skip_tokenizer_init"}
+    requests = prompts()
+    result = run_engine(
+        "bik", path, requests, dtype=dtype, backend="cpu", engine_args=settings, sampling=sampling
+    )
+    sequences = [(p, s["tokens"]) for p, out in zip(requests, result["outputs"]) for s in out]
+    expected = trainer_logprobs(path, dtype, sequences, 1.0)
+    got = [s["logprobs"] for out in result["outputs"] for s in out]
+    assert sum(len(t) for _, t in sequences) == 12 * 2 * 12
+    for i, (mine, theirs) in enumerate(zip(got, expected)):
+        unequal = (torch.tensor(mine, dtype=theirs.dtype) != theirs).sum().item()
         assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
 
 
@@ -263,12 +306,14 @@ def test_mixture_of_experts_above_tp_1_is_refused_before_vllm_builds_it():
         check_hf_config(config, 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
-def test_linear_attention_is_refused_before_vllm_builds_it(family):
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "nemotron_h"])
+def test_recurrent_layers_above_tp_1_are_refused_before_vllm_builds_them(family):
     from bik.vllm.config import check_hf_config
 
-    with pytest.raises(NotImplementedError, match=r"linear-attention .* not bik's"):
-        check_hf_config(FAMILIES[family].tiny_config())
+    config = FAMILIES[family].tiny_config()
+    check_hf_config(config)  # TP 1: bik's recurrences (Gated DeltaNet: bik.vllm.gdn)
+    with pytest.raises(NotImplementedError, match=r"recurrent .* at tensor_parallel_size=1$"):
+        check_hf_config(config, 2)
 
 
 def test_scaled_rope_is_refused(model_dir):
