@@ -128,11 +128,13 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
         UnquantizedLinearMethod,
     )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
     )
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    from . import gdn, moe, tp_invariant
+    from . import gdn, mamba2, moe, tp_invariant
     from .layers import BIK_LAYERS, transformers_module_problem
 
     problems: list[str] = []
@@ -143,11 +145,16 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
             continue  # a part of a bik layer that its forward does not call
         if isinstance(module, BIK_LAYERS):
             bik_layers.append(name)
-        elif isinstance(module, gdn.UNCALLED):
+        elif isinstance(module, (*gdn.UNCALLED, *mamba2.UNCALLED)):
             continue
+        elif isinstance(module, MambaMixer2):
+            problem = mamba2.problem(name, module, hf_config)
+            problems.extend([] if problem is None else [problem])
         elif isinstance(module, QwenGatedDeltaNetAttention):
             problem = gdn.problem(name, module)
             problems.extend([] if problem is None else [problem])
+        elif isinstance(module, MambaBase):  # a recurrent layer: its ops are not CustomOps
+            problems.append(f"{name} ({kind}): a recurrent layer bik does not compute in vLLM")
         elif isinstance(module, MoERunner):
             bik_layers.append(name)
             limit = getattr(hf_config, "swiglu_limit", None)

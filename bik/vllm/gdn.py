@@ -30,10 +30,10 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
     ChunkGatedDeltaRule,
     QwenGatedDeltaNetAttention,
 )
-from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-from ..layers.delta_rule import causal_conv1d, gated_delta_rule
+from ..layers.delta_rule import gated_delta_rule
 from ..ops.activations import sigmoid, silu, softplus
+from .recurrent import convolve, slots, state_pools
 
 
 def _forward_cpu(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -70,60 +70,35 @@ def _core(
     """Each sequence of the step through the convolution and the rule, written into ``out``."""
     if metadata.spec_sequence_masks is not None:
         raise NotImplementedError("bik.vllm: speculative decoding in a Gated DeltaNet layer")
-    conv_states, ssm_states = _state_pools(layer)
+    conv_states, ssm_states = state_pools(layer, "Gated DeltaNet")
+    slots_, heads = ssm_states.shape[:2]
+    ssm_states = ssm_states.view(slots_, heads, layer.head_k_dim, layer.head_v_dim)
     starts = metadata.non_spec_query_start_loc.tolist()
-    slots = metadata.non_spec_state_indices_tensor.tolist()
+    indices = slots(metadata.non_spec_state_indices_tensor)
     decodes, prefills = metadata.num_decodes, metadata.num_prefills
     resumes = [True] * decodes  # a decoding sequence has its state
     if prefills:
         resumes += metadata.has_initial_state[decodes : decodes + prefills].tolist()
     for i, resume in enumerate(resumes):
         lo, hi = starts[i], starts[i + 1]
-        conv_state, ssm_state = conv_states[slots[i]], ssm_states[slots[i]]
-        if not resume:
-            conv_state.zero_()
-            ssm_state.zero_()
-        out[lo:hi] = _sequence(layer, mixed_qkv[lo:hi], b[lo:hi], a[lo:hi], conv_state, ssm_state)
+        mixed = silu(convolve(layer, mixed_qkv[lo:hi], conv_states[indices[i]], resume))
+        out[lo:hi] = _rule(layer, mixed, b[lo:hi], a[lo:hi], ssm_states[indices[i]], resume)
 
 
-def _state_pools(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's pooled states as ``[slots, C, W - 1]`` (the cached inputs, channels first)
-    and ``[slots, Hv, K, V]`` (the fp32 recurrent state), views of vLLM's cache."""
-    conv, ssm = layer.kv_cache[0], layer.kv_cache[1]
-    if not is_conv_state_dim_first():
-        conv = conv.transpose(1, 2)
-    width = layer.conv1d.weight.shape[-1]
-    if conv.shape[-1] != width - 1:
-        raise NotImplementedError(
-            "bik.vllm: a Gated DeltaNet conv state wider than the convolution's window "
-            "(vLLM widens it for speculative decoding)"
-        )
-    if ssm.dtype != torch.float32:
-        raise NotImplementedError(
-            f"bik.vllm: the Gated DeltaNet state is kept in {ssm.dtype}; bik runs it in fp32, "
-            "as the trainer keeps it: pass mamba_ssm_cache_dtype='float32' (bik.vllm.LLM's "
-            "default)"
-        )
-    slots, heads = ssm.shape[:2]
-    return conv, ssm.view(slots, heads, layer.head_k_dim, layer.head_v_dim)
-
-
-def _sequence(
+def _rule(
     layer: Any,
     mixed: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
-    conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
+    resume: bool,
 ) -> torch.Tensor:
-    """One sequence's new tokens ``mixed [L, C]`` -> the rule's output ``[L, Hv, V]``, as
-    bik.hf.linear_attention.GatedDeltaNet computes them; both states advanced in place."""
+    """One sequence's convolved tokens ``mixed [L, C]`` through the gated delta rule from its
+    state (zeros for a new sequence), as bik.hf.linear_attention.GatedDeltaNet computes them
+    -> ``[L, Hv, V]``; the state advanced in place."""
+    if not resume:
+        ssm_state.zero_()
     length = mixed.shape[0]
-    window = torch.cat([conv_state, mixed.t().to(conv_state.dtype)], dim=-1)  # [C, W-1+L]
-    conv_state.copy_(window[:, window.shape[-1] - conv_state.shape[-1] :])
-    weight = layer.conv1d.weight
-    convolved = causal_conv1d(window[None], weight.reshape(weight.shape[0], -1), None)
-    mixed = silu(convolved[0, :, -length:].t().to(mixed.dtype))
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(1, length, -1, layer.head_k_dim)
     key = key.reshape(1, length, -1, layer.head_k_dim)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from vllm.distributed import get_tp_group, split_tensor_along_last_dim
-from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.activation import ReLUSquaredActivation, SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -43,7 +43,7 @@ from ..layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
 from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import gated_rms_norm, gemma_rms_norm, rms_norm_like_transformers
-from . import gdn, moe
+from . import gdn, mamba2, moe
 
 
 class BikRMSNorm(RMSNorm):
@@ -98,6 +98,14 @@ class BikRMSNormGated(RMSNormGated):
         if z is None:
             raise NotImplementedError("bik.vllm: a gated RMSNorm called without its gate")
         return gated_rms_norm(x, z, self.weight, self.eps, self.bik_activation)
+
+
+class BikReLUSquaredActivation(ReLUSquaredActivation):
+    """Nemotron-H's squared ReLU, transformers' formula (``square(relu(x))``: two exact
+    elementwise steps, the same bits in any layout)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
 
 
 class BikTPAwareRMSNorm(TPAwareRMSNorm, BikRMSNorm):
@@ -307,6 +315,7 @@ _REPLACED_OPS = {
     "RMSNormGated": BikRMSNormGated,
     "TPAwareRMSNorm": BikTPAwareRMSNorm,
     "SiluAndMul": BikSiluAndMul,
+    "ReLUSquaredActivation": BikReLUSquaredActivation,
     "RotaryEmbedding": BikRotaryEmbedding,
     "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
 }
@@ -377,7 +386,8 @@ def install() -> None:
     for name, cls in _REPLACED_OPS.items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
-    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS, *gdn.PATCHED_METHODS):
+    recurrent = (*gdn.PATCHED_METHODS, *mamba2.PATCHED_METHODS)
+    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS, *recurrent):
         setattr(owner, name, method)
 
 
