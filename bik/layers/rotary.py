@@ -51,3 +51,15 @@ def default_inv_freq(base: float, dim: int) -> torch.Tensor:
     if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 or dim % 2:
         raise ValueError(f"dim: expected a positive even int, got {dim!r}")
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE (DeepSeek's): the pairs ``(x0, x1), (x2, x3), ...`` each rotated by one
+    frequency, the result laid out as transformers' ``apply_rotary_pos_emb_interleave`` lays
+    it out, every pair's first element, then every second (``[x1 cos - x2 sin, x2 cos + x1
+    sin]`` with ``x1 = x[..., 0::2]``, ``x2 = x[..., 1::2]``); cos and sin are the half-rotation
+    tables (each half the same), of which the first half is read."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    first, second = x[..., 0::2], x[..., 1::2]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)

@@ -183,6 +183,9 @@ def _install() -> None:
     # through CUSTOM (attention_config={"backend": "CUSTOM"}) or the slots overridden here.
     for slot in ("CUSTOM", "CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"):
         register_backend(getattr(AttentionBackendEnum, slot), path)
+    # MLA models: the CPU platform picks CPU_MLA, or AMX_MLA where the CPU has AMX
+    for slot in ("CPU_MLA", "AMX_MLA"):
+        register_backend(getattr(AttentionBackendEnum, slot), "bik.vllm.mla.BikMLABackend")
     process = base_loader.process_weights_after_loading
 
     def process_then_check(model, model_config, *args, **kwargs):

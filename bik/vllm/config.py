@@ -121,6 +121,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
     tp_invariant, a row-parallel linear whose K slice does not split into its rank's
     chunks."""
     from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.linear import (
         LinearBase,
@@ -134,7 +135,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
     )
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    from . import gdn, mamba2, moe, tp_invariant
+    from . import gdn, mamba2, mla, moe, tp_invariant
     from .layers import BIK_LAYERS, transformers_module_problem
 
     problems: list[str] = []
@@ -147,6 +148,10 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
             bik_layers.append(name)
         elif isinstance(module, (*gdn.UNCALLED, *mamba2.UNCALLED)):
             continue
+        elif isinstance(module, MLAAttention):
+            bik_layers.append(name)  # bik's forward_impl calls none of its parts
+            problem = mla.problem(name, module)
+            problems.extend([] if problem is None else [problem])
         elif isinstance(module, MambaMixer2):
             problem = mamba2.problem(name, module, hf_config)
             problems.extend([] if problem is None else [problem])

@@ -39,11 +39,11 @@ from vllm.model_executor.models.transformers.fusers.rms_norm import TPAwareRMSNo
 
 from ..contract import TP_CHUNKS
 from ..distributed import combine_partials, rank_partial
-from ..layers.rotary import apply_rotary, default_inv_freq, rotary_cos_sin
+from ..layers.rotary import apply_rotary, apply_rotary_pairs, default_inv_freq, rotary_cos_sin
 from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import gated_rms_norm, gemma_rms_norm, rms_norm_like_transformers
-from . import gdn, mamba2, moe
+from . import gdn, mamba2, mla, moe
 
 
 class BikRMSNorm(RMSNorm):
@@ -122,7 +122,11 @@ class BikSiluAndMul(SiluAndMul):
 class BikRotaryEmbedding(RotaryEmbedding):
     """Half-rotation ("neox") RoPE over the first ``rotary_dim`` dims of each head (all of
     them, or part: GLM-4.5's partial rotary), the rest passed through, cos/sin from bik's
-    formula; transformers' partial RoPE rotates and concatenates the same way."""
+    formula; transformers' partial RoPE rotates and concatenates the same way. Interleaved
+    (GPT-J style) RoPE only for a model whose config asks transformers for DeepSeek's
+    interleaved pairs (``rope_interleave``), laid out as transformers lays them out: vLLM's
+    latent attention only dots the rotated part of queries with that of keys, so both sides
+    must hold the same dims in the same order for the sums to run alike."""
 
     bik_inv_freq: torch.Tensor  # a buffer (register_buffer below)
 
@@ -136,9 +140,11 @@ class BikRotaryEmbedding(RotaryEmbedding):
         dtype: torch.dtype,
         init_cache: bool = True,
     ) -> None:
-        if not is_neox_style:
+        self.bik_pairs = not is_neox_style and _config_rope_interleave()
+        if not is_neox_style and not self.bik_pairs:
             raise NotImplementedError(
-                "bik.vllm: interleaved (GPT-J style) rotary embedding is not supported"
+                "bik.vllm: interleaved (GPT-J style) rotary embedding is supported for a model "
+                "whose config sets rope_interleave (DeepSeek-V3) only"
             )
         super().__init__(
             head_size,
@@ -165,10 +171,19 @@ class BikRotaryEmbedding(RotaryEmbedding):
         if x is None:
             return None
         heads = x.view(x.shape[0], -1, self.head_size)
-        out = apply_rotary(heads[..., : self.rotary_dim], cos, sin)
+        rotate = apply_rotary_pairs if self.bik_pairs else apply_rotary
+        out = rotate(heads[..., : self.rotary_dim], cos, sin)
         if self.rotary_dim < self.head_size:
             out = torch.cat((out, heads[..., self.rotary_dim :]), dim=-1)
         return out.view(x.shape)
+
+
+def _config_rope_interleave() -> bool:
+    """Whether the model vLLM is building asks transformers for interleaved RoPE."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config().model_config.hf_text_config
+    return bool(getattr(config, "rope_interleave", False))
 
 
 # transformers' YaRN defaults for keys a config may leave out
@@ -386,8 +401,8 @@ def install() -> None:
     for name, cls in _REPLACED_OPS.items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
-    recurrent = (*gdn.PATCHED_METHODS, *mamba2.PATCHED_METHODS)
-    for owner, name, method in (*_PATCHED_METHODS, *moe.PATCHED_METHODS, *recurrent):
+    extra = (*moe.PATCHED_METHODS, *gdn.PATCHED_METHODS, *mamba2.PATCHED_METHODS)
+    for owner, name, method in (*_PATCHED_METHODS, *extra, *mla.PATCHED_METHODS):
         setattr(owner, name, method)
 
 

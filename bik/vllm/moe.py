@@ -71,7 +71,10 @@ def _runner_forward(
     model's gate output, or the hidden states when the runner holds the gate)."""
     routing: Routing = self._bik_routing  # set by problems()
     x = hidden_states
-    if self.gate is not None:
+    if self.gate is not None and self._bik_fp32_logits:
+        # transformers' sigmoid routers take fp32 logits of fp32 activations and weights
+        router_logits = linear(x.float(), self.gate.weight.float())
+    elif self.gate is not None:
         router_logits, _ = self.gate(x)
     weights, chosen = routing(router_logits)
     experts: Any = self.routed_experts
@@ -200,7 +203,11 @@ def problems(
         )
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         found.append("latent (transformed) expert inputs or outputs")
+    fp32_logits = isinstance(routing, functools.partial) and routing.func is route_grouped_sigmoid
+    if fp32_logits and getattr(runner.gate, "bias", None) is not None:
+        found.append("a sigmoid router with a bias (transformers' has none)")
     if found:
         return [f"{name} ({type(runner).__name__}): {problem}" for problem in found]
     runner._bik_routing, runner._bik_activation = routing, activation
+    runner._bik_fp32_logits = fp32_logits
     return []

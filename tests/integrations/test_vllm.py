@@ -44,12 +44,13 @@ HEAD_SHAPES = {"qwen3": dict(hidden_size=96, head_dim=32)}
 
 def tiny_config(family, **overrides):
     shape = {**VLLM_SHAPE, "head_dim": 16, **HEAD_SHAPES.get(family, {})}
-    return FAMILIES[family].tiny_config(**shape, tie_word_embeddings=False, **overrides)
+    return FAMILIES[family].tiny_config(**{**shape, **overrides}, tie_word_embeddings=False)
 
 
-# GLM-4.5 ships bf16 weights and vLLM loads its router in fp32 while transformers loads it in
-# the model's dtype: the two read the same router weights from a bf16 checkpoint only.
-CHECKPOINT_DTYPES = {"glm4_moe": torch.bfloat16}
+# GLM-4.5 and DeepSeek-V3 ship bf16 weights and vLLM loads their router in fp32 while
+# transformers loads it in the model's dtype: the two read the same router weights from a bf16
+# checkpoint only.
+CHECKPOINT_DTYPES = {"glm4_moe": torch.bfloat16, "deepseek_v3": torch.bfloat16}
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +154,27 @@ CASES = [
     # attention without RoPE, squared-ReLU MLPs
     ("nemotron_h", "float32", "raw_logprobs", 1.0),
     ("nemotron_h", "bfloat16", "raw_logprobs", 1.0),
+    # DeepSeek-V3: latent attention in the trainer's non-absorbed form over vLLM's latent
+    # cache (bik.vllm.mla), interleaved RoPE laid out as transformers lays it out, the sigmoid
+    # group-limited router; vLLM's CPU MLA cache holds 512 + 64 latent dims, vLLM reads the
+    # router's kind from topk_method and scoring_func, which transformers does not
+    ("deepseek_v3", "float32", "raw_logprobs", 1.0),
+    ("deepseek_v3", "bfloat16", "raw_logprobs", 1.0),
 ]
+FAMILY_OVERRIDES = {
+    "deepseek_v3": dict(
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        head_dim=64,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
+}
 
 
 @pytest.mark.parametrize(("family", "dtype", "mode", "temperature"), CASES)
 def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temperature):
-    path = model_dir(family)
+    path = model_dir(family, **FAMILY_OVERRIDES.get(family, {}))
     sequences, got = run_engine(path, dtype, mode, temperature)
     assert sum(len(t) for _, t in sequences) == 12 * 2 * 12
     ref_temperature = temperature if mode == "processed_logprobs" else 1.0
@@ -311,11 +327,10 @@ def test_mixture_of_experts_above_tp_1_is_refused_before_vllm_builds_it():
         check_hf_config(config, 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
-def test_recurrent_layers_above_tp_1_are_refused_before_vllm_builds_them(family):
+def test_recurrent_layers_above_tp_1_are_refused_before_vllm_builds_them():
     from bik.vllm.config import check_hf_config
 
-    config = FAMILIES[family].tiny_config()
+    config = FAMILIES["qwen3_5_text"].tiny_config()
     check_hf_config(config)  # TP 1: bik's recurrences (Gated DeltaNet: bik.vllm.gdn)
     with pytest.raises(NotImplementedError, match=r"recurrent .* at tensor_parallel_size=1$"):
         check_hf_config(config, 2)

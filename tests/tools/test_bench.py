@@ -526,3 +526,28 @@ def test_a_run_started_on_a_loaded_machine_says_its_ratios_are_not_to_quote(monk
     text = bench.markdown(result)
     assert "Load average (1 min) before the run 3.50, after it 3.50, on 2 CPUs." in text
     assert "machine was loaded when the run started" in text
+
+
+@pytest.mark.skipif(
+    "cpu" not in __import__("conftest").invariant_backends(torch.device("cpu")),
+    reason="the CPU bench times the compiled cpu backend",
+)
+def test_python_m_bik_bench_is_the_bench_command(tmp_path):
+    """``python -m bik.bench``, the entry point the project promises, runs the bench CLI
+    (options, checks, outputs) as ``python -m bik bench`` does."""
+    out = tmp_path / "bench.json"
+    args = ["--quick", "--ops", "rms_norm", "--dtypes", "float32", "--min-time", "0.005"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bik.bench", *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert records and {r["op"] for r in records} == {"rms_norm"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "bik.bench", "--ops", "nope"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--ops" in bad.stderr
