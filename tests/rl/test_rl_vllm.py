@@ -70,6 +70,14 @@ def test_bik_engine_has_exactly_zero_mismatch_and_trains(bik_run):
     assert not (out / vllm_rollout.MODEL_DIR).exists()  # removed at the end
 
 
+def test_a_mamba2_hybrid_policy_rolls_out_in_vllm_with_exactly_zero_mismatch(tmp_path, cache):
+    """Nemotron-H's Mamba2 mixers in bik's engine (bik.vllm.mamba2): its pooled fp32 states
+    across the steps' prompts, the weights (A_log, D, dt_bias, the convolution's) pushed
+    after every update."""
+    history = _run(tmp_path / "nemotron_h", cache, ["steps=2", "model.family=nemotron_h"])
+    assert_exactly_zero_mismatch_and_trains(history)
+
+
 def assert_exactly_zero_mismatch_and_trains(history):
     """Every mismatch metric of every step of a 3-step run at its no-mismatch value, every
     update applied, and the weights pushed into the engine moved."""

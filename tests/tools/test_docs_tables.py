@@ -16,6 +16,10 @@ def test_the_family_table_is_the_registry():
     assert families.markdown_table() in (ROOT / "docs" / "huggingface.md").read_text()
 
 
+def test_the_vllm_family_table_is_the_registry():
+    assert families.vllm_table() in (ROOT / "docs" / "vllm.md").read_text()
+
+
 @pytest.mark.parametrize("keys", [{"experts_key": "n"}, {"expert_width_key": "w"}])
 def test_a_family_record_names_both_moe_keys_or_neither(keys):
     with pytest.raises(ValueError, match="experts_key and expert_width_key"):
