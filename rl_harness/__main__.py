@@ -1,5 +1,6 @@
 """python -m rl_harness run | sweep | recipes | remedies | compare | world-size | same | edge |
-edge-remedies | alarms | bias | compact | demo  (see rl_harness/README.md; TOOLS: the table).
+edge-remedies | dose-response | alarms | bias | compact | demo  (see rl_harness/README.md;
+TOOLS: the table).
 ``run`` under ``torchrun --nproc-per-node N`` runs data-parallel (rl_harness.distributed)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from . import (
     bias,
     demo,
     distributed,
+    dose_response,
     edge,
     edge_remedies,
     recipes,
@@ -220,6 +222,11 @@ TOOLS: dict[str, Tool] = {
         "the edge's remedy phase: remedy arms x seeds at one LR, time to collapse vs the control",
         edge_remedies.add_arguments,
         edge_remedies.main,
+    ),
+    "dose-response": (
+        "the registered dose-response at LR*: the pilot's LR*, the trend test on step-0 k3",
+        dose_response.add_arguments,
+        dose_response.main,
     ),
     "alarms": (
         "early-warning signals, the metric to alarm on and the mismatch budget, from an edge grid",

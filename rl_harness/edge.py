@@ -61,6 +61,15 @@ DOSES: dict[str, tuple[str, dict[str, Any]]] = {
         {"rollout.weight_round_bits": 3},
     ),
 }
+# The dose ladder of the registered dose-response (RESULTS.md section 18,
+# rl_harness.dose_response): the native bf16 rollout with its linear weights rounded to
+# 5, 4, 3 (= fp8w) and 2 mantissa bits.
+for _bits in (5, 4, 3, 2):
+    DOSES[f"w{_bits}"] = (
+        f"native bf16 rollout with linear weights rounded to {_bits} mantissa bits, "
+        "bik bf16 trainer",
+        {"rollout.weight_round_bits": _bits},
+    )
 RIDGE = 0.01  # on the slope and the dose terms: finite estimates when the cells separate
 BOOTSTRAP = 1000  # resamples of the seeds
 POWER = 0.8
@@ -148,7 +157,8 @@ def load(out: Path, cells: Sequence[Cell], recipe: str, sets: Sequence[str]) -> 
 def fit(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor | None:
     """Coefficients of the logistic regression of ``y`` (0/1) on the columns of ``x`` (the
     first a column of ones, not penalised), by Newton's method with an L2 penalty ``ridge``
-    on the others; None when it does not converge."""
+    on the others; None when it does not converge (every run collapsed, or none: the
+    unpenalised intercept runs off and its Hessian becomes singular)."""
     beta = torch.zeros(x.shape[1], dtype=torch.float64)
     penalty = torch.full_like(beta, ridge)
     penalty[0] = 0.0
@@ -156,7 +166,10 @@ def fit(x: torch.Tensor, y: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor 
         p = torch.sigmoid(x @ beta)
         gradient = x.T @ (y - p) - penalty * beta
         hessian = (x.T * (p * (1 - p))) @ x + torch.diag(penalty)
-        step = torch.linalg.solve(hessian, gradient)
+        try:
+            step = torch.linalg.solve(hessian, gradient)
+        except torch.linalg.LinAlgError:
+            return None
         beta = beta + step
         if float(step.abs().max()) < 1e-10:
             return beta
@@ -213,11 +226,11 @@ def edge(results: dict[Cell, History], doses: Sequence[str], seed: int = 0) -> E
         _, _, resampled = _edge_of(beta, doses, center)
         for d in doses[1:]:
             draws[d].append(math.inf if resampled[d] is None else resampled[d])
-    intervals = {d: _percentiles(draws[d]) for d in doses[1:]}
+    intervals = {d: percentiles(draws[d]) for d in doses[1:]}
     return Edge(slope, lr50, shift, intervals)
 
 
-def _percentiles(values: list[float]) -> tuple[float, float] | None:
+def percentiles(values: list[float]) -> tuple[float, float] | None:
     """The 2.5 and 97.5 percentiles (a resample without a rising slope counts as infinite:
     no edge to move, which widens the interval rather than dropping the resample)."""
     if not values:
