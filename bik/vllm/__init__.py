@@ -229,7 +229,7 @@ def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Ten
     bf16) is refused: the trainer routes with bits the engine would not have."""
     weights = list(named_tensors)
     _check_weights(weights, _state_entries(llm))
-    weights = [(name, tensor.detach()) for name, tensor in weights]
+    weights = _checkpoint_layout(llm, [(name, tensor.detach()) for name, tensor in weights])
     # A module-level function, not a closure: under TP > 1 it is pickled to every worker.
     llm.apply_model(functools.partial(_load_weights, weights=weights))
     llm.reset_prefix_cache()
@@ -240,23 +240,40 @@ def _load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     model.load_weights(iter(weights))
 
 
-_ENTRIES: weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+_META_MODELS: weakref.WeakKeyDictionary[Any, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
-def _state_entries(llm: Any) -> dict[str, torch.Tensor]:
-    """The Hugging Face state-dict entries of ``llm``'s model (parameters, tied ones included,
-    and persistent buffers) as meta tensors in the engine's dtype: each one's shape and the
-    dtype the model keeps it in, built from its config with no memory and no weights read."""
-    if llm not in _ENTRIES:
+def _meta_model(llm: Any) -> torch.nn.Module:
+    """The Hugging Face model of ``llm``'s config on the meta device, in the engine's dtype:
+    no memory, no weights read."""
+    if llm not in _META_MODELS:
         from transformers import AutoModelForCausalLM
 
         model_config = llm.llm_engine.model_config
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            _META_MODELS[llm] = AutoModelForCausalLM.from_config(
                 model_config.hf_config, dtype=model_config.dtype
             )
-        _ENTRIES[llm] = model.state_dict(keep_vars=True)
-    return _ENTRIES[llm]
+    return _META_MODELS[llm]
+
+
+def _state_entries(llm: Any) -> dict[str, torch.Tensor]:
+    """The Hugging Face state-dict entries of ``llm``'s model (parameters, tied ones included,
+    and persistent buffers) as meta tensors: each one's shape and the dtype the model keeps
+    it in."""
+    return _meta_model(llm).state_dict(keep_vars=True)
+
+
+def _checkpoint_layout(
+    llm: Any, weights: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``weights`` (a model's state dict) as its checkpoint stores them, the layout vLLM's
+    loaders read: transformers keeps some weights renamed or fused in memory (a MoE's experts
+    as one ``[E, ...]`` tensor, which DeepSeek-V3's vLLM loader does not take) and
+    ``save_pretrained`` reverts that; the same reversion, on the exact tensors."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(_meta_model(llm), dict(weights)).items())
 
 
 def _check_weights(weights: list[Any], entries: dict[str, torch.Tensor]) -> None:

@@ -10,10 +10,12 @@ Native vLLM's counts on the same runs (it differs) are in docs/vllm.md; its CPU 
 wider heads than these tiny presets, so they are not a test here.
 """
 
+import gc
 import re
 
 import pytest
 import torch
+import vllm
 from test_vllm import (
     CASES,
     FAMILY_OVERRIDES,
@@ -23,6 +25,7 @@ from test_vllm import (
     saved_models,
     trainer_logprobs,
 )
+from transformers import AutoModelForCausalLM
 
 from bik.families import FAMILIES
 
@@ -116,3 +119,37 @@ def test_the_family_tables_vllm_column_claims_only_tested_dtypes():
             continue
         for short in claim.group(1).split(", "):
             assert (family.model_type, SHORT_DTYPES[short]) in tested, (family.model_type, short)
+
+
+# The new layer kinds' own weights, pushed into a running engine (an RL weight sync): Gated
+# DeltaNet's A_log, dt_bias and convolution, Mamba2's A_log (vLLM keeps -exp(A_log), computed
+# by its loader), D and convolution bias, the latent attention's norms and kv_b_proj.
+SYNC_CASES = [("qwen3_next", "bfloat16"), ("nemotron_h", "float32"), ("deepseek_v3", "bfloat16")]
+
+
+@pytest.mark.parametrize(("family", "dtype"), SYNC_CASES)
+def test_weights_pushed_into_the_engine_give_the_updated_trainers_logprobs(
+    model_dir, family, dtype
+):
+    import bik.vllm
+    from bik.contract import DTYPE_NAMES
+
+    path = model_dir(family, **FAMILY_OVERRIDES.get(family, {}))
+    llm = bik.vllm.LLM(path, backend="cpu", dtype=dtype, **SCHEDULING)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE_NAMES[dtype])
+    bik.patch_model(model, backend="cpu")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and "e_score_correction_bias" not in name:
+                tensor.add_(torch.randn_like(tensor) * 0.05)
+    bik.vllm.update_weights(llm, model.state_dict().items())
+    prompt = prompts(1)[0]
+    params = vllm.SamplingParams(max_tokens=8, logprobs=0, detokenize=False)
+    (out,) = llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params)
+    del llm
+    gc.collect()
+    tokens = list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)])
+    assert torch.equal(got, bik.token_logprobs(logits, torch.tensor(tokens)))
