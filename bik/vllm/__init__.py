@@ -46,6 +46,7 @@ from .. import backends, packed_weights
 
 if TYPE_CHECKING:
     import vllm
+    from transformers import PreTrainedModel
 
 ENV_VAR = "BIK_VLLM"  # the bik backend to run vLLM with; unset, empty, 0 or off: bik stays off
 OFF = ("", "0", "off")  # BIK_VLLM values (any case) that leave bik off
@@ -240,10 +241,10 @@ def _load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     model.load_weights(iter(weights))
 
 
-_META_MODELS: weakref.WeakKeyDictionary[Any, torch.nn.Module] = weakref.WeakKeyDictionary()
+_META_MODELS: weakref.WeakKeyDictionary[Any, "PreTrainedModel"] = weakref.WeakKeyDictionary()
 
 
-def _meta_model(llm: Any) -> torch.nn.Module:
+def _meta_model(llm: Any) -> "PreTrainedModel":
     """The Hugging Face model of ``llm``'s config on the meta device, in the engine's dtype:
     no memory, no weights read."""
     if llm not in _META_MODELS:

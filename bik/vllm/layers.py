@@ -18,6 +18,7 @@ identity of addition (+0.0 is not: -0.0 + 0.0 = +0.0), so the sum is the owner's
 The LM head needs nothing: vLLM gathers its vocab shards' logits before the sampler.
 """
 
+import functools
 from typing import Any
 
 import torch
@@ -59,12 +60,11 @@ class BikRMSNorm(RMSNorm):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.variance_size_override is not None:
             raise NotImplementedError("bik.vllm: RMSNorm over part of the hidden size")
-        if residual is not None:
-            x = x + residual
-            residual = x
         # self.weight: all ones when the norm has no weight of its own
-        out = rms_norm_like_transformers(x, self.weight, self.variance_epsilon)
-        return out if residual is None else (out, residual)
+        norm = functools.partial(
+            rms_norm_like_transformers, weight=self.weight, eps=self.variance_epsilon
+        )
+        return _after_residual(norm, x, residual)
 
 
 class BikGemmaRMSNorm(GemmaRMSNorm):
@@ -74,11 +74,20 @@ class BikGemmaRMSNorm(GemmaRMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = gemma_rms_norm(x, self.weight, self.variance_epsilon)
-        return out if residual is None else (out, residual)
+        norm = functools.partial(gemma_rms_norm, weight=self.weight, eps=self.variance_epsilon)
+        return _after_residual(norm, x, residual)
+
+
+def _after_residual(
+    norm: Any, x: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused norm call: ``norm(x)``, or with a residual ``(norm(x + residual), x +
+    residual)``, the sum rounded in the activations' dtype as the Hugging Face decoder
+    layer's ``residual + hidden_states``."""
+    if residual is None:
+        return norm(x)
+    x = x + residual
+    return norm(x), x
 
 
 class BikRMSNormGated(RMSNormGated):

@@ -166,6 +166,12 @@ FAMILY_OVERRIDES = {
 
 @pytest.mark.parametrize(("family", "dtype", "mode", "temperature"), CASES)
 def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temperature):
+    assert_engine_equals_the_trainer(model_dir, family, dtype, mode, temperature)
+
+
+def assert_engine_equals_the_trainer(model_dir, family, dtype, mode, temperature):
+    """The family's tiny model in bik's engine (in this process) under SCHEDULING: every
+    returned log-prob equals the patched trainer's."""
     path = model_dir(family, **FAMILY_OVERRIDES.get(family, {}))
     sequences, got = run_engine(path, dtype, mode, temperature)
     assert sum(len(t) for _, t in sequences) == 12 * 2 * 12

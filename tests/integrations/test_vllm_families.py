@@ -15,15 +15,15 @@ import re
 
 import pytest
 import torch
-import vllm
 from test_vllm import (
     CASES,
     FAMILY_OVERRIDES,
     SCHEDULING,
+    assert_engine_equals_the_trainer,
     prompts,
-    run_engine,
     saved_models,
     trainer_logprobs,
+    vllm,  # imported after the engine settings test_vllm puts in the environment
 )
 from transformers import AutoModelForCausalLM
 
@@ -62,14 +62,7 @@ FAMILY_CASES = [
 
 @pytest.mark.parametrize(("family", "dtype", "mode", "temperature"), FAMILY_CASES)
 def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temperature):
-    path = model_dir(family, **FAMILY_OVERRIDES.get(family, {}))
-    sequences, got = run_engine(path, dtype, mode, temperature)
-    assert sum(len(t) for _, t in sequences) == 12 * 2 * 12
-    ref_temperature = temperature if mode == "processed_logprobs" else 1.0
-    expected = trainer_logprobs(path, dtype, sequences, ref_temperature)
-    for i, (mine, theirs) in enumerate(zip(got, expected)):
-        unequal = (mine != theirs).sum().item()
-        assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
+    assert_engine_equals_the_trainer(model_dir, family, dtype, mode, temperature)
 
 
 # Families vLLM runs through its Transformers backend (transformers' own modules between vLLM's
