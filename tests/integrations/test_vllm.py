@@ -9,6 +9,7 @@ it lives in tests/tools/test_verify_vllm.py through ``python -m bik verify --eng
 
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -396,3 +397,35 @@ def test_moe_layers_bik_cannot_route_are_refused():
         (problem,) = problems("model.layers.0.mlp.experts", runner, model_type)
         assert problem.startswith("model.layers.0.mlp.experts (SimpleNamespace): ")
         assert message in problem and not hasattr(runner, "_bik_routing")
+
+
+IGNORED_BY_VLLM = [
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+    ("olmoe", dict(norm_topk_prob=True), "norm_topk_prob=True"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
+    ("gpt_oss", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types="),
+]
+
+
+@pytest.mark.parametrize(("family", "settings", "named"), IGNORED_BY_VLLM)
+def test_config_settings_vllm_ignores_are_refused_by_name(family, settings, named):
+    """Issue 72, item 1: vLLM's model code ignores these settings, so an engine started and
+    every log-prob differed from the trainer's (128 of 128 by 0.03-0.48)."""
+    from bik.vllm.config import check_hf_config
+
+    check_hf_config(FAMILIES[family].tiny_config())  # the defaults: vLLM computes them
+    with pytest.raises(NotImplementedError, match=rf"{family} with {re.escape(named)}"):
+        check_hf_config(FAMILIES[family].tiny_config(**settings))
+
+
+def test_integer_tensors_for_floating_weights_are_refused_before_any_write():
+    """Issue 72, item 3: vLLM wrote an int8 norm weight as integer-valued floats."""
+    from bik.vllm import _check_weights
+
+    entries = {"model.norm.weight": torch.empty(4, device="meta")}
+    good = ("model.norm.weight", torch.ones(4))
+    _check_weights([good], entries)
+    bad = ("model.norm.weight", torch.ones(4, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"^model\.norm\.weight: expected a floating tensor"):
+        _check_weights([good, bad], entries)

@@ -261,3 +261,11 @@ def test_a_decay_per_key_channel_keeps_the_order_and_matches_transformers():
     torch.testing.assert_close(out, recurrent, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"g: expected shape \(3, 40, 2\) or \(3, 40, 2, 16\)"):
         gated_delta_rule(q, k, v, g[..., :3], beta)
+
+
+def test_a_convolution_bias_must_have_one_entry_per_channel():
+    """Issue 72, item 9: a ``(1,)`` bias was broadcast to every channel."""
+    x, weight = torch.randn(1, 3, 5), torch.randn(3, 4)
+    causal_conv1d(x, weight, torch.randn(3))
+    with pytest.raises(ValueError, match=r"^bias: expected shape \(3,\), one per channel"):
+        causal_conv1d(x, weight, torch.randn(1))
