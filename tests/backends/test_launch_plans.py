@@ -288,3 +288,21 @@ def test_a_tma_descriptor_has_the_fields_triton_constructor_sets(shape):
     assert vars(fast).keys() == vars(built).keys()
     assert fast.base is built.base
     assert all(vars(fast)[k] == vars(built)[k] for k in vars(built) if k != "base")
+
+
+def test_a_self_check_that_raises_keeps_the_plain_launch(monkeypatch):
+    """Issue 72, item 8: a device self-check whose check raised propagated the exception
+    instead of taking the plain launch (which needs no proof)."""
+    from bik.backends.triton import _common
+
+    monkeypatch.setattr(_common, "SELF_CHECK_DEVICES", ("cpu",))
+    choice = _common.SelfCheck("a fast choice")
+
+    def broken() -> bool:
+        raise RuntimeError("out of resources")
+
+    device = torch.device("cpu")
+    with pytest.warns(UserWarning, match=r"could not be checked \(RuntimeError\('out of resou"):
+        assert not choice.allows(("key",), device, broken)
+    assert not choice.allows(("key",), device, broken)  # decided once
+    assert choice.allows(("other",), device, lambda: True)

@@ -102,9 +102,10 @@ class SelfCheck:
     """A launch choice that must give the bits of a plainer one, proven once per key on a
     device of :data:`SELF_CHECK_DEVICES` before its first use. No document promises that a
     GPU binary keeps the bits the interpreter tests show, so the device itself is asked: a
-    check that fails warns once and keeps the plain choice for that key. While a CUDA graph
-    records (no host sync) an unchecked key takes the plain choice and stays unchecked, or,
-    where the plain choice cannot be captured (``capturable=False``), is refused."""
+    check that fails, or raises, warns once and keeps the plain choice for that key. While a
+    CUDA graph records (no host sync) an unchecked key takes the plain choice and stays
+    unchecked, or, where the plain choice cannot be captured (``capturable=False``), is
+    refused."""
 
     def __init__(self, what: str, capturable: bool = True) -> None:
         self.what, self.capturable = what, capturable
@@ -123,10 +124,13 @@ class SelfCheck:
                 "check cannot run while a CUDA graph records: run one eager call first"
             )
         if slot not in self.results:
-            self.results[slot] = check()
+            try:
+                self.results[slot], why = check(), "changed bits"
+            except Exception as error:  # a check that cannot run proves nothing
+                self.results[slot], why = False, f"could not be checked ({error!r})"
             if not self.results[slot]:
                 warnings.warn(
-                    f"bik triton: {self.what} changed bits for {key} on {device}; the plain "
+                    f"bik triton: {self.what} {why} for {key} on {device}; the plain "
                     "launch runs for it instead (bit-exact, slower)",
                     stacklevel=3,
                 )
