@@ -39,3 +39,28 @@ def test_the_harness_manual_names_every_mismatch_metric_and_no_other():
 def test_the_readme_fits_on_a_screen_or_two():
     # details live in docs/, rl_harness/README.md and benchmarks/README.md
     assert len((ROOT / "README.md").read_text().encode()) <= 12 * 1024
+
+
+def _linear_ratios(rows: str, keep) -> list[float]:
+    """vs_cublas_graph of the H200 probe's linear rows whose M passes ``keep``."""
+    ratios = []
+    for row in rows.splitlines():
+        m = re.match(r"\| M=(\d+) K=\d+ N=\d+ .*\| ([\d.]+) \| [\d.e+]+ \|$", row)
+        if m and keep(int(m.group(1))):
+            ratios.append(float(m.group(2)))
+    return ratios
+
+
+def test_the_readmes_gpu_linear_ratios_are_the_probes():
+    """Issue 71, item 2: the README's CUDA-graph linear ratios are read back from the results
+    file they come from, so a bound that the file contradicts fails."""
+    probe = (ROOT / "benchmarks" / "results" / "h200-probe-2026-11-27.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    claims = (
+        (lambda m: m >= 512, "{low} – {high}x cuBLAS at M ≥ 512"),
+        (lambda m: m <= 128, "{low} – {high}x at M ≤ 128"),
+    )
+    for keep, claim in claims:
+        ratios = _linear_ratios(probe, keep)
+        expected = claim.format(low=f"{min(ratios):.2f}", high=f"{max(ratios):.2f}")
+        assert ratios and expected in readme, expected
