@@ -40,8 +40,8 @@ def test_a_hybrid_policy_with_native_rollout_kernels_is_measured(tmp_path, cache
     ("family", "why"),
     [
         ("qwen3_5_text", r"bik\.vllm refused: .* torchvision"),  # the family table's reason
-        ("kimi_linear", r"bik\.vllm refused: .* CUTLASS"),
-        ("qwen3_next", "does not report the expert choices"),  # a MoE policy
+        ("qwen3_next", "does not report the expert choices"),  # MoE policies
+        ("kimi_linear", "does not report the expert choices"),
     ],
 )
 def test_a_hybrid_policy_bik_vllm_does_not_run_is_refused_on_the_vllm_engine(family, why):

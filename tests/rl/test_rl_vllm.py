@@ -74,7 +74,7 @@ def test_a_mamba2_hybrid_policy_rolls_out_in_vllm_with_exactly_zero_mismatch(tmp
     """Nemotron-H's Mamba2 mixers in bik's engine (bik.vllm.mamba2): its pooled fp32 states
     across the steps' prompts, the weights (A_log, D, dt_bias, the convolution's) pushed
     after every update."""
-    history = _run(tmp_path / "nemotron_h", cache, ["steps=2", "model.family=nemotron_h"])
+    history = _run(tmp_path / "nemotron_h", cache, ["steps=3", "model.family=nemotron_h"])
     assert_exactly_zero_mismatch_and_trains(history)
 
 
