@@ -115,7 +115,10 @@ def _kv_bounds(mask, batch, tq, tk, window, position_ids):
             "make invariant; give each row one sequence: padding before it (left padding) "
             "and, if any, zeros after its last token only"
         )
-    kv_len = int(kv_end.max())
+    # the keys in use: up to the last row's end, and at least as many as there are queries
+    # (a full forward of a batch whose every row ends before its width: the queries past the
+    # ends are padding, computed causally and never read)
+    kv_len = max(int(kv_end.max()), tq)
     if window is not None:
         kv_start = _first_keys(kv_start, position_ids, tq, tk, window)
     positions = keys[tk - tq :]

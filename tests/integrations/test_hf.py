@@ -232,6 +232,21 @@ def test_rows_stopping_at_eos_equal_each_row_alone(dtype, lengths, seed):
         assert torch.equal(in_batch, alone)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_whose_every_row_ends_before_its_width_is_scored(dtype):
+    """Issue 72, item 9: trailing zeros on every row (all stopped before the batch's width)
+    made the keys in use fewer than the queries, and sequence_logprobs raised. The rows get
+    the bits of the batch cut to its longest row; the padding columns score 0."""
+    model = _patched_qwen3(dtype)
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0, 0]])
+    response = torch.tensor([[0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 0, 0, 0]])
+    with torch.no_grad():
+        whole = bik.sequence_logprobs(model, ids, mask, response)
+        cut = bik.sequence_logprobs(model, ids[:, :5], mask[:, :5], response[:, :5])
+    assert torch.equal(whole[:, :5], cut) and not whole[:, 5:].any()
+
+
 def test_rows_stopping_at_eos_move_under_plain_torch():
     """Negative control: the same batches through the unpatched model change some row."""
     model = tiny("tiny-qwen3", torch.bfloat16)
