@@ -53,7 +53,8 @@ def _forward_impl(
 ) -> torch.Tensor:
     """MLAAttention.forward_impl in the trainer's non-absorbed form (see the module doc);
     ``output [T, H * v_head_dim]``."""
-    if output_scale is not None or output_block_scale is not None or q_dcp_replicated is not None:
+    fused = (output_scale, output_block_scale, q_dcp_replicated, *quantization.values())
+    if any(option is not None for option in fused):
         raise NotImplementedError("bik.vllm: MLA with fused output quantization or DCP")
     if attn_metadata is None:  # vLLM's warm-up run
         return output.fill_(0)
