@@ -22,7 +22,7 @@ from rl_helpers import TINY, cut_and_resume
 
 import bik
 import bik.vllm
-from rl_harness import config, runner, vllm_rollout
+from rl_harness import config, runner, vllm_rollout, vocab
 from rl_harness.errors import ConfigError
 from rl_harness.metrics import PROB_BUCKETS, mismatch_metrics
 
@@ -76,6 +76,44 @@ def test_a_mamba2_hybrid_policy_rolls_out_in_vllm_with_exactly_zero_mismatch(tmp
     after every update."""
     history = _run(tmp_path / "nemotron_h", cache, ["steps=3", "model.family=nemotron_h"])
     assert_exactly_zero_mismatch_and_trains(history)
+
+
+@pytest.fixture(scope="module")
+def latent_attention_policy(tmp_path_factory):
+    """A DeepSeek-V3 ``model.path`` policy whose every layer is dense (the harness refuses MoE
+    policies in vLLM: VLLM_MOE_REFUSAL), at the one latent size vLLM's CPU MLA cache takes
+    (kv_lora_rank + qk_rope_head_dim = 576)."""
+    from transformers import AutoModelForCausalLM
+
+    from bik.families import FAMILIES
+
+    mla = FAMILIES["deepseek_v3"].tiny_config(
+        vocab_size=vocab.CHAR.size,
+        hidden_size=64,
+        first_k_dense_replace=2,  # both layers dense
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        head_dim=64,
+    )
+    path = tmp_path_factory.mktemp("mla") / "policy"
+    AutoModelForCausalLM.from_config(mla).save_pretrained(path)
+    return f"model.path={path}"
+
+
+def test_a_latent_attention_policy_rolls_out_in_vllm_with_exactly_zero_mismatch(
+    tmp_path, cache, latent_attention_policy
+):
+    """Multi-head latent attention in bik's engine (bik.vllm.mla), the latent norms and
+    projections pushed after every update."""
+    history = _run(tmp_path / "mla", cache, ["steps=3", latent_attention_policy])
+    assert_exactly_zero_mismatch_and_trains(history)
+
+
+def test_a_latent_attention_policy_in_native_vllm_mismatches(
+    tmp_path, cache, latent_attention_policy
+):
+    """The control: vLLM's own CPU MLA (absorbed decode) differs from the trainer."""
+    assert_native_engine_mismatches(tmp_path / "native", cache, [latent_attention_policy])
 
 
 def assert_exactly_zero_mismatch_and_trains(history):
