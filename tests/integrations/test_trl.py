@@ -44,14 +44,13 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A random tiny Qwen3 and its character tokenizer, saved where TRL and vLLM load them."""
+def save_tiny(path, family, **keys):
+    """A random tiny model of ``family`` and the character tokenizer, saved where TRL and vLLM
+    load them."""
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("trl-qwen3")
     tokenizer = char_tokenizer()
-    config = FAMILIES["qwen3"].tiny_config(
+    config = FAMILIES[family].tiny_config(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -61,11 +60,17 @@ def model_dir(tmp_path_factory):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **keys,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("trl-qwen3"), "qwen3")
 
 
 def grpo_args(out, **overrides):
@@ -136,6 +141,17 @@ def close(trainer):
 
 
 def test_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path):
+    assert_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path)
+
+
+def test_grpo_with_a_hybrid_policy_logs_exactly_zero_mismatch(tmp_path):
+    """Nemotron-H: Mamba2 mixers beside attention, their pooled fp32 states in the engine
+    (bik.vllm.mamba2), the convolution and scan weights synced after every update."""
+    path = save_tiny(tmp_path / "nemotron_h", "nemotron_h", mamba_head_dim=16)
+    assert_grpo_logs_exactly_zero_mismatch(path, tmp_path / "out")
+
+
+def assert_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path):
     bik.trl.enable(backend="cpu")
     trainer = build_trainer(model_dir, tmp_path)
     trainer.add_callback(ZeroMismatchCallback())
