@@ -226,7 +226,8 @@ def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Ten
     fp32 ``e_score_correction_bias``) into a running engine, then drop its prefix cache,
     whose KV blocks were computed with the old weights. Every pair is checked against the
     engine's model first (a TypeError or ValueError naming it): a bad one leaves every weight
-    as it was. A tensor the model keeps wider than it arrives (an fp32 router bias sent in
+    as it was, as does an error inside vLLM's loaders (the worker restores what they wrote).
+    A tensor the model keeps wider than it arrives (an fp32 router bias sent in
     bf16) is refused: the trainer routes with bits the engine would not have."""
     weights = list(named_tensors)
     _check_weights(weights, _state_entries(llm))
@@ -237,8 +238,19 @@ def update_weights(llm: "vllm.LLM", named_tensors: Iterable[tuple[str, torch.Ten
 
 
 def _load_weights(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """In each engine worker: vLLM's loaders take the full weights and keep the rank's shard."""
-    model.load_weights(iter(weights))
+    """In each engine worker: vLLM's loaders take the full weights and keep the rank's shard.
+    All or nothing: a loader that fails part-way (after writing earlier entries) gets every
+    parameter and buffer restored from a copy taken first (one copy of the rank's weights
+    while the update runs)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    saved = [(tensor, tensor.detach().clone()) for tensor in tensors]
+    try:
+        model.load_weights(iter(weights))
+    except BaseException:
+        with torch.no_grad():
+            for tensor, old in saved:
+                tensor.copy_(old)
+        raise
 
 
 _META_MODELS: weakref.WeakKeyDictionary[Any, "PreTrainedModel"] = weakref.WeakKeyDictionary()
