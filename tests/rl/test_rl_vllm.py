@@ -87,13 +87,8 @@ def latent_attention_policy(tmp_path_factory):
 
     from bik.families import FAMILIES
 
-    mla = FAMILIES["deepseek_v3"].tiny_config(
-        vocab_size=vocab.CHAR.size,
-        hidden_size=64,
-        first_k_dense_replace=2,  # both layers dense
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        head_dim=64,
+    mla = FAMILIES["deepseek_v3"].engine_config(
+        vocab_size=vocab.CHAR.size, hidden_size=64, first_k_dense_replace=2  # both layers dense
     )
     path = tmp_path_factory.mktemp("mla") / "policy"
     AutoModelForCausalLM.from_config(mla).save_pretrained(path)

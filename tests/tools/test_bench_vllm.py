@@ -38,6 +38,17 @@ def test_quick_vllm_bench_reports_both_engines_and_the_ratio(tmp_path, capsys):
     assert "| vllm_generate |" in capsys.readouterr().out
 
 
+def test_quick_vllm_bench_of_a_hybrid_family(tmp_path):
+    """--family: the random-init model is that family's tiny preset (here Nemotron-H's Mamba2
+    mixers, bik.vllm.mamba2, in the bik engine)."""
+    out = tmp_path / "out.json"
+    argv = ["bench", "--vllm", "--quick", "--family", "nemotron_h", "--dtypes", "float32"]
+    assert main([*argv, "--tokens", "4", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["records"]
+    assert record["shape"].startswith("nemotron_h hidden=128 layers=2")
+    assert record["generated_tokens"] == 8 * 4 and record["ratio"] > 0
+
+
 @pytest.fixture
 def no_engine(monkeypatch):
     monkeypatch.setattr(vllm_engine, "run_engine", _never("vllm_engine.run_engine"))
@@ -53,6 +64,9 @@ def no_engine(monkeypatch):
         (["--vllm", "--min-time", "1"], "argument --min-time: times the kernels; not with --vllm"),
         (["--vllm", "--model", "tiny-qwen3"], "argument --model: expected a local model directory"),
         (["--vllm", "--runs", "0"], "argument --runs: expected an integer >= 1, got '0'"),
+        (["--family", "nemotron_h"], "argument --family: applies to --vllm only"),
+        (["--vllm", "--family", "gemma2"], "argument --family: invalid choice: 'gemma2'"),
+
     ],
 )
 def test_vllm_arguments_are_checked_before_any_engine(capsys, no_engine, argv, message):
@@ -63,3 +77,10 @@ def test_without_vllm_the_error_says_how_to_install_it(capsys, no_engine, monkey
     monkeypatch.setattr(vllm_engine, "vllm_problem", lambda: vllm_engine.INSTALL_VLLM)
     line = usage_error(capsys, ["bench", "--vllm"])
     assert "argument --vllm: vLLM is not installed" in line and "make install-vllm" in line
+
+
+def test_family_and_model_are_refused_together(capsys, no_engine, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    argv = ["bench", "--vllm", "--family", "qwen3", "--model", str(tmp_path)]
+    message = "argument --family: sizes the random-init model; not with --model"
+    assert message in usage_error(capsys, argv)

@@ -577,6 +577,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{vllm_throughput.MODEL['vocab']}; smaller with --quick)",
     )
     vllm.add_argument(
+        "--family",
+        choices=vllm_throughput.ENGINE_FAMILIES,
+        metavar="FAMILY",
+        help="the random-init model's family instead of Qwen3: its tiny preset (bik.families) "
+        "at that size, e.g. nemotron_h for a Mamba2 hybrid, qwen3_next for Gated DeltaNet "
+        f"(one of: {', '.join(vllm_throughput.ENGINE_FAMILIES)})",
+    )
+    vllm.add_argument(
         "--threads",
         type=positive_int,
         help="OpenMP threads of both engines (OMP_NUM_THREADS; default: vLLM's choice)",
@@ -600,7 +608,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-VLLM_ONLY = ("model", "prompts", "tokens", "runs", "threads")
+VLLM_ONLY = ("model", "family", "prompts", "tokens", "runs", "threads")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -642,6 +650,8 @@ def _check_vllm(args):
             raise UsageError(f"--{option.replace('_', '-')}", "times the kernels; not with --vllm")
     if args.model is not None and (args.model == "all" or args.model in PRESETS):
         raise UsageError("--model", f"expected a local model directory, got {args.model!r}")
+    if args.model is not None and args.family is not None:
+        raise UsageError("--family", "sizes the random-init model; not with --model")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -649,6 +659,7 @@ def main(args: argparse.Namespace) -> int:
     if args.vllm:
         result = vllm_throughput.run(
             model=args.model,
+            family=args.family or "qwen3",
             device=args.device,
             dtypes=args.dtypes,
             prompts=args.prompts,

@@ -277,6 +277,26 @@ def qwen3_5_config(hidden: int, layers: int, vocab: int, positions: int):
     )
 
 
+def family_config(
+    family: str, hidden: int, layers: int, vocab: int, positions: int, engine: bool = False
+):
+    """``family``'s tiny preset (bik.families: its features switched on, e.g. DeepSeek-V3's
+    latent attention, gpt-oss's sinks and sliding window) at ``hidden`` and ``layers`` layers,
+    its layer-type pattern repeated over them; with ``engine``, the keys vLLM needs too
+    (Family.engine_config)."""
+    record = FAMILIES[family]
+    pattern = dict(record.tiny_keys).get("layer_types")
+    types = {} if pattern is None else {"layer_types": (pattern * layers)[:layers]}
+    make = record.engine_config if engine else record.tiny_config
+    return make(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        max_position_embeddings=positions,
+        **types,
+    )
+
+
 def smollm2_config(positions: int):
     """SmolLM2-135M's shapes (the embedded real model: Llama, 30 layers, hidden 576, MLP 1536,
     9 query / 3 KV heads of 64, vocabulary 49152, tied embeddings), to be randomly
@@ -472,21 +492,11 @@ def hybrid_decode(batch: int, length: int, hidden: int, layers: int, new_tokens:
 
 
 def family_decode(family: str, batch: int, length: int, layers: int, new_tokens: int = 16) -> Case:
-    """Greedy decode with a random-init model of ``family``'s tiny preset (bik.families: its
-    features switched on, e.g. DeepSeek-V3's latent attention, gpt-oss's sinks and sliding
-    window) at hidden 512 and ``layers`` layers, patched vs unpatched."""
+    """Greedy decode with a random-init model of :func:`family_config` at hidden 512 and
+    ``layers`` layers, patched vs unpatched."""
 
     def config():
-        record = FAMILIES[family]
-        pattern = dict(record.tiny_keys).get("layer_types")  # repeated over the layers
-        types = {} if pattern is None else {"layer_types": (pattern * layers)[:layers]}
-        return record.tiny_config(
-            vocab_size=32000,
-            hidden_size=512,
-            num_hidden_layers=layers,
-            max_position_embeddings=max(4096, length + new_tokens),
-            **types,
-        )
+        return family_config(family, 512, layers, 32000, max(4096, length + new_tokens))
 
     return _model_case(
         f"e2e_{family}_decode",

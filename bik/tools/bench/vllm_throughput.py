@@ -17,26 +17,40 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...contract import DTYPE_NAMES
+from ...families import FAMILIES
 from ...machine import device_name
 from ...vllm import engine as vllm_engine
 from ..verify_vllm import sample_prompts
-from .cases import qwen3_config
+from .cases import family_config, qwen3_config
 
 OP = "vllm_generate"
-# The default model (random init, saved to a temporary directory): a small Qwen3.
+# The default model (random init, saved to a temporary directory): a small Qwen3 (or, with
+# ``family``, that family's tiny preset at this size).
 MODEL = {"hidden": 512, "layers": 4, "vocab": 8192}
 QUICK_MODEL = {"hidden": 128, "layers": 2, "vocab": 1024}
 DEFAULTS = {"prompts": 32, "tokens": 64, "runs": 3}
 QUICK = {"prompts": 8, "tokens": 16, "runs": 1}
 
 
-def save_model(directory: str, hidden: int, layers: int, vocab: int, seed: int = 0) -> str:
-    """Save a random-init Qwen3 (head_dim 64, GQA, MLP 3 x hidden) into ``directory``."""
+# The families bik's engine runs exactly (bik.families' vLLM column), which --family takes.
+ENGINE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.vllm.startswith("exact"))
+
+
+def save_model(
+    directory: str, hidden: int, layers: int, vocab: int, seed: int = 0, family: str = "qwen3"
+) -> str:
+    """Save a random-init model into ``directory``: Qwen3 (head_dim 64, GQA, MLP 3 x hidden)
+    or another of ENGINE_FAMILIES' tiny preset (cases.family_config) at this size."""
     from transformers import AutoModelForCausalLM
 
+    if family not in ENGINE_FAMILIES:
+        raise ValueError(f"family: expected one of {', '.join(ENGINE_FAMILIES)}, got {family!r}")
     if hidden % 64:
         raise ValueError(f"hidden: expected a multiple of 64, got {hidden}")
-    config = qwen3_config(hidden, layers, vocab, 1024)
+    if family == "qwen3":
+        config = qwen3_config(hidden, layers, vocab, 1024)
+    else:
+        config = family_config(family, hidden, layers, vocab, 1024, engine=True)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
@@ -113,6 +127,7 @@ def record(shape: str, dtype: str, backend: str, bik: dict, native: dict) -> dic
 
 def run(
     model: str | None = None,
+    family: str = "qwen3",
     device: str = "cpu",
     dtypes: Sequence[str] = ("float32", "bfloat16"),
     prompts: int | None = None,
@@ -125,7 +140,8 @@ def run(
     row: Callable[[dict], str] = str,
 ) -> dict:
     """Time native vLLM and vLLM with bik on ``model`` (a local directory; None: a random-init
-    Qwen3, :data:`MODEL` or with ``quick`` :data:`QUICK_MODEL`); the bench's result dict.
+    model of ``family`` (:func:`save_model`), :data:`MODEL` or with ``quick``
+    :data:`QUICK_MODEL`); the bench's result dict.
     Unset counts come from :data:`DEFAULTS` (``quick``: :data:`QUICK`); ``threads`` sets
     both engines' OpenMP threads (None: vLLM's choice)."""
     from transformers import AutoConfig
@@ -143,7 +159,8 @@ def run(
     backend = backends.resolve(torch.device(device)).name
     load_before = os.getloadavg()[0]  # other work on the machine skews the timings
     with tempfile.TemporaryDirectory(prefix="bik-bench-vllm-") as scratch:
-        model_dir = model or save_model(scratch, **(QUICK_MODEL if quick else MODEL), seed=seed)
+        size = QUICK_MODEL if quick else MODEL
+        model_dir = model or save_model(scratch, **size, seed=seed, family=family)
         config = AutoConfig.from_pretrained(model_dir)
         shape = f"{describe(config)} {counts['prompts']} prompts x {counts['tokens']} tokens"
         batch = sample_prompts(seed, counts["prompts"], config.vocab_size)
