@@ -402,10 +402,19 @@ def engine_logprobs(
 ) -> torch.Tensor:
     """The engine's per-completion log-prob lists as TRL's ``[B, logits_to_keep]`` layout
     (completions right-padded, 0 on padding). A completion token without a log-prob (vLLM
-    gives None for NaN) is a MismatchError: no old log-prob may be made up."""
+    gives None for NaN), or a count of lists other than the rows', is a MismatchError: no old
+    log-prob may be made up. A completion TRL masked whole (``mask_truncated_completions``)
+    gets 0 everywhere, as the recomputing forward gives it."""
     keep = attention_mask[:, -logits_to_keep:].bool()
+    if len(engine) != keep.size(0):
+        raise MismatchError(
+            f"bik.trl: the engine returned {len(engine)} completions' log-probs for "
+            f"{keep.size(0)} rows"
+        )
     out = torch.zeros(keep.shape, dtype=torch.float32, device=attention_mask.device)
     for row, values in enumerate(engine):
+        if not bool(keep[row].any()):  # masked whole: dropped, as TRL drops its tokens
+            continue
         if len(values) != int(keep[row].sum()) or any(v is None for v in values):
             raise MismatchError(
                 f"bik.trl: completion {row}: the engine returned {len(values)} log-probs "

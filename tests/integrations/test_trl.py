@@ -206,6 +206,47 @@ def test_engine_logprobs_skip_the_old_forward_and_change_no_bit(model_dir, tmp_p
     )
 
 
+def test_engine_logprobs_of_masked_truncated_completions(model_dir, tmp_path, monkeypatch):
+    """Issue 72, item 7: TRL's ``mask_truncated_completions`` (the DAPO setting) masks a
+    truncated completion whole; its engine log-probs are dropped as the recomputing forward
+    drops them, and training is the same bits with and without the skipped forward."""
+    truncated = []
+    convert = bik.trl.engine_logprobs
+    monkeypatch.setattr(
+        bik.trl,
+        "engine_logprobs",
+        lambda engine, mask, keep: (
+            truncated.append(int((~mask[:, -keep:].any(-1)).sum())) or convert(engine, mask, keep)
+        ),
+    )
+    runs = []
+    for audit_every in (0, 1):  # 1: every batch also recomputed and compared
+        bik.trl.enable(backend="cpu", engine_logprobs=True, audit_every=audit_every)
+        trainer = build_trainer(
+            model_dir, tmp_path / str(audit_every), mask_truncated_completions=True
+        )
+        try:
+            trainer.train()
+        finally:
+            close(trainer)
+        runs.append((logged(trainer, "loss"), logged(trainer, "grad_norm")))
+    assert sum(truncated) > 0, "no completion was truncated"
+    assert runs[0] == runs[1]
+
+
+def test_engine_logprobs_refuses_a_count_other_than_the_rows():
+    """Issue 72, item 9: a shorter list left the last rows' old log-probs 0."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    assert bik.trl.engine_logprobs([[-1.0], [-2.0, -3.0]], mask, 2).tolist() == [
+        [-1.0, 0.0],
+        [-2.0, -3.0],
+    ]
+    with pytest.raises(MismatchError, match="returned 1 completions' log-probs for 2 rows"):
+        bik.trl.engine_logprobs([[-1.0]], mask, 2)
+    with pytest.raises(MismatchError, match=r"completion 1: the engine returned 1 log-probs"):
+        bik.trl.engine_logprobs([[-1.0], [-2.0]], mask, 2)
+
+
 def test_an_audit_fails_loudly_at_a_difference(model_dir, tmp_path, monkeypatch):
     bik.trl.enable(backend="cpu", engine_logprobs=True, audit_every=2)
     exact = bik.trl.engine_logprobs
