@@ -371,8 +371,10 @@ def load(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pilot", action="store_true", help="read a pilot: pick LR*")
     parser.add_argument("--lrs", type=edge.numbers, help="the pilot's LRs")
-    parser.add_argument("--lr", type=float, help="LR* (the confirmatory grid's)")
-    parser.add_argument("--doses", default=",".join(DOSES), help="the ladder, zero first")
+    parser.add_argument("--lr", type=edge.learning_rate, help="LR* (the confirmatory grid's)")
+    parser.add_argument(
+        "--doses", type=edge.dose_ladder, default=list(DOSES), help="the ladder, zero first"
+    )
     parser.add_argument("--seeds", type=edge.seeds, required=True, help="0-9 or 100,101")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="the grid's --set")
     parser.add_argument("--out", required=True, help="the grid's directory")
@@ -390,12 +392,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.lr is None:
             raise HarnessError("dose-response: expected --lr (LR*) or --pilot")
-        doses = args.doses.split(",")
-        unknown = [d for d in doses if d not in edge.DOSES]
-        if unknown or doses[0] != "zero":
-            raise HarnessError(
-                f"dose-response: expected doses of the edge grid, zero first: {doses}"
-            )
+        doses = args.doses
         results = load(out, [args.lr], doses, args.seeds, sets)
         if not results:
             raise HarnessError(f"dose-response: no complete run under {out} yet")

@@ -475,17 +475,32 @@ def numbers(text: str) -> list[float]:
 
 
 def seeds(text: str) -> list[int]:
-    """``0-9`` or ``100,101``."""
+    """``0-9`` or ``100,101``: distinct seeds >= 0, a range ascending."""
+    problem = argparse.ArgumentTypeError(
+        f"expected distinct seeds >= 0 as 0-9 (ascending) or 3,4,5, got {text!r}"
+    )
     try:
         if "-" in text:
             first, last = (int(v) for v in text.split("-"))
-            return list(range(first, last + 1))
-        return [int(v) for v in text.split(",")]
+            values = list(range(first, last + 1))
+        else:
+            values = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seeds as 0-9 or 3,4,5, got {text!r}") from None
+        raise problem from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise problem
+    return values
 
 
-def _doses(text: str) -> list[str]:
+def learning_rate(text: str) -> float:
+    """One learning rate > 0."""
+    values = numbers(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one learning rate > 0, got {text!r}")
+    return values[0]
+
+
+def dose_ladder(text: str) -> list[str]:
     doses = text.split(",")
     unknown = [d for d in doses if d not in DOSES]
     if unknown or len(set(doses)) != len(doses) or doses[0] != "zero":
@@ -499,7 +514,9 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments that name a grid (its runs' configs and directory)."""
     parser.add_argument("--recipe", default="edge", help="the base recipe (default edge)")
     parser.add_argument("--lrs", type=numbers, required=True, help="learning rates, 1e-3,2e-3")
-    parser.add_argument("--doses", type=_doses, default=["zero"], help=f"of {', '.join(DOSES)}")
+    parser.add_argument(
+        "--doses", type=dose_ladder, default=["zero"], help=f"of {', '.join(DOSES)}"
+    )
     parser.add_argument("--seeds", type=seeds, required=True, help="0-9 or 100,101")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, every run")
     parser.add_argument("--out", required=True, help="the grid's directory")

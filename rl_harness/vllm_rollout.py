@@ -13,17 +13,16 @@ Sampling: one request per prompt with ``n`` = the group size, ``stop_token_ids=[
 and PAD: the ids in the policy's config, the run's vocabulary), the
 run's temperature and top-k, and ``logprobs_mode="processed_logprobs"``: vLLM then reports
 ``log_softmax(filtered logits / temperature)`` of each sampled token, the formula of
-:class:`~rl_harness.logits.LogitsProcessor` that the trainer applies. Every step reseeds the
-global torch generator, which vLLM's CPU sampler draws from, with the step's seed (and restores
-it afterwards), so a step's samples depend on the run seed, the step and the weights only: a
-resumed run samples what the uninterrupted one did. No per-request seed is passed (vLLM 0.32's
-CPU sampler with per-request generators crashes under chunked prefill).
+:class:`~rl_harness.logits.LogitsProcessor` that the trainer applies. Each request carries its
+own seed, from the step's seed and the prompt's place (:func:`request_seeds`), so a step's
+samples depend on the run seed, the step and the weights only, whatever the batching and the
+process layout: a resumed run samples what the uninterrupted one did.
 
 Tensor parallelism (``rollout.tensor_parallel`` > 1): vLLM's multiprocessing executor runs a
 worker process per rank, each bound to its own core; the engine and the trainer both run bik's
 TP-invariant order (``bik.vllm.LLM(tp_invariant=True)``, ``bik.patch_model(tp_invariant=
 True)``), so a TP 2 rollout's log-probs equal the one-process trainer's. The ranks sample in
-their own processes: each step seeds every worker's generator with the step's seed instead.
+their own processes, each from the requests' own seeds.
 
 bik-in-vLLM is switched on per process (``bik.vllm.enable``); once on, every vLLM engine built
 in the process runs bik's numerics, so a native engine is refused in such a process.
@@ -252,11 +251,10 @@ class VllmRollout:
             stop_token_ids=[self.eos],
         )
         requests = [self.vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in unique]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            if self.cfg.rollout.tensor_parallel > 1:  # the ranks sample in their processes
-                self.llm.collective_rpc(_seed_worker, args=(seed,))
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        seeded = [params.clone() for _ in unique]
+        for request, request_seed in zip(seeded, request_seeds(seed, len(unique), n)):
+            request.seed = request_seed
+        outputs = self.llm.generate(requests, seeded, use_tqdm=False)
         responses: list[list[int]] = []
         logps: list[list[float]] = []
         for output in outputs:
@@ -281,10 +279,16 @@ class VllmRollout:
         shutil.rmtree(self.model_dir, ignore_errors=True)
 
 
-def _seed_worker(worker: Any, seed: int) -> None:
-    """Run in each vLLM worker process (``collective_rpc``): seed the global torch generator
-    its sampler draws from. Every rank gets the same seed, so the ranks sample alike."""
-    torch.manual_seed(seed)
+REQUEST_BITS = 20  # a step's seed, then 20 bits for its samples
+
+
+def request_seeds(step_seed: int, prompts: int, samples: int) -> list[int]:
+    """The seed of each of a step's ``prompts`` requests of ``samples`` samples (vLLM seeds
+    sample ``j`` of a request with its seed + ``j``): the step's seed, then the first
+    sample's index, so no two samples of a run share one."""
+    if prompts * samples > 1 << REQUEST_BITS:
+        raise ValueError(f"prompts x samples: expected at most {1 << REQUEST_BITS} a step")
+    return [(step_seed << REQUEST_BITS) + i * samples for i in range(prompts)]
 
 
 @contextlib.contextmanager

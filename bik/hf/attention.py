@@ -120,7 +120,7 @@ def _kv_bounds(mask, batch, tq, tk, window, position_ids):
     # ends are padding, computed causally and never read)
     kv_len = max(int(kv_end.max()), tq)
     if window is not None:
-        kv_start = _first_keys(kv_start, position_ids, tq, tk, window)
+        kv_start = _first_keys(kv_start, kv_end, position_ids, tq, tk, window)
     positions = keys[tk - tq :]
     real = (positions >= kv_start[:, None]) & (positions < kv_end[:, None])  # [B, Tq]
     expected = reference.attention_mask(tq, tk, kv_start, causal=True)[:, 0]
@@ -139,22 +139,28 @@ def _kv_bounds(mask, batch, tq, tk, window, position_ids):
     return kv_start.to(torch.int32), kv_len, active
 
 
-def _first_keys(seen_from, position_ids, tq, tk, window):
+def _first_keys(seen_from, kv_end, position_ids, tq, tk, window):
     """Each row's first key under a sliding window: the first key some query sees
     (``seen_from``), unless the window of the call's first query starts there, so that an
     earlier key may be hidden; then the last query's index minus its position id, as
     transformers' generate and bik.sequence_logprobs number a row's tokens from 0 (no
-    position ids: the indices themselves, a row without padding). A start after the first seen
-    key means position ids that do not count the row's tokens: refused."""
+    position ids: the indices themselves, a row without padding). Position ids that do not
+    count the row's tokens are refused: a start after the first seen key, or, where the row's
+    start is in view and its last query is its own token, another start than that one (column
+    numbering of a left-padded batch, which would later give a decode step the padding's
+    first column)."""
     hidden = seen_from <= (tk - tq) - window + 1  # no query of this call sees an earlier key
-    if not bool(hidden.any()):
-        return seen_from
     if position_ids is None:
+        if not bool(hidden.any()):
+            return seen_from
         counted = torch.zeros_like(seen_from)
     else:
         last = position_ids[:, -1].to(seen_from.device).expand(seen_from.shape[0])
         counted = (tk - 1) - last
-    if bool(((counted > seen_from) | (counted < 0))[hidden].any()):
+    in_view = ~hidden & (kv_end == tk)  # else the row's last query is trailing padding
+    if bool(((counted > seen_from) | (counted < 0))[hidden].any()) or bool(
+        (counted != seen_from)[in_view].any()
+    ):
         raise RuntimeError(
             "bik attention: under a sliding window, position_ids must number each row's "
             "tokens from 0 at its first token (as generate and bik.sequence_logprobs do), so "

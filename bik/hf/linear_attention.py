@@ -228,6 +228,9 @@ class Mamba2Mixer(RecurrentLayer):
         state = self.cached_state(cache)
         projected = m.in_proj(hidden_states)
         gate, mixed, dt = projected.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        # padding's projections are in_proj's bias (use_bias): zeroed before the convolution,
+        # which would carry them into the row's first tokens, and after it
+        mixed = self.mask_padding(mixed, attention_mask)
         mixed = silu(convolve(m, mixed.transpose(1, 2), cache)).transpose(1, 2)
         mixed = self.mask_padding(mixed, attention_mask)
         state_width = m.n_groups * m.ssm_state_size

@@ -158,18 +158,20 @@ def LLM(
     import vllm
     from transformers import AutoConfig
 
-    from .config import check_hf_config, check_tensor_parallel
+    from .config import EngineSettings, check_hf_config, check_settings, check_tensor_parallel
 
     tensor_parallel = kwargs.get("tensor_parallel_size", 1)
     check_tensor_parallel(tensor_parallel, tp_invariant)
     trust = kwargs.get("trust_remote_code", False)
     check_hf_config(AutoConfig.from_pretrained(model, trust_remote_code=trust), tensor_parallel)
-    enable(backend, tp_invariant=tp_invariant)
     kwargs.setdefault("enforce_eager", True)
     # recurrent layers' states in fp32, as the trainer keeps them (bik.vllm.gdn)
     kwargs.setdefault("mamba_ssm_cache_dtype", "float32")
     if tp_invariant:
         kwargs.setdefault("disable_custom_all_reduce", True)
+    enable(backend, tp_invariant=tp_invariant)
+    # before vLLM builds anything: some settings fail inside it in its own words first
+    check_settings(EngineSettings.of_arguments(kwargs))
     return vllm.LLM(model=model, **kwargs)
 
 

@@ -4,8 +4,9 @@ Checked when the engine builds its attention metadata (after the model is loaded
 the loaded model; each refusal raises with the setting to change, never runs silently.
 """
 
+import dataclasses
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,37 +43,85 @@ def check_tensor_parallel(size: int, tp_invariant: bool) -> None:
         raise ValueError(f"bik.vllm: {problem}")
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings bik checks: a built engine's (:meth:`of_config`) or the keywords
+    ``bik.vllm.LLM`` got (:meth:`of_arguments`, vLLM's defaults for the absent ones), so that
+    a refusal comes before vLLM builds anything that fails in its own words."""
+
+    enforce_eager: bool = True
+    speculative: bool = False
+    tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    lora: bool = False
+
+    @classmethod
+    def of_config(cls, vllm_config: "VllmConfig") -> "EngineSettings":
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        return cls(
+            enforce_eager=model.enforce_eager,
+            speculative=vllm_config.speculative_config is not None,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            disable_custom_all_reduce=parallel.disable_custom_all_reduce,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            decode_context_parallel_size=parallel.decode_context_parallel_size,
+            prefill_context_parallel_size=parallel.prefill_context_parallel_size,
+            quantization=model.quantization,
+            kv_cache_dtype=vllm_config.cache_config.cache_dtype,
+            lora=vllm_config.lora_config is not None,
+        )
+
+    @classmethod
+    def of_arguments(cls, kwargs: dict[str, Any]) -> "EngineSettings":
+        names = [f.name for f in dataclasses.fields(cls)]
+        given = {name: kwargs[name] for name in names if kwargs.get(name) is not None}
+        return cls(
+            **given,
+            speculative=kwargs.get("speculative_config") is not None,
+            lora=bool(kwargs.get("enable_lora")),
+        )
+
+
 def check_engine(vllm_config: "VllmConfig") -> None:
     """Raise ``ValueError`` listing every engine setting bik cannot run invariantly."""
+    check_settings(EngineSettings.of_config(vllm_config))
+
+
+def check_settings(settings: EngineSettings) -> None:
+    """Raise ``ValueError`` listing every one of ``settings`` bik cannot run invariantly."""
     from . import tp_invariant
 
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
     problems = []
-    if not model.enforce_eager:
+    if not settings.enforce_eager:
         problems.append(
             "enforce_eager=False (torch.compile and CUDA graphs fuse the elementwise steps "
             "into code with other bits; vLLM's sequence parallelism and all-reduce fusions are "
             "compilation passes): pass enforce_eager=True"
         )
-    if vllm_config.speculative_config is not None:
+    if settings.speculative:
         problems.append("speculative decoding: remove speculative_config")
-    tp_problem = _tensor_parallel_problem(parallel.tensor_parallel_size, tp_invariant())
+    tp_problem = _tensor_parallel_problem(settings.tensor_parallel_size, tp_invariant())
     if tp_problem is not None:
         problems.append(tp_problem)
-    if parallel.tensor_parallel_size > 1 and not parallel.disable_custom_all_reduce:
+    if settings.tensor_parallel_size > 1 and not settings.disable_custom_all_reduce:
         problems.append(
             "custom all-reduce (its order is the kernel's): pass disable_custom_all_reduce=True"
         )
-    if parallel.pipeline_parallel_size != 1:
+    if settings.pipeline_parallel_size != 1:
         problems.append("pipeline parallelism: use pipeline_parallel_size=1")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if getattr(parallel, name) != 1:
+        if getattr(settings, name) != 1:
             problems.append(f"context parallelism (it splits attention's keys): {name}=1")
-    if model.quantization is not None:
-        problems.append(f"quantization={model.quantization!r}: load unquantized weights")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: use 'auto'")
-    if vllm_config.lora_config is not None:
+    if settings.quantization is not None:
+        problems.append(f"quantization={settings.quantization!r}: load unquantized weights")
+    if settings.kv_cache_dtype != "auto":
+        problems.append(f"kv_cache_dtype={settings.kv_cache_dtype!r}: use 'auto'")
+    if settings.lora:
         problems.append("LoRA adapters: merge them into the weights first")
     if problems:
         raise ValueError(

@@ -7,6 +7,15 @@ temperature, exactly as ``bik.token_logprobs(logits, tokens, temperature)`` does
 kernel, so both give the same bits. The sampler is patched in place (it has no extension
 point); the sampling itself is vLLM's.
 
+Sampling that depends on nothing but the request: vLLM draws the noise of requests without
+their own ``seed`` from one process-wide generator, a draw per row of each step's batch, so
+a request's tokens depend on the requests beside it, on how the steps were cut and on the
+process layout (an in-process engine, a TP 2 engine's worker processes), even where every
+log-prob is the trainer's. bik gives each such request a seed of its own (the engine's seed
+and the count of requests the engine took before it, ``n`` for a request of ``n`` samples)
+when the engine has a seed: the same calls then sample the same tokens at any TP degree and
+batching. A greedy request draws nothing and keeps none.
+
 A request with its own ``seed`` samples from its own generator. A step that only prefills
 part of its prompt (chunked prefill) still draws from it, and vLLM rewinds that draw (its
 ``Generator.set_offset``), so the request's tokens do not depend on how its prompt was
@@ -20,6 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -29,7 +40,9 @@ _ORIGINAL: dict[str, Callable[..., Any]] = {
     "__init__": Sampler.__init__,
     "sample": Sampler.sample,
     "_bookkeeping_sync": GPUModelRunner._bookkeeping_sync,
+    "add_request": LLMEngine.add_request,
 }
+SEED_BITS = 31  # a derived seed: the engine's seed's low 31 bits, then 31 bits of count
 # each seeded request's CPU generator -> its state before the current step's draw
 _BEFORE_DRAW: "weakref.WeakKeyDictionary[torch.Generator, torch.Tensor]" = (
     weakref.WeakKeyDictionary()
@@ -84,9 +97,32 @@ def _bookkeeping_sync(self: GPUModelRunner, *args: Any, **kwargs: Any) -> Any:
         batch.generators.update(hidden)
 
 
+def request_seed(engine_seed: int, count: int) -> int:
+    """The seed of the request an engine seeded ``engine_seed`` took after ``count`` samples'
+    worth of unseeded requests (vLLM gives sample ``j`` of the request seed + ``j``)."""
+    mask = (1 << SEED_BITS) - 1
+    return ((engine_seed & mask) << SEED_BITS) | (count & mask)
+
+
+def _add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *a: Any, **k: Any):
+    """vLLM's ``add_request``, a random-sampling request without a seed given one
+    (:func:`request_seed`) when the engine has a seed."""
+    engine_seed = self.vllm_config.model_config.seed
+    if (
+        isinstance(params, SamplingParams)
+        and params.sampling_type == SamplingType.RANDOM
+        and engine_seed is not None
+    ):
+        count = getattr(self, "_bik_unseeded_samples", 0)
+        self._bik_unseeded_samples = count + params.n
+        params = params.clone()
+        params.seed = request_seed(engine_seed, count)
+    return _ORIGINAL["add_request"](self, request_id, prompt, params, *a, **k)
+
+
 def install() -> None:
-    """Route the sampler's log-softmax through bik, and rewind CPU generators (once per
-    process)."""
+    """Route the sampler's log-softmax through bik, seed every random request, and rewind
+    CPU generators (once per process)."""
     patches = {
         "compute_logprobs": staticmethod(_compute_logprobs),
         "__init__": _init,
@@ -95,3 +131,4 @@ def install() -> None:
     for name, method in patches.items():
         setattr(Sampler, name, method)
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    LLMEngine.add_request = _add_request

@@ -346,6 +346,22 @@ def test_non_strict_lists_what_it_cannot_patch():
     assert any("Conv1D" in entry for entry in report.unpatched)
 
 
+def test_nemotron_h_with_biased_projections_is_padding_invariant():
+    """Issue 72, item 6: with ``use_bias`` in_proj gives the padding its bias, which the
+    Mamba2 convolution carried into the row's first tokens; bik zeroes it before the
+    convolution too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES["nemotron_h"].tiny_config(use_bias=True))
+    for name, parameter in model.named_parameters():
+        if name.endswith("in_proj.bias"):
+            torch.nn.init.normal_(parameter)  # transformers initialises biases at 0
+    bik.patch_model(model.eval())
+    checks = verify.run_checks(model)
+    assert all(ok for ok, _ in checks.values()), checks
+
+
 def test_nemotron_h_moe_layers_are_refused_by_name():
     """Nemotron-H's MoE blocks (squared-ReLU experts, a sigmoid router) are not patched: a
     strict patch names them instead of running them with torch's order."""
@@ -404,6 +420,36 @@ def test_position_ids_that_do_not_count_the_tokens_are_refused_under_an_active_w
         with pytest.raises(RuntimeError, match="position_ids must number each row's tokens"):
             step = torch.randint(3, 256, (1, 1))
             model(step, **bik.hf.cache_argument(model, cache), position_ids=torch.tensor([[9]]))
+
+
+@pytest.mark.parametrize("family", ["olmo3", "gpt_oss"])
+def test_column_numbered_position_ids_of_a_left_padded_batch_are_refused(family):
+    """Issue 72, item 4: position ids 0..T-1 in every row of a left-padded batch. A decode step
+    whose window hides its row's first token took the padding's first column as the row's
+    start, and its logits left the trainer's silently; the prefill, where the row's start is
+    in view, now refuses them. Rows counted from their first token still run."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.manual_seed(0)
+    config = FAMILIES[family].tiny_config(sliding_window=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    bik.patch_model(model)
+    ids = torch.randint(3, 256, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    columns = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        with pytest.raises(RuntimeError, match="position_ids must number each row's tokens"):
+            model(
+                ids,
+                attention_mask=mask,
+                position_ids=columns,
+                use_cache=True,
+                past_key_values=cache,
+            )
+        counted = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, position_ids=counted, use_cache=True, past_key_values=cache)
 
 
 def test_latent_attention_with_narrower_value_heads_matches_transformers():

@@ -161,14 +161,16 @@ def assert_grpo_logs_exactly_zero_mismatch(model_dir, tmp_path):
     finally:
         close(trainer)
     assert len(batches) == 3
+    early = []
     for step, batch in enumerate(batches):
         mask = batch["completion_mask"].bool()
         assert bool((~batch["prompt_mask"].bool()).any()), "no left-padded prompt"
         stopped = (batch["completion_ids"] == 1) & mask  # <eos> is token 1
-        assert bool((stopped.any(-1) & ~mask[:, -1]).any()), "no completion stopped early at EOS"
+        early.append(bool((stopped.any(-1) & ~mask[:, -1]).any()))
         ours, engine = batch["old_per_token_logps"][mask], batch["sampling_per_token_logps"][mask]
         unequal = (ours != engine).sum().item()
         assert unequal == 0, f"step {step}: {unequal} of {mask.sum().item()} log-probs differ"
+    assert any(early), "no completion stopped early at EOS"  # training may learn to go on
     for name in bik.trl._DIFFERENCE_METRICS:
         assert logged(trainer, name) == [0.0] * 3, name
     for name in bik.trl._RATIO_METRICS:

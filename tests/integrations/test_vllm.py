@@ -262,6 +262,26 @@ def test_a_seeded_request_samples_the_same_tokens_however_its_prompt_is_chunked(
     assert samples[0] == samples[1]
 
 
+def test_unseeded_requests_get_fresh_reproducible_seeds(model_dir):
+    """bik seeds every random request without a seed from the engine's seed and the count of
+    samples before it (bik.vllm.sampler): a second call draws fresh noise, and an engine
+    built again with the seed samples the same calls' tokens again."""
+    path = model_dir("qwen3")
+    prompt = {"prompt_token_ids": prompts(1)[0]}
+    params = vllm.SamplingParams(max_tokens=8, n=2, detokenize=False)
+    runs = []
+    for _ in range(2):
+        llm = bik.vllm.LLM(path, backend="cpu", dtype="float32", **SCHEDULING)
+        calls = [llm.generate([prompt], params)[0].outputs for _ in range(2)]
+        runs.append([[list(sample.token_ids) for sample in samples] for samples in calls])
+        del llm
+        gc.collect()
+    first, second = runs[0]
+    assert first != second and first[0] != first[1]  # fresh noise per call and per sample
+    assert runs[0] == runs[1]
+    assert bik.vllm.sampler.request_seed(0, 2) == 2 and bik.vllm.sampler.request_seed(1, 0) == 2**31
+
+
 def assert_engine_refused(path, match, **options):
     """bik.vllm.LLM on ``path`` raises, naming ``match``. The engine stopped part-way: its
     process-wide parallel groups are torn down, or the next engine in this process would
@@ -278,6 +298,26 @@ def assert_engine_refused(path, match, **options):
 
 def test_compiled_engine_is_refused(model_dir):
     assert_engine_refused(model_dir("qwen3"), "enforce_eager=True", enforce_eager=False)
+
+
+@pytest.mark.parametrize(
+    ("family", "options", "match"),
+    [
+        # issue 72, item 10: a MoE model's compiled engine failed inside torch.compile, and
+        # fp8 inside vLLM's config validation, before bik's refusal was reached
+        ("qwen3_moe", {"enforce_eager": False}, r"enforce_eager=False .*pass enforce_eager=True"),
+        ("qwen3", {"quantization": "fp8"}, r"quantization='fp8': load unquantized weights"),
+        ("qwen3", {"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8': use 'auto'"),
+    ],
+)
+def test_engine_settings_are_refused_before_vllm_builds_anything(
+    model_dir, family, options, match, monkeypatch
+):
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("vLLM built the engine"))
+    with pytest.raises(
+        ValueError, match=rf"^bik\.vllm cannot make this engine batch-invariant:\n  - {match}"
+    ):
+        bik.vllm.LLM(model_dir(family), backend="cpu", **options)
 
 
 def test_weights_pushed_into_a_moe_engine_reach_the_experts_and_the_router(model_dir):

@@ -91,8 +91,12 @@ def test_tp1_equals_the_tp_invariant_trainer(model_dir, dtype):
     _assert_equals_trainer(model_dir, dtype, request, result)
 
 
-def _run_tp2(model_dir: str, dtype: str, request: dict, **options) -> dict:
-    """The request's prompts through a TP 2 bik engine in a child process, a core per rank."""
+def _run_tp2(
+    model_dir: str, dtype: str, request: dict, multiprocessing: bool = False, **options
+) -> dict:
+    """The request's prompts through a TP 2 bik engine in a child process, a core per rank;
+    ``multiprocessing``: its engine core in a process of its own (vLLM's default)."""
+    layout = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if multiprocessing else {}
     return vllm_engine.run_engine(
         "bik",
         model_dir,
@@ -102,7 +106,7 @@ def _run_tp2(model_dir: str, dtype: str, request: dict, **options) -> dict:
         tp_invariant=True,
         engine_args=request["engine_args"],
         sampling=request["sampling"],
-        env=vllm_engine.cpu_binding(2),
+        env={**vllm_engine.cpu_binding(2), **layout},
         timeout=600,
         **options,
     )
@@ -132,6 +136,38 @@ def test_tp2_with_pushed_weights_equals_the_tp_invariant_trainer(model_dir, othe
     request = _request(other_weights, dtype, 2)
     result = _run_tp2(model_dir, dtype, request, weights_from=other_weights)
     _assert_equals_trainer(other_weights, dtype, request, result)
+    # and samples the tokens a TP 1 engine samples (issue 72, item 13)
+    assert _tokens(result) == _tokens(vllm_engine.serve(_request(other_weights, dtype, 1)))
+
+
+def _tokens(result: dict) -> list:
+    return [[sample["tokens"] for sample in output] for output in result["outputs"]]
+
+
+@pytest.mark.slow  # a TP 2 engine per dtype
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tp2_samples_the_tokens_tp1_samples(model_dir, dtype):
+    """Issue 72, item 13: one engine seed, temperature 1, the same prompts: TP 1 (in this
+    process) and TP 2 (two worker processes) sample the same tokens, not only the same
+    log-probs of given tokens. vLLM draws unseeded requests' noise from one process-wide
+    generator, whose draws depend on the process layout; bik seeds every request
+    (bik.vllm.sampler). bf16: test_tp2_with_pushed_weights_equals_the_tp_invariant_trainer."""
+    requests = []
+    for tp in (1, 2):  # vLLM's default scheduling (one batch), one sample per prompt
+        request = _request(model_dir, dtype, tp)
+        request["engine_args"] = {
+            **vllm_engine.COMMON_ARGS,
+            "max_model_len": 128,
+            "tensor_parallel_size": tp,
+            "disable_custom_all_reduce": True,
+        }
+        request["sampling"] = {"max_tokens": TOKENS, "logprobs": 0}
+        requests.append(request)
+    tp1 = vllm_engine.serve(requests[0])
+    # vLLM's default layout: the engine core in a process of its own, beside the workers
+    tp2 = _run_tp2(model_dir, dtype, requests[1], multiprocessing=True)
+    assert _tokens(tp2) == _tokens(tp1)
 
 
 def test_tp_above_1_needs_tp_invariant(model_dir):

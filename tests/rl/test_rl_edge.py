@@ -199,7 +199,10 @@ def test_compact_refuses_a_run_that_has_not_finished(tmp_path):
     [
         (["--doses", "bf16,zero"], "zero first"),
         (["--doses", "zero,fp4"], "expected distinct doses"),
-        (["--seeds", "a-b"], "expected seeds"),
+        (["--seeds", "a-b"], "expected distinct seeds >= 0"),
+        # issue 72, item 10: these ran nothing and reported "no complete run"
+        (["--seeds", "5-2"], "argument --seeds: expected distinct seeds >= 0 as 0-9 (ascending)"),
+        (["--seeds", "1,1"], "argument --seeds: expected distinct seeds"),
         (["--lrs", "0,1e-3"], "learning rates > 0"),
     ],
 )
@@ -208,6 +211,22 @@ def test_edge_names_a_bad_argument(argv, expected, capsys, tmp_path):
     base.update(dict(zip(argv[::2], argv[1::2])))
     with pytest.raises(SystemExit) as stop:
         main(["edge", *(x for kv in base.items() for x in kv)])
+    assert stop.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--lr", "-1"], "argument --lr: expected learning rates > 0, got '-1'"),
+        (["--lr", "1e-3,2e-3"], "argument --lr: expected one learning rate > 0"),
+        (["--doses", "zero,nope"], "argument --doses: expected distinct doses"),
+    ],
+)
+def test_dose_response_names_a_bad_argument(argv, expected, capsys, tmp_path):
+    """Issue 72, item 10: a bad --lr surfaced as a config error, bad --doses after parsing."""
+    base = {"--lr": "1e-3", "--seeds": "0", "--out": str(tmp_path), **dict([argv])}
+    with pytest.raises(SystemExit) as stop:
+        main(["dose-response", *(x for kv in base.items() for x in kv)])
     assert stop.value.code == 2 and expected in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
 """rl_harness with a tensor-parallel vLLM rollout (``rollout.tensor_parallel=2``): two vLLM
 worker processes, one core each, run bik's TP-invariant order, and so does the one-process
 trainer, so every mismatch metric is exactly 0; a resumed run equals an uninterrupted one
-(each step seeds the workers' samplers). Native vLLM's mismatch is measured at TP 1
+(each request carries its own seed). Native vLLM's mismatch is measured at TP 1
 (test_rl_vllm.py) and at TP 2 by ``python -m bik verify --engine vllm --tp 2``
 (tests/tools/test_verify_vllm.py)."""
 
