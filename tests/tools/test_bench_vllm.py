@@ -66,7 +66,6 @@ def no_engine(monkeypatch):
         (["--vllm", "--runs", "0"], "argument --runs: expected an integer >= 1, got '0'"),
         (["--family", "nemotron_h"], "argument --family: applies to --vllm only"),
         (["--vllm", "--family", "gemma2"], "argument --family: invalid choice: 'gemma2'"),
-
     ],
 )
 def test_vllm_arguments_are_checked_before_any_engine(capsys, no_engine, argv, message):
