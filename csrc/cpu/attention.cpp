@@ -16,6 +16,8 @@
 // acc 0) merged like the splits.
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -165,6 +167,13 @@ void attention_impl(const AttentionArgs& p) {
   const int32_t* starts = reinterpret_cast<const int32_t*>(p.kv_start);
   const float* sinks = reinterpret_cast<const float*>(p.sinks);  // null: no sinks
   T* out = reinterpret_cast<T*>(p.out);
+  // Every row's first key inside the keys, whatever the caller vouched for: B comparisons,
+  // and no read out of bounds from a kv_start written where no version counter saw it.
+  for (int64_t b = 0; b < p.B; ++b)
+    if (starts[b] < 0 || starts[b] >= std::max<int64_t>(p.Tk, 1))
+      throw std::invalid_argument("bik attention: kv_start[" + std::to_string(b) + "] = " +
+                                  std::to_string(starts[b]) + ", expected 0 <= kv_start < " +
+                                  std::to_string(std::max<int64_t>(p.Tk, 1)));
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
 #pragma omp parallel if (worth_a_team(rows, 2 * rows * p.Tk * p.D, \

@@ -146,6 +146,14 @@ __global__ void matmul_kernel(const T* A, const T* B, const T* bias, T* C, int64
   }
 }
 
+// A row's first key, clamped into the keys: a device-side raise would cost a sync per call,
+// and a kv_start written where no version counter saw it (past bik's checks) must not make
+// the kernel read out of bounds.
+__device__ inline int64_t first_key(const AttentionArgs& p, int64_t b) {
+  const int64_t given = reinterpret_cast<const int32_t*>(p.kv_start)[b];
+  return min(max(given, int64_t{0}), max(p.Tk - 1, int64_t{0}));
+}
+
 // One block per (query row, split): online softmax over the split's key blocks, ascending.
 // Threads 0..31 score one key each (sequential fma over d); thread d < D owns acc[d].
 template <typename T>
@@ -159,7 +167,7 @@ __global__ void attention_split_kernel(AttentionArgs p, float* part_acc, float* 
                 i * p.q_strides[2];
   const T* kb = reinterpret_cast<const T*>(p.k) + b * p.k_strides[0] + kv_h * p.k_strides[1];
   const T* vb = reinterpret_cast<const T*>(p.v) + b * p.v_strides[0] + kv_h * p.v_strides[1];
-  const int64_t first = reinterpret_cast<const int32_t*>(p.kv_start)[b];
+  const int64_t first = first_key(p, b);
   const int64_t last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
   const int64_t visible =
       p.window > 0 ? max(first, last - p.window + 1) : first;  // window's first key
@@ -223,7 +231,7 @@ __global__ void attention_combine_kernel(AttentionArgs p, const float* part_acc,
                                          int64_t n_splits) {
   const int64_t row = blockIdx.x;
   const int64_t b = row / (p.Hq * p.Tq), i = row % p.Tq;
-  const int64_t first = reinterpret_cast<const int32_t*>(p.kv_start)[b];
+  const int64_t first = first_key(p, b);
   const int64_t last = p.causal ? p.Tk - p.Tq + i : p.Tk - 1;
   const int64_t own = last >= first ? (last - first) / p.split_size + 1 : 0;
   const int64_t skipped =

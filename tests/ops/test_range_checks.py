@@ -110,3 +110,25 @@ def test_a_padded_forward_checks_kv_start_once_not_per_layer(checks_run, monkeyp
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     assert checks_run.count("kv_start") == layers
+
+
+@pytest.mark.parametrize("written", [-(2**31), -1, 7, 2**31 - 1])
+def test_no_kernel_reads_out_of_bounds_from_a_kv_start_written_past_the_vouch(backend, written):
+    """Issue 72, item 5: a vouched kv_start written where no version counter sees it (through
+    ``.data``, a numpy view, DLPack) skips the Python check. The cpu kernel checks each row's
+    first key itself and raises; the Triton and CUDA kernels clamp it into the keys (a
+    device-side raise would cost a sync) and read nothing out of bounds."""
+    q, k, v = (torch.randn(2, 2, 3, 8) for _ in range(3))
+    kv_start = torch.tensor([0, 1], dtype=torch.int32)
+    _checks.known_in_range(kv_start, 0, 2)
+    kv_start.data[1] = written  # no version bump: the vouch still holds
+    assert _checks._KNOWN_IN_RANGE.holds(kv_start, 0, 2)
+    if backend == "cpu":
+        with pytest.raises(
+            ValueError, match=rf"kv_start\[1\] = {written}, expected 0 <= kv_start < 3"
+        ):
+            bik.attention(q, k, v, kv_start=kv_start)
+    else:
+        clamped = torch.tensor([0, min(max(written, 0), 2)], dtype=torch.int32)
+        expected = bik.attention(q, k, v, kv_start=clamped)
+        assert torch.equal(bik.attention(q, k, v, kv_start=kv_start), expected)

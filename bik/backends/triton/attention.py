@@ -150,6 +150,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _first_key(kv_start_ptr, b, Tk):
+    """Row b's first key, clamped into its keys: a device-side raise would cost a sync per
+    call, and a kv_start written where no version counter saw it (past bik's checks) must not
+    make the kernel read out of bounds."""
+    return tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), tl.maximum(Tk - 1, 0))
+
+
+@triton.jit
 def _tile(tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N):
     """A tile's rows and the key range its rows may see.
 
@@ -425,11 +433,11 @@ def _attention_kernel(
     # Last tiles first: under a causal mask they have the most keys (better load balance).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
-    first_key = tl.load(kv_start_ptr + b)
     pages_ptr = block_table_ptr
     if PAGE_SIZE > 0:  # b is a sequence of a paged step: its own key count and pages
         Tk = tl.load(seq_lens_ptr + b)
         pages_ptr = block_table_ptr + b * stable
+    first_key = _first_key(kv_start_ptr, b, Tk)
     if VARLEN:  # ... and its own rows of the packed queries
         first_row = tl.load(query_start_ptr + b)
         Tq = tl.load(query_start_ptr + b + 1) - first_row
@@ -575,9 +583,9 @@ def _combine_kernel(
 ):
     tile = tl.program_id(0)
     b, kv_head, bh, chunk = _program(tl.program_id(1), Hkv, BLOCK_D, BLOCK_DV)
-    first_key = tl.load(kv_start_ptr + b)
     if PAGE_SIZE > 0:  # a sequence of a paged step: its own key count
         Tk = tl.load(seq_lens_ptr + b)
+    first_key = _first_key(kv_start_ptr, b, Tk)
     t, ok, _, _, split_lo, split_hi, _, _ = _tile(
         tile, first_key, GROUPS, Tq, Tk, split_size, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N
     )
