@@ -50,6 +50,7 @@ ENGINES = ("hf", "vllm")
 SHADOWS = ("none", "native")  # rollout.shadow: off, or a native-kernel meter
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
 REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
+WARMUP_KERNELS = ("bik", "torch")  # warmup.kernels; a saved config without it: torch
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 
 # bik.vllm runs MoE models, but the harness compares the rollout's expert choices with the
@@ -255,7 +256,10 @@ class WarmupConfig(_Section):
     ``seed``: the warm-up's own seed (its data order), so several RL seeds can start from one
     warmed-up policy; None: the run's ``seed``. ``long_form_share``: the share of warm-up
     targets in the task's long form (a scratchpad before the answer), for tasks that have
-    one; the rest answer directly, so RL can discover that the long form pays."""
+    one; the rest answer directly, so RL can discover that the long form pays. ``kernels``:
+    ``bik`` trains it in bik's fixed orders, so a config names one warm-up on any thread count
+    (policy.warmup); ``torch`` in plain torch, whose CPU reductions split by thread (the
+    warm-ups of runs saved before this key existed, which load as ``torch``)."""
 
     SECTION: ClassVar[str] = "warmup"
     steps: int = spec(600, ge=0)
@@ -263,6 +267,7 @@ class WarmupConfig(_Section):
     batch_size: int = spec(64, ge=1)
     seed: int | None = spec(None, ge=0)
     long_form_share: float = spec(0.0, ge=0, le=1)
+    kernels: str = spec("bik", choices=WARMUP_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -584,13 +589,16 @@ class Config(_Section):
     def to_dict(self) -> dict[str, Any]:
         """Nested plain values, one object per section (the layout of config.json). A key
         added after runs were recorded is written only when set (``model.chat_template``,
-        ``rollout.tensor_parallel``), so the config.json of a run without it stays byte for
-        byte what it was."""
+        ``rollout.tensor_parallel``; ``warmup.kernels`` when "torch", the warm-up of every run
+        before it, as which :func:`load` reads its absence), so the config.json of a run
+        without it stays byte for byte what it was."""
         values = dataclasses.asdict(self)
         if not self.model.chat_template:
             del values["model"]["chat_template"]
         if self.rollout.tensor_parallel == 1:
             del values["rollout"]["tensor_parallel"]
+        if self.warmup.kernels == "torch":
+            del values["warmup"]["kernels"]
         return values
 
     @property
@@ -672,6 +680,9 @@ def load(path: str | Path) -> Config:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a JSON object of config sections")
     values.pop("world_size", None)  # a run directory's record beside the sections (rundir)
+    warmup = values.get("warmup")
+    if isinstance(warmup, dict):  # saved before warmup.kernels: plain torch warmed it up
+        warmup.setdefault("kernels", "torch")
     try:
         return Config.from_dict(values)
     except ConfigError as error:

@@ -278,6 +278,10 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
         **{k: dataclasses.asdict(v) for k, v in sections.items()},
         "numerics": warmup_numerics(),
     }
+    if config.warmup.kernels == "torch":  # the keys of the caches made before the key
+        del key["warmup"]["kernels"]
+    else:  # bik's orders do not split by thread
+        del key["numerics"]["threads"]
     if not config.model.chat_template:  # the keys of runs without it stay what they were
         del key["model"]["chat_template"]
     if config.model.path in bik.models.MODELS:  # its weights are checked against this digest
@@ -312,26 +316,53 @@ def warmup(
     rng = random.Random(f"warmup-{warmup_seed(config)}")
     opt = torch.optim.AdamW(master.parameters(), lr=config.warmup.lr)
     started, total = time.time(), config.warmup.steps
-    for step in range(total):
-        ids, attention, target = sft_batch(config, rng, config.warmup.batch_size)
-        logits = master(
-            input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
-        ).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), ids[:, 1:], reduction="none"
-        )
-        loss = (loss * target[:, 1:]).sum() / target[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if progress and ((step + 1) % 10 == 0 or step + 1 == total):
-            rate = (time.time() - started) / (step + 1)
-            print(
-                f"\rwarm-up [{step + 1}/{total}] loss {float(loss):.3f} | {rate:.2f} s/step, "
-                f"eta {rate * (total - step - 1):.0f} s ",
-                end="\n" if step + 1 == total else "",
-                file=sys.stderr,
-                flush=True,
-            )
+    through_bik = config.warmup.kernels == "bik"
+    if through_bik:
+        bik.patch_model(master)
+    try:
+        for step in range(total):
+            ids, attention, target = sft_batch(config, rng, config.warmup.batch_size)
+            loss = _sft_loss(master, ids, attention, target[:, 1:].float(), through_bik)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if progress and ((step + 1) % 10 == 0 or step + 1 == total):
+                _warmup_progress(step + 1, total, loss.item(), started)
+    finally:
+        if through_bik:
+            bik.unpatch_model(master)
     write_atomic(path, lambda tmp: torch.save(master.state_dict(), tmp))
     return path
+
+
+def _sft_loss(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    target: torch.Tensor,
+    through_bik: bool,
+) -> torch.Tensor:
+    """The mean negative log-likelihood of the ``target`` tokens: through
+    ``bik.token_logprobs`` (its fixed order, which the patched model's bits keep), or torch's
+    cross-entropy (warmup.kernels=torch)."""
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=generation_position_ids(attention)
+    ).logits[:, :-1]
+    if through_bik:
+        nll = -bik.token_logprobs(logits, ids[:, 1:])
+    else:
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), ids[:, 1:], reduction="none"
+        )
+    return (nll * target).sum() / target.sum()
+
+
+def _warmup_progress(done: int, total: int, loss: float, started: float) -> None:
+    rate = (time.time() - started) / done
+    print(
+        f"\rwarm-up [{done}/{total}] loss {loss:.3f} | {rate:.2f} s/step, "
+        f"eta {rate * (total - done):.0f} s ",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+        flush=True,
+    )

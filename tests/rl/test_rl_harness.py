@@ -3,6 +3,9 @@
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -236,3 +239,49 @@ def test_ppo_resume_equals_an_uninterrupted_run(tmp_path, cache, monkeypatch):
     ]
     full = resumed_equals_uninterrupted(tmp_path, cache, monkeypatch, [*TINY, *sets])
     assert any(m["grad_norm"] > 0 for m in full) and all(m["update_applied"] == 4 for m in full)
+
+
+WARMUP_BITS = """
+import hashlib, sys, tempfile
+import torch
+from rl_harness import config, policy
+cfg = config.build({}, sys.argv[1:])
+master = policy.build_master(cfg.model, policy.warmup_seed(cfg))
+policy.warmup(master, cfg, tempfile.mkdtemp())
+digest = hashlib.sha256()
+for name, tensor in sorted(master.state_dict().items()):
+    digest.update(name.encode() + tensor.numpy().tobytes())
+print(torch.get_num_threads(), digest.hexdigest())
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_warmup_has_the_same_bits_on_one_thread_and_on_two():
+    """Issue 72, item 11: the warm-up trains through bik (warmup.kernels=bik, the default),
+    whose backward recomputes on one thread, so a config names one warm-up, and one run,
+    on any thread count. Long sequences (iterate, 10-20 digits): torch would split their
+    reductions by thread."""
+    sets = [
+        "model.hidden_size=64",
+        "model.head_dim=16",
+        "task.name=iterate",
+        "task.min_digits=10",
+        "task.max_digits=20",
+        "warmup.long_form_share=0.3",
+        "warmup.steps=3",
+    ]
+    digests = set()
+    for threads in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        done = subprocess.run(
+            [sys.executable, "-c", WARMUP_BITS, *sets],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        count, digest = done.stdout.split()
+        assert count == threads
+        digests.add(digest)
+    assert len(digests) == 1

@@ -181,26 +181,32 @@ def test_sequences_that_cannot_fit_the_policy_are_refused(tmp_path):
 
 @pytest.mark.parametrize("sets", CACHE_NAMES)
 def test_warmup_cache_keys_without_warmup_seed_are_unchanged(sets, monkeypatch):
+    """A plain-torch warm-up (warmup.kernels=torch: every warm-up before the key) keeps its
+    cache's name."""
     monkeypatch.setattr(policy, "warmup_numerics", lambda: NUMERICS)
-    assert policy.warmup_cache_path(config.build(sets=sets), "c").name == CACHE_NAMES[sets]
+    cfg = config.build(sets=[*sets, "warmup.kernels=torch"])
+    assert policy.warmup_cache_path(cfg, "c").name == CACHE_NAMES[sets]
 
 
 def test_warmup_cache_is_keyed_by_what_changes_its_bits(monkeypatch):
-    """Issue 42, item 5: plain torch trains the warm-up, and its bits change with the thread
-    count; a run on 1 thread reused the cache of a run on 2 and hid it."""
-    cfg = config.build({}, [])
-    names = set()
+    """Issue 42, item 5: plain torch trains the warm-up (warmup.kernels=torch), and its bits
+    change with the thread count; a run on 1 thread reused the cache of a run on 2 and hid it.
+    bik's warm-up (issue 72, item 11) has the same bits on any thread count: one cache."""
+    torch_order, bik_order = (config.build({}, [f"warmup.kernels={k}"]) for k in ("torch", "bik"))
+    names, bik_names = set(), set()
     for change in ({}, {"threads": 1}, {"torch": "2.14.0+cpu"}, {"cpu": "AVX2"}):
         monkeypatch.setattr(policy, "warmup_numerics", lambda c=change: {**NUMERICS, **c})
-        names.add(policy.warmup_cache_path(cfg, "c").name)
-    assert len(names) == 4
+        names.add(policy.warmup_cache_path(torch_order, "c").name)
+        bik_names.add(policy.warmup_cache_path(bik_order, "c").name)
+    assert len(names) == 4 and len(bik_names) == 3 and not names & bik_names
     monkeypatch.undo()
     # the key reads torch's own count (a stand-in for it: whether torch.set_num_threads takes
     # effect in a test process depends on what ran in it before)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one = policy.warmup_cache_path(cfg, "c")
+    one = [policy.warmup_cache_path(cfg, "c") for cfg in (torch_order, bik_order)]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert policy.warmup_cache_path(cfg, "c") != one
+    two = [policy.warmup_cache_path(cfg, "c") for cfg in (torch_order, bik_order)]
+    assert two[0] != one[0] and two[1] == one[1]
 
 
 def test_warmup_seed_keys_the_cache_and_the_init():
