@@ -213,7 +213,7 @@ def decode_logits(model: Any, rollout: Rollout) -> torch.Tensor:
     width = rollout.prompt_width
     mask = rollout.mask
     positions = hf.generation_position_ids(mask[:, :width])
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # a hybrid's recurrent layers need theirs
     out = model(
         input_ids=rollout.sequences[:, :width],
         attention_mask=mask[:, :width],
