@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import bik
 from bik.contract import DTYPE_NAMES
 from bik.hf import generation_position_ids
 
@@ -72,11 +73,19 @@ def token_logprobs_and_entropy(
         logps.append(processor.token_logprobs(logits, ids[part, 1:]))
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             logp_all = processor.log_probs(logits)
-            entropies.append(-(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1))
+            entropies.append(-vocabulary_sums(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)))
     logp = torch.cat(logps)
     zeros = torch.zeros_like(logp[:, :1])
     logp = torch.where(batch.response_mask.bool(), torch.cat([zeros, logp], 1), 0.0)
     return logp, torch.cat([zeros, torch.cat(entropies)], 1)
+
+
+def vocabulary_sums(values: torch.Tensor) -> torch.Tensor:
+    """``values [..., V]`` summed over the vocabulary in bik.linear's fixed order (ascending
+    entries, one fp32 chain): a token's sum has the same bits in any batch shape and on any
+    thread count, which torch's sum, whose order follows the tensor's shape, does not give."""
+    ones = values.new_ones(1, values.shape[-1])
+    return bik.linear(values, ones)[..., 0]
 
 
 def kept_rows(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
