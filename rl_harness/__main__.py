@@ -93,26 +93,32 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_COMPARE_OUT = "runs/compare"
+
+
 def _compare(args: argparse.Namespace) -> int:
+    """The inputs first, then where the table goes: an explicit --out that holds a table is
+    refused, the default (runs/compare) is replaced; the last line says where it went."""
     for d in args.dirs:
         if not Path(d).is_dir():
             raise RunDirError(f"compare: no run directory at {d}")
-    out = rundir.resolved(args.out)  # nosuch/../old is old: check what will be written
+    labels = report.unique_labels(args.dirs)
+    runs = {label: report.load(d) for label, d in zip(labels, args.dirs)}
+    out = rundir.resolved(args.out or DEFAULT_COMPARE_OUT)  # nosuch/../old is old
     if out.exists() and not out.is_dir():
         raise RunDirError(f"compare --out: {out} is a file; pass a directory for the table")
     written = [name for name in report.COMPARE_FILES if (out / name).exists()]
-    if written:
+    if written and args.out is not None:
         raise RunDirError(
             f"compare --out: {out} already holds {' and '.join(written)}; pass another --out "
             "or remove them"
         )
-    labels = report.unique_labels(args.dirs)
-    runs = {label: report.load(d) for label, d in zip(labels, args.dirs)}
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise RunDirError(f"compare --out: cannot create {out} ({error})") from None
     print(report.write_compare(runs, out))
+    print(f"compare: wrote {out / report.COMPARE_FILES[0]}")
     return 0
 
 
@@ -159,7 +165,11 @@ def _sweep_arguments(arms: argparse.ArgumentParser) -> None:
 
 def _compare_arguments(compare: argparse.ArgumentParser) -> None:
     compare.add_argument("dirs", nargs="+", help="run directories or sweep arm directories")
-    compare.add_argument("--out", default="runs/compare")
+    compare.add_argument(
+        "--out",
+        help=f"directory for compare.md and compare.png, refused if it holds them (default "
+        f"{DEFAULT_COMPARE_OUT}, replaced on each call)",
+    )
 
 
 def _compact_arguments(compact: argparse.ArgumentParser) -> None:

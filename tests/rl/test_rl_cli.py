@@ -155,7 +155,10 @@ def _fake_run(path, checkpoint=None):
         (["compare", "{tmp}/nonexistent"], "compare: no run directory at {tmp}/nonexistent"),
         (["compare", "{tmp}/empty"], "{tmp}/empty: no metrics.jsonl"),
         (["compare", "{tmp}/torn_middle"], "{tmp}/torn_middle/metrics.jsonl: line 1 is not"),
-        (["compare", "{tmp}/empty", "--out", "{tmp}/file"], "compare --out: {tmp}/file is a file"),
+        # issue 71, item 5: the inputs are checked before --out (an empty run directory got
+        # "already holds compare.md" from a table a user left in runs/compare)
+        (["compare", "{tmp}/empty", "--out", "{tmp}/file"], "{tmp}/empty: no metrics.jsonl"),
+        (["compare", "{shipped}", "--out", "{tmp}/file"], "compare --out: {tmp}/file is a file"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(tmp_path, capsys, argv, match):
@@ -167,8 +170,23 @@ def test_bad_arguments_give_one_line_errors(tmp_path, capsys, argv, match):
     (_fake_run(tmp_path / "badcfg") / "config.json").write_text('{"steps": ')
     (tmp_path / "torn_middle").mkdir()
     (tmp_path / "torn_middle" / "metrics.jsonl").write_text('{"step": 0\n{"step": 1}\n')
-    argv = [a.format(tmp=tmp_path) for a in argv]
+    shipped = RESULTS / "zero_mismatch"
+    argv = [a.format(tmp=tmp_path, shipped=shipped) for a in argv]
     assert match.format(tmp=tmp_path) in _error(capsys, argv)
+
+
+def test_compare_says_where_it_wrote_and_replaces_only_its_default(tmp_path, capsys, monkeypatch):
+    """Issue 71, item 5: without --out, compare wrote runs/compare silently and failed on a
+    second call; an explicit --out that holds a table is still refused."""
+    monkeypatch.chdir(tmp_path)
+    shipped = str(RESULTS / "zero_mismatch")
+    for _ in range(2):
+        assert main(["compare", shipped]) == 0
+        out = capsys.readouterr().out
+        assert out.rstrip().endswith(f"compare: wrote {tmp_path / 'runs/compare/compare.md'}")
+    assert "already holds compare.md" in _error(
+        capsys, ["compare", shipped, "--out", "runs/compare"]
+    )
 
 
 def test_errors_reach_the_shell_without_a_traceback(tmp_path):
