@@ -11,6 +11,7 @@ it back, filling keys an older file lacks with their defaults.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -637,7 +638,9 @@ DEFAULTS: dict[str, Any] = flatten(dataclasses.asdict(Config()))
 
 def _known(key: str) -> None:
     if key not in DEFAULTS:
-        raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(DEFAULTS))}")
+        close = difflib.get_close_matches(key, DEFAULTS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown config key {key!r}; {hint}known: {', '.join(sorted(DEFAULTS))}")
 
 
 def _construct(flat: Mapping[str, Any]) -> Config:

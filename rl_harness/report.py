@@ -192,6 +192,12 @@ def _eval_summary(history: History) -> dict[str, float] | None:
     return {"peak": peak[EVAL], "peak_step": peak["step"], "last": rows[-1][EVAL]}
 
 
+def _ends(s: Mapping[str, Any]) -> str:
+    """The steps the first and last reward means cover: 5, or every step of a shorter run."""
+    count = min(5, s["steps"])
+    return f"{count} step{'s' if count != 1 else ''}"
+
+
 def summary_markdown(s: Mapping[str, Any]) -> str:
     overrides = json.dumps(s["overrides"], sort_keys=True) if s["overrides"] else "none (defaults)"
     collapse_at = s["collapse_step"] if s["collapse_step"] is not None else "none"
@@ -201,7 +207,8 @@ def summary_markdown(s: Mapping[str, Any]) -> str:
         f"- steps: {s['steps']}",
         f"- processes: {s['world_size']} (data-parallel world size; gradients depend on it)",
         f"- overrides: {overrides}",
-        f"- reward: first 5 steps {s['reward_first5']:.3f}, last 5 steps {s['reward_last5']:.3f}",
+        f"- reward: first {_ends(s)} {s['reward_first5']:.3f}, last {_ends(s)} "
+        f"{s['reward_last5']:.3f}",
         f"- mismatch: k3 max {s['k3_max']:.3e}, mean fraction of unequal tokens "
         f"{s['tokens_unequal_frac_mean']:.3f}, "
         f"max abs log-prob diff {s['logprob_abs_diff_max']:.3e}",

@@ -111,3 +111,5 @@ def test_summary_and_compare_read_collapse_flags_from_the_metrics():
     assert "| x | 3 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 2 |" in table
     assert "| empty | 0 |" in table
     assert json.dumps(summary["first_flags"], sort_keys=True) in report.summary_markdown(summary)
+    # issue 71, item 5: a 3-step run's reward means cover 3 steps, not "5"
+    assert "- reward: first 3 steps 0.500, last 3 steps 0.500" in report.summary_markdown(summary)

@@ -117,6 +117,7 @@ def test_replace_revalidates():
     "sets, match",
     [
         (["rollout.nope=1"], "unknown config key 'rollout.nope'"),
+        (["train.lrr=1"], "unknown config key 'train.lrr'; did you mean 'train.lr'?"),
         (["rollout.kernels=fast"], "rollout.kernels: expected one of"),
         (["train.lr=abc"], "train.lr: expected a finite number"),
         (["rollout.split_size=32", "rollout.kernels=native"], "split_size only applies"),
