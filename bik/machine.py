@@ -3,9 +3,12 @@ bench, the demo and the benchmarks print it beside their numbers; and what plain
 bits depend on (:func:`cpu_numerics`), which rl_harness records with each run."""
 
 import functools
+import os
 import platform
 
 import torch
+
+LOADED = 0.5  # a 1-minute load average above this share of the CPUs: a loaded machine
 
 
 @functools.cache
@@ -41,3 +44,26 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+
+
+def cpu_capability() -> str:
+    """The CPU's vector capability as bik's and torch's kernels use it: torch's dispatch level
+    (AVX2, AVX512), then AVX512-BF16 (bik's bf16 matmul pairs) and AMX (oneDNN's bf16
+    matmuls) where the CPU has them."""
+    flags = _cpuinfo().get("flags", "").split()
+    extras = [
+        name
+        for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+        if flag in flags
+    ]
+    return ", ".join([torch.backends.cpu.get_cpu_capability(), *extras])
+
+
+def machine_load() -> dict[str, float]:
+    """The 1-minute load average and the CPU count (what else runs on the machine)."""
+    return {"load_1min": os.getloadavg()[0], "cpus": os.cpu_count() or 1}
+
+
+def loaded(load: dict[str, float]) -> bool:
+    """Whether a :func:`machine_load` says the machine was busy with other work."""
+    return load["load_1min"] > LOADED * load["cpus"]

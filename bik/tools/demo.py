@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import hf, models
+from ..machine import cpu_capability, cpu_model, loaded, machine_load
 from ..ops.log_softmax import token_logprobs
 from .cli import UsageError, positive_int
 from .cli import seed as seed_type
@@ -68,6 +69,19 @@ class Steps:
         yield
         self.times[title] = time.perf_counter() - start
         print(f"[{self.done}/{self.total}] done in {self.times[title]:.1f} s", flush=True)
+
+
+def machine_line() -> str:
+    """The CPU the figures below come from (its vector capability decides which kernels run,
+    and so the times), the threads, and the load average, with a warning on a busy machine."""
+    load = machine_load()
+    line = (
+        f"machine: {cpu_model()} ({cpu_capability()}), {torch.get_num_threads()} torch threads; "
+        f"load average {load['load_1min']:.2f} on {load['cpus']} CPUs"
+    )
+    if loaded(load):
+        line += "\n  warning: other work is running here; the times below are not this CPU's"
+    return line
 
 
 def note(text: str) -> None:
@@ -281,9 +295,11 @@ def rollout_vs_trainer(
         for on in (False, True):
             kernels = "bik" if on else "plain torch"
             note(f"{name}, {kernels}: sampling {len(prompts)} x {args.tokens} tokens, scoring")
+            started = time.perf_counter()
             with patched(model, on):
                 rollout = sample(model, prompts, args.tokens, args.seed, pad)
                 counts = differ(rollout.logprobs, score(model, rollout))
+            note(f"{name}, {kernels}: {time.perf_counter() - started:.1f} s")
             cells.append(_cell(counts))
             bik_unequal += counts[0] if on else 0
     print("\nTokens whose log-prob differs (of all sampled tokens), and the largest |difference|:")
@@ -372,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
     from ..vllm import engine as vllm_engine
 
     transformers_logging.disable_progress_bar()  # three loads: their bars would bury the steps
+    print(machine_line())
     with_vllm = not args.no_vllm and vllm_engine.vllm_problem() is None
     steps = Steps(5 if with_vllm else 4)
     start = time.perf_counter()
@@ -385,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
     with steps.step(f"rollout: {len(PROMPTS)} chat prompts x 2 samples, {args.tokens} tokens"):
         with patched(models_by_dtype["fp32"], True):  # the answers shown: bik, fp32
             rollout = sample(models_by_dtype["fp32"], prompts * 2, args.tokens, args.seed, pad)
+        print("  (the 135M model's own answers, right or wrong: bik changes no token's choice)")
         for row, text in enumerate(PROMPTS):
             answer = tokenizer.decode(rollout.sequences[row, rollout.prompt_width :])
             print(f"  user: {text}\n  model: {' '.join(str(answer).split())}")

@@ -42,7 +42,7 @@ import torch
 
 from ... import backends, models
 from ...contract import DTYPE_NAMES
-from ...machine import device_name
+from ...machine import device_name, loaded, machine_load
 from ...testing import PRESETS
 from ...vllm import engine as vllm_engine
 from .. import verify
@@ -67,7 +67,6 @@ MAX_COPIES = 1 << 16
 SAMPLES = 5  # alternated samples per round of time_pair
 ROUNDS = 3  # rounds at most, until the spread is within SPREAD_LIMIT
 SPREAD_LIMIT = 0.2  # (max - min) / median of a round's samples, each side
-LOADED = 0.5  # a 1-minute load average above this share of the CPUs: a loaded machine
 # What the markdown says of a backend whose times are not performance figures.
 BACKEND_NOTES = {
     "cuda": (
@@ -197,11 +196,6 @@ def time_pair(
             break
     assert best is not None
     return best
-
-
-def machine_load() -> dict[str, float]:
-    """The 1-minute load average and the CPU count (what else runs on the machine)."""
-    return {"load_1min": os.getloadavg()[0], "cpus": os.cpu_count() or 1}
 
 
 def measure_peaks(device: torch.device, dtype: torch.dtype, quick: bool) -> tuple[float, float]:
@@ -465,11 +459,6 @@ def markdown(result: dict) -> str:
     lines += _load_lines(result)
     lines += ["", HEADER]
     return "\n".join(lines + [_row(r) for r in result["records"]])
-
-
-def loaded(load: dict[str, float]) -> bool:
-    """Whether a :func:`machine_load` says the machine was busy with other work."""
-    return load["load_1min"] > LOADED * load["cpus"]
 
 
 def _load_lines(result: dict) -> list[str]:
