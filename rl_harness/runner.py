@@ -105,6 +105,7 @@ class Run:
         policy.check_positions(cfg, self.master.config.max_position_embeddings)
         engine = ENGINES[cfg.rollout.engine]
         engine.check(cfg, self.world, self.master)  # before the warm-up: what cannot run here
+        self.progress = progress and self.world.main
         self.batch: Batch | None = None  # the last step's whole batch, for inspection
         self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
@@ -171,6 +172,13 @@ class Run:
         if engine is not None:
             engine.close()
 
+    def _phase(self, step: int, what: str) -> None:
+        """The step's phase on stderr, where progress is shown (a real model's step takes a
+        minute): one line, rewritten in place, as the progress line after it is."""
+        if self.progress:
+            sys.stderr.write(f"\r{f'[{step + 1}/{self.cfg.steps}] {what} ...':<{PHASE_WIDTH}}")
+            sys.stderr.flush()
+
     def step(self, step: int) -> dict[str, Any]:
         """One RL step: sample, score the trainer's side, measure the mismatch, update
         (rl_harness.trainer.prepare, then :meth:`_ppo`), log; returns the step's metrics."""
@@ -178,8 +186,10 @@ class Run:
         prompts, examples = tasks.prompt_batch(cfg, random.Random(f"{cfg.seed}-{step}"))
         rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
         policy.refresh(self.train_model, self.master)
+        self._phase(step, "rollout")
         share = self.rollout.sample(prompts, cfg.seed * 1_000_003 + step, rows)
         share = rollout.pad_responses(share, world.max(share.sequences.shape[1]))
+        self._phase(step, "scoring")
         forward, batch = self._score(share)
         self.batch = batch
         rewards = self._rewards(batch, examples, share.prompt_width)
@@ -187,6 +197,7 @@ class Run:
         metrics = self._mismatch(batch, step)
         if self.shadow is not None:
             metrics.update(self._shadow(prompts, share, batch))
+        self._phase(step, "update")
         stats = self._ppo(share, forward, batch, adv, rewards, rows)
         counts = ("grad_norm", "grad_norm_max", "update_applied", "update_skipped")
         updates = {k: stats.pop(k) for k in counts}
@@ -463,6 +474,9 @@ def _restore(load: Callable[[Any], Any], state: dict[str, Any], part: str) -> No
     except Exception as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CheckpointMismatch(f"its {part} state does not fit ({reason})") from None
+
+
+PHASE_WIDTH = 110  # a phase line covers the progress line it replaces
 
 
 def _progress(step: int, total: int, metrics: dict[str, Any], started: float, first: int) -> None:

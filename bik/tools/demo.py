@@ -317,12 +317,7 @@ def batch_effect(
     number of tokens where bik differed (0)."""
     bik_unequal = 0
     rows = list(range(sequences))
-    print(
-        f"\nThe trainer scores the same {sequences} sequences at batch {sequences} and one by "
-        f"one; share of tokens whose ratio exp(delta) leaves [{BAND[0]}, {BAND[1]}]:"
-    )
-    print("| dtype | plain torch: outside | plain torch: unequal | bik: outside | bik: unequal |")
-    print("|---|---:|---|---:|---|")
+    table = []  # printed after the progress lines, so that the table copies whole
     for name, model in models_by_dtype.items():
         cells = []
         for on in (False, True):
@@ -333,7 +328,14 @@ def batch_effect(
             counts = differ(alone, batch)
             cells += [f"{100 * counts[3]:.1f} %", _cell(counts)]
             bik_unequal += counts[0] if on else 0
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        table.append(f"| {name} | " + " | ".join(cells) + " |")
+    print(
+        f"\nThe trainer scores the same {sequences} sequences at batch {sequences} and one by "
+        f"one; share of tokens whose ratio exp(delta) leaves [{BAND[0]}, {BAND[1]}]:"
+    )
+    print("| dtype | plain torch: outside | plain torch: unequal | bik: outside | bik: unequal |")
+    print("|---|---:|---|---:|---|")
+    print("\n".join(table))
     return bik_unequal
 
 
