@@ -303,7 +303,8 @@ FAMILIES: dict[str, Family] = {
             ),
             vllm=(
                 "exact (fp32, bf16; `bik.vllm.mla`): latent attention in the trainer's non-"
-                "absorbed form; vLLM's CPU MLA cache needs `kv_lora_rank + qk_rope_head_dim` = "
+                "absorbed form, YaRN RoPE with its mscales as transformers computes it; vLLM's "
+                "CPU MLA cache needs `kv_lora_rank + qk_rope_head_dim` = "
                 "576, vLLM reads the router from `topk_method` and `scoring_func`, and turns "
                 "chunked prefill and prefix caching off"
             ),

@@ -31,6 +31,9 @@ from vllm.model_executor.layers.activation import (
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+    DeepseekScalingRotaryEmbedding,
+)
 from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import (
     YaRNScalingRotaryEmbedding,
 )
@@ -221,13 +224,36 @@ def _config_rope_interleave() -> bool:
 _YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "truncate": True}
 
 
+def _take_transformers_yarn(
+    rope: BikRotaryEmbedding, rotary_dim: int, asked: dict[str, Any], defaults: dict[str, Any]
+) -> None:
+    """Give ``rope`` the inverse frequencies and cos/sin scale that transformers' own YaRN
+    function computes from the engine's model config (the trainer's rotary module calls the
+    same function, so both sides start from the same bits), after checking that vLLM's
+    arguments ``asked`` are that config's (``defaults`` for keys it leaves out)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config().model_config.hf_text_config
+    given = dict(getattr(config, "rope_parameters", None) or {})
+    differs = sorted(
+        key for key, value in asked.items() if given.get(key, defaults.get(key)) != value
+    )
+    if differs or getattr(config, "head_dim", rotary_dim) != rotary_dim:
+        settings = ", ".join(differs) or "its width"
+        raise NotImplementedError(
+            f"bik.vllm: a YaRN rotary embedding whose settings ({settings}) are not the "
+            "model config's rope_parameters: bik computes RoPE as transformers computes it "
+            "from the config"
+        )
+    inv_freq, rope.bik_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    rope.bik_inv_freq = inv_freq.float()
+
+
 class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
     """YaRN RoPE (gpt-oss): BikRotaryEmbedding's forward (vLLM's class is a subclass for
     vLLM's registry; its base is BikRotaryEmbedding here, which builds no cos/sin cache) with
-    the inverse frequencies and cos/sin scale that transformers' own YaRN function computes
-    from the engine's model config (the trainer's rotary module calls the same function, so
-    both sides start from the same bits); vLLM's arguments must be that config's, else the
-    engine is refused."""
+    transformers' YaRN frequencies and scale (:func:`_take_transformers_yarn`)."""
 
     def __init__(
         self,
@@ -240,9 +266,6 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
         dtype: torch.dtype,
         **yarn: Any,
     ) -> None:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        from vllm.config import get_current_vllm_config
-
         YaRNScalingRotaryEmbedding.__init__(
             self,
             head_size,
@@ -254,8 +277,6 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
             dtype,
             **yarn,
         )
-        config = get_current_vllm_config().model_config.hf_text_config
-        rope = dict(getattr(config, "rope_parameters", None) or {})
         asked = dict(
             rope_type="yarn",
             rope_theta=base,
@@ -263,18 +284,50 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
             original_max_position_embeddings=max_position_embeddings,
             **yarn,
         )
-        differs = sorted(
-            key for key, value in asked.items() if rope.get(key, _YARN_DEFAULTS.get(key)) != value
+        _take_transformers_yarn(self, rotary_dim, asked, _YARN_DEFAULTS)
+
+
+# the defaults of vLLM's DeepSeek YaRN for keys a config may leave out (transformers reads an
+# absent mscale as 1 and an absent mscale_all_dim as none: the same scale)
+_DEEPSEEK_YARN_DEFAULTS = {**_YARN_DEFAULTS, "mscale": 1, "mscale_all_dim": 0}
+
+
+class BikDeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding, BikRotaryEmbedding):
+    """DeepSeek-V3's YaRN RoPE (Kimi K2): BikRotaryEmbedding's interleaved forward with
+    transformers' YaRN frequencies and cos/sin scale (:func:`_take_transformers_yarn`); the
+    attention's softmax scale (mscale squared) is the model's, which vLLM and transformers
+    compute by one formula."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        scaling_factor: float,
+        dtype: torch.dtype,
+        **yarn: Any,
+    ) -> None:
+        DeepseekScalingRotaryEmbedding.__init__(
+            self,
+            head_size,
+            rotary_dim,
+            max_position_embeddings,
+            base,
+            is_neox_style,
+            scaling_factor,
+            dtype,
+            **yarn,
         )
-        if differs or getattr(config, "head_dim", rotary_dim) != rotary_dim:
-            settings = ", ".join(differs) or "its width"
-            raise NotImplementedError(
-                f"bik.vllm: a YaRN rotary embedding whose settings ({settings}) are not the "
-                "model config's rope_parameters: bik computes RoPE as transformers computes it "
-                "from the config"
-            )
-        inv_freq, self.bik_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
-        self.bik_inv_freq = inv_freq.float()
+        asked = dict(  # vLLM names the engine config's rope_type "deepseek_yarn"
+            rope_type="deepseek_yarn",
+            rope_theta=base,
+            factor=scaling_factor,
+            original_max_position_embeddings=max_position_embeddings,
+            **{k: v for k, v in yarn.items() if k != "init_cache"},
+        )
+        _take_transformers_yarn(self, rotary_dim, asked, _DEEPSEEK_YARN_DEFAULTS)
 
 
 def _gated_attention_forward(self: Any, positions: torch.Tensor, hidden_states: torch.Tensor):
@@ -366,6 +419,7 @@ _REPLACED_OPS = {
     "GeluAndMul": BikGeluAndMul,
     "RotaryEmbedding": BikRotaryEmbedding,
     "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
+    "DeepseekScalingRotaryEmbedding": BikDeepseekScalingRotaryEmbedding,
 }
 _PATCHED_METHODS = (
     (UnquantizedLinearMethod, "apply", _linear_apply),

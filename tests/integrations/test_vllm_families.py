@@ -21,6 +21,7 @@ from test_vllm import (
     SCHEDULING,
     assert_engine_equals_the_trainer,
     prompts,
+    run_engine,
     saved_models,
     trainer_logprobs,
     vllm,  # imported after the engine settings test_vllm puts in the environment
@@ -63,6 +64,30 @@ FAMILY_CASES = [
 @pytest.mark.parametrize(("family", "dtype", "mode", "temperature"), FAMILY_CASES)
 def test_vllm_logprobs_equal_the_trainers(model_dir, family, dtype, mode, temperature):
     assert_engine_equals_the_trainer(model_dir, family, dtype, mode, temperature)
+
+
+# DeepSeek-V3 and Kimi K2 checkpoints ship YaRN RoPE with both mscales: vLLM's DeepSeek YaRN
+# layer gets transformers' frequencies and cos/sin scale (bik.vllm.layers), and both sides
+# scale the softmax by mscale squared, by one formula.
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def test_deepseek_yarn_logprobs_equal_the_trainers(model_dir):
+    path = model_dir("deepseek_v3", rope_parameters=DEEPSEEK_YARN)
+    sequences, got = run_engine(path, "bfloat16", "raw_logprobs", 1.0)
+    expected = trainer_logprobs(path, "bfloat16", sequences, 1.0)
+    for i, (mine, theirs) in enumerate(zip(got, expected)):
+        unequal = (mine != theirs).sum().item()
+        assert unequal == 0, f"sample {i}: {unequal} of {len(mine)} log-probs differ"
 
 
 # Families vLLM runs through its Transformers backend (transformers' own modules between vLLM's
