@@ -12,7 +12,7 @@ import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
 
-from rl_harness import config, policy, rundir, runner
+from rl_harness import config, policy, recipes, rundir, runner
 from rl_harness.__main__ import main
 from rl_harness.errors import RunDirError
 
@@ -122,7 +122,9 @@ def test_config_and_summary_record_the_number_of_processes(tmp_path, cache, caps
     assert "- processes: 1 (data-parallel world size" in capsys.readouterr().out
     values = json.loads((out / "config.json").read_text())
     assert values["world_size"] == 1
-    assert config.load(out / "config.json") == config.build({}, TINY)
+    assert config.load(out / "config.json") == config.build(
+        recipes.overrides("zero_mismatch"), TINY
+    )
     summary = (out / "summary.md").read_text()
     assert "- processes: 1 (data-parallel world size" in summary
     (out / "config.json").write_text(json.dumps({**values, "world_size": 2}))
