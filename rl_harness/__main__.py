@@ -33,6 +33,10 @@ from . import (
 from . import config as config_lib
 from .errors import HarnessError, RunDirError
 
+DESCRIPTION = (
+    "The RL harness: runs, sweeps and studies of training-inference mismatch (manual: "
+    "rl_harness/README.md). `run` under `torchrun --nproc-per-node N` runs data-parallel."
+)
 EXIT_ERROR = 2
 
 
@@ -129,7 +133,7 @@ def _recipes(args: argparse.Namespace) -> int:
 
 
 def _remedies(args: argparse.Namespace) -> int:
-    print(remedies.markdown())
+    print(f"{remedies.LEGEND}:\n\n{remedies.markdown()}")
     return 0
 
 
@@ -262,7 +266,7 @@ TOOLS: dict[str, Tool] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rl_harness", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rl_harness", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (summary, add_arguments, _) in TOOLS.items():
         add_arguments(commands.add_parser(name, help=summary))

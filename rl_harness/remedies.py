@@ -200,6 +200,12 @@ REMEDIES: dict[str, Remedy] = {
 }
 
 
+LEGEND = (
+    "rho_t = exp(r_t), r_t the trainer's minus the rollout's log-prob of a token, "
+    "R = sum_t r_t over a sequence; w_t a token's weight in the loss"
+)
+
+
 def markdown() -> str:
     """The README's list of remedies, one line per record (``python -m rl_harness remedies``)."""
     return "\n".join(

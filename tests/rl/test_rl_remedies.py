@@ -177,4 +177,6 @@ def test_the_readme_lists_every_remedy_as_its_record_states_it(capsys):
     block = readme.split("<!-- remedies: begin -->\n")[1].split("\n<!-- remedies: end -->")[0]
     assert block == remedies.markdown()
     assert main(["remedies"]) == 0
-    assert capsys.readouterr().out == remedies.markdown() + "\n"
+    # issue 71, item 5: the command defines rho_t, r_t and R before using them
+    assert capsys.readouterr().out == f"{remedies.LEGEND}:\n\n{remedies.markdown()}\n"
+    assert remedies.LEGEND.startswith("rho_t = exp(r_t), r_t the trainer's minus")
