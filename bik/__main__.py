@@ -5,7 +5,7 @@ import sys
 
 from . import models
 from .tools import backends, bench, demo, model, verify
-from .tools.cli import UsageError
+from .tools.cli import HelpFormatter, UsageError, help_text
 
 TOOLS = {
     "demo": (demo, "show plain torch moving with the batch and bik staying bit-identical"),
@@ -23,11 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     the tool does any work: argparse checks what the text alone decides, then the tool's
     ``check(args)`` what needs the machine (the device, a model's family).
     """
-    parser = argparse.ArgumentParser(prog="python -m bik", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bik", description=help_text(__doc__), formatter_class=HelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     parsers = {}
     for name, (module, summary) in TOOLS.items():
-        parsers[name] = commands.add_parser(name, help=summary, description=module.__doc__)
+        parsers[name] = commands.add_parser(
+            name,
+            help=summary,
+            description=help_text(module.__doc__),
+            formatter_class=HelpFormatter,
+        )
         module.add_arguments(parsers[name])
     args = parser.parse_args(argv)
     tool = TOOLS[args.command][0]

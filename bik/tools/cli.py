@@ -10,6 +10,7 @@ and exits with status 2, like argparse's own errors.
 import argparse
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -117,3 +118,14 @@ def check_device(device: str) -> None:
         raise UsageError(
             "--device", f"cuda requested but {why} (torch {torch.__version__}); use --device cpu"
         )
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """A tool's description as written: its paragraphs and lists kept."""
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as ``--help`` shows it: without reStructuredText markup (double
+    backquotes, ``:mod:`` roles)."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "`")

@@ -357,7 +357,7 @@ def vllm_part(directory: str, args: argparse.Namespace, echo: Callable[[str], ob
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=seed_type, default=0)
+    parser.add_argument("--seed", type=seed_type, default=0, help="the sampling seed (default 0)")
     parser.add_argument(
         "--tokens", type=positive_int, default=24, help="tokens sampled per prompt (24)"
     )

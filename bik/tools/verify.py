@@ -296,10 +296,10 @@ def model_name(text: str) -> str:
             raise argparse.ArgumentTypeError(
                 f"{text!r} {what}; verify supports the {families} families"
             )
-    raise argparse.ArgumentTypeError(
-        f"expected 'all', a preset ({', '.join(PRESETS)}), a real model "
+    raise argparse.ArgumentTypeError(  # the cause first: the list of choices is long
+        f"{problem}; expected 'all', a preset ({', '.join(PRESETS)}), a real model "
         f"({', '.join(models.MODELS)}) or a directory holding a saved model of a supported "
-        f"family ({families}); {problem}"
+        f"family ({families})"
     )
 
 
@@ -367,9 +367,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hf (default): the checks on the Hugging Face model; vllm: native vLLM and vLLM "
         "with bik against the bik-patched trainer, on a local model directory",
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=list(DTYPE_NAMES), default="float32")
-    parser.add_argument("--seed", type=seed_type, default=0)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where it runs (default cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPE_NAMES),
+        default="float32",
+        help="the model's dtype (default float32)",
+    )
+    parser.add_argument(
+        "--seed", type=seed_type, default=0, help="the prompts' and samples' seed (default 0)"
+    )
     parser.add_argument(
         "--prompts",
         type=positive_int,

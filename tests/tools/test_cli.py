@@ -4,6 +4,7 @@ Each case runs ``bik.__main__.main`` with the work it must not reach (loading or
 model, timing) replaced by a failure, so an error reported only after work began fails.
 """
 
+import re
 import subprocess
 import sys
 
@@ -153,7 +154,7 @@ def test_bad_argument_in_a_process_is_one_line_without_traceback():
     done = _run("-m", "bik", "verify", "--model", "/no/such")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1].startswith(
-        "python -m bik verify: error: argument --model: expected 'all', a preset"
+        "python -m bik verify: error: argument --model: '/no/such' does not exist; expected"
     )
 
 
@@ -179,3 +180,22 @@ def test_help_of_every_subcommand_of_both_command_lines(capsys):
         for command in commands:
             assert f" {command} " in _help(run, [command, "--help"], capsys)
     assert "95% CIs" in _help(rl_cli.main, ["--help"], capsys)
+
+
+@pytest.mark.parametrize("tool", ["demo", "verify", "bench", "model", "backends"])
+def test_help_shows_no_docstring_markup_and_keeps_its_lines(tool, capsys):
+    """Issue 71, item 5: help texts showed ``markup`` and :mod: roles, and folded verify's
+    list of checks into one paragraph; --device, --dtype and --seed had no help."""
+    with pytest.raises(SystemExit):
+        main([tool, "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":mod:" not in text
+    if tool == "verify":
+        assert "\n  batch_1_vs_n      a sequence alone" in text
+        for option in ("--device", "--dtype", "--seed"):
+            assert re.search(rf"\n  {option} \S+\s+\S", text), option
+
+
+def test_a_missing_model_directory_is_named_first(capsys, tmp_path):
+    line = usage_error(capsys, ["verify", "--model", str(tmp_path / "nosuch")])
+    assert f"argument --model: '{tmp_path / 'nosuch'}' does not exist; expected" in line

@@ -529,7 +529,9 @@ def plot(result: dict, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where it runs (default cpu)"
+    )
     ops = case_lib.all_ops()
     parser.add_argument(
         "--ops",
