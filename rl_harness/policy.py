@@ -293,7 +293,7 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
 
 
 def warmup(
-    master: torch.nn.Module, config: Config, cache_dir: str | Path, progress: bool = False
+    master: PreTrainedModel, config: Config, cache_dir: str | Path, progress: bool = False
 ) -> Path | None:
     """Supervised warm-up on the task so RL starts from partial competence; cached (see
     :func:`warmup_cache_path`), written atomically; returns the cache's path. ``progress``: a

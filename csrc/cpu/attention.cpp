@@ -171,9 +171,9 @@ void attention_impl(const AttentionArgs& p) {
   // and no read out of bounds from a kv_start written where no version counter saw it.
   for (int64_t b = 0; b < p.B; ++b)
     if (starts[b] < 0 || starts[b] >= std::max<int64_t>(p.Tk, 1))
-      throw std::invalid_argument("bik attention: kv_start[" + std::to_string(b) + "] = " +
-                                  std::to_string(starts[b]) + ", expected 0 <= kv_start < " +
-                                  std::to_string(std::max<int64_t>(p.Tk, 1)));
+      throw std::invalid_argument(
+          "bik attention: kv_start[" + std::to_string(b) + "] = " + std::to_string(starts[b]) +
+          ", expected 0 <= kv_start < " + std::to_string(std::max<int64_t>(p.Tk, 1)));
   const int64_t groups = p.Hq / p.Hkv, rows = p.B * p.Hq * p.Tq;
   const RowOptions options{p.D, p.split_size, p.window, p.scale, p.softcap};
 #pragma omp parallel if (worth_a_team(rows, 2 * rows * p.Tk * p.D, \
