@@ -519,10 +519,14 @@ class ZeroMismatchCallback(TrainerCallback):
 
     The metrics exist only with ``use_vllm=True`` and
     ``vllm_importance_sampling_correction=True`` (TRL's default); the callback refuses to run
-    without them rather than pass vacuously.
+    without them, and a run that logged no training step (``logging_steps`` above its steps)
+    raises at its end, rather than pass vacuously.
     """
 
+    checked = 0  # training steps whose logs were checked in this run
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.checked = 0
         if not (
             getattr(args, "use_vllm", False)
             and getattr(args, "vllm_importance_sampling_correction", False)
@@ -542,6 +546,15 @@ class ZeroMismatchCallback(TrainerCallback):
             raise MismatchError(
                 f"bik.trl: step {state.global_step}: training-inference mismatch: "
                 + "; ".join(problems)
+            )
+        self.checked += 1
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.checked and state.global_step:
+            raise MismatchError(
+                f"ZeroMismatchCallback: TRL logged none of the {state.global_step} training "
+                f"steps (logging_steps={getattr(args, 'logging_steps', '?')}), so no mismatch "
+                "was checked; set logging_steps to at most the steps (1: every step)"
             )
 
 

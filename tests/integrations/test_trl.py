@@ -409,6 +409,15 @@ def test_callback_names_the_step_and_the_gap():
         callback.on_log(None, state, None, logs={"loss": 0.1})
     with pytest.raises(ValueError, match="vllm_importance_sampling_correction=True"):
         callback.on_train_begin(SimpleNamespace(use_vllm=False), state, None)
+    # a run whose steps TRL never logged (logging_steps above them) checked nothing: it fails
+    args = SimpleNamespace(
+        use_vllm=True, vllm_importance_sampling_correction=True, logging_steps=10
+    )
+    callback.on_train_begin(args, state, None)
+    with pytest.raises(MismatchError, match=r"logged none of the 7 training steps .*=10\)"):
+        callback.on_train_end(args, state, None)
+    callback.on_log(args, state, None, logs=logs)
+    callback.on_train_end(args, state, None)
 
 
 def _ratio_max():
