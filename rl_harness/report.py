@@ -279,16 +279,31 @@ FLIPS_COLUMN: Column = (
     lambda h: None if (flip := _routing_flip(h)) is None else flip["frac_mean"],
     ".4f",
 )
+# PPO's ratio at the first step (before any update the trainer's pi_old equals the rollout's
+# policy, so a ratio other than 1 is mismatch alone) and the share of tokens it clipped
+PPO_COLUMNS: tuple[Column, ...] = (
+    ("PPO ratio min (step 0)", lambda h: h[0].get("ppo/ratio_min") if h else None, ".3f"),
+    ("PPO ratio max (step 0)", lambda h: h[0].get("ppo/ratio_max") if h else None, ".3f"),
+    ("clipped tokens (mean)", lambda h: _mean("ppo/clip_frac", h) if _ppo(h) else None, ".3f"),
+)
 EVAL_COLUMNS: tuple[Column, ...] = (
     ("eval accuracy peak", eval_peak, ".3f"),
     ("eval accuracy last", eval_last, ".3f"),
 )
 
 
+def _ppo(history: History) -> bool:
+    """Whether every step of ``history`` logged PPO's ratio (a REINFORCE run logs none)."""
+    return bool(history) and all("ppo/clip_frac" in m for m in history)
+
+
 def _columns(runs: Sequence[History]) -> list[Column]:
-    """The table's columns: routing flips only when a mixture-of-experts run is compared,
-    the held-out accuracy only when a run evaluated."""
+    """The table's columns: PPO's ratio and clipping when a run logged them, routing flips
+    only when a mixture-of-experts run is compared, the held-out accuracy only when a run
+    evaluated."""
     columns = list(COLUMNS)
+    if any(_ppo(h) for h in runs):
+        columns += PPO_COLUMNS
     if any(_routing_flip(h) is not None for h in runs):
         columns.append(FLIPS_COLUMN)
     if any(collapse.evaluated(h) for h in runs):

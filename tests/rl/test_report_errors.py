@@ -113,3 +113,23 @@ def test_summary_and_compare_read_collapse_flags_from_the_metrics():
     assert json.dumps(summary["first_flags"], sort_keys=True) in report.summary_markdown(summary)
     # issue 71, item 5: a 3-step run's reward means cover 3 steps, not "5"
     assert "- reward: first 3 steps 0.500, last 3 steps 0.500" in report.summary_markdown(summary)
+
+
+def test_compare_shows_ppo_ratio_and_clipping_where_runs_logged_them():
+    """Issue 71, item 5: compare.md dropped the PPO-ratio and clip columns the demo is about."""
+    row = {
+        "reward/mean": 0.5,
+        "mismatch/k3_kl": 0.0,
+        "mismatch/tokens_unequal_frac": 0.0,
+        "mismatch/logprob_abs_diff_max": 0.0,
+    }
+    ppo = [
+        dict(row, step=s, **{"ppo/ratio_min": 0.82, "ppo/ratio_max": 1.18, "ppo/clip_frac": c})
+        for s, c in enumerate((0.1, 0.3))
+    ]
+    table = report.compare_markdown({"native": ppo, "reinforce": [dict(row, step=0)]})
+    assert "| PPO ratio min (step 0) | PPO ratio max (step 0) | clipped tokens (mean) |" in table
+    assert (
+        "| native | 2 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 0.820 | 1.180 | 0.200 | none |" in table
+    )
+    assert "| reinforce | 1 | 0.500 | 0.500 | 0.00e+00 | 0.000 | - | - | - | none |" in table
