@@ -406,6 +406,9 @@ def plain_ticks(ax: Axes) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(label))
 
 
+FEW_STEPS = 4  # runs up to this many steps get one x tick per step
+
+
 def plot_panel(ax: Axes, runs: Mapping[str, Sequence[History]], key: str, title: str) -> None:
     """One line per label of ``runs``: a single history's ``key`` per step, or the mean over
     several (seeds) with the 95 % interval as a band. Each run has its own line style and
@@ -440,6 +443,10 @@ def plot_panel(ax: Axes, runs: Mapping[str, Sequence[History]], key: str, title:
         ax.set_ylim(*((centre - pad, centre + pad) if pad else (-0.1, 1.0)))
     plain_ticks(ax)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last = max((m["step"] for group in runs.values() for h in group for m in h), default=0)
+    if last < FEW_STEPS:  # the locator falls back to fractions on a narrow range: whole steps
+        ax.set_xlim(-0.5, last + 0.5)
+        ax.set_xticks(range(last + 1))
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.set_ylabel(title.split(" (")[0], fontsize=8)

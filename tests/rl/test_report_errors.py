@@ -133,3 +133,17 @@ def test_compare_shows_ppo_ratio_and_clipping_where_runs_logged_them():
         "| native | 2 | 0.500 | 0.500 | 0.00e+00 | 0.000 | 0.820 | 1.180 | 0.200 | none |" in table
     )
     assert "| reinforce | 1 | 0.500 | 0.500 | 0.00e+00 | 0.000 | - | - | - | none |" in table
+
+
+def test_a_short_runs_panels_tick_whole_steps():
+    """Issue 71, item 5: a 1-step run's x ticks were fractions (-0.045 ... 0.045), colliding."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for steps in (1, 3):
+        fig, ax = plt.subplots()
+        history = [{"step": s, "reward/mean": 0.5} for s in range(steps)]
+        report.plot_panel(ax, {"run": [history]}, "reward/mean", "reward")
+        assert list(ax.get_xticks()) == list(range(steps))
+        plt.close(fig)
