@@ -5,6 +5,14 @@ __version__ = "0.1.0"  # the one version source (setup.py reads it)
 
 from typing import TYPE_CHECKING
 
+try:
+    import torch  # noqa: F401  (every module below needs it)
+except ModuleNotFoundError as missing:  # a Python outside the project's virtualenv
+    raise ModuleNotFoundError(
+        f"bik needs torch ({missing}): run it with the project's virtualenv "
+        "(`. .venv/bin/activate`, or `.venv/bin/python -m bik ...`); `make install` creates it"
+    ) from None
+
 from .backends import available_backends, get_backend, register_backend, set_backend, use_backend
 from .contract import DEFAULT_SPLIT_SIZE, KEY_BLOCK
 from .mode import batch_invariant_mode

@@ -7,3 +7,5 @@ trainer, metrics, remedies (IS weights, rejection, fp16), schedule (LR), collaps
 directory files), runner, distributed (data parallelism under torchrun), report (summary,
 compare, plots), recipes, world_size (world size 1 vs N, step by step).
 """
+
+import bik  # noqa: F401  (first: where torch is missing, it says how to run the harness)

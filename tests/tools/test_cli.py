@@ -4,9 +4,12 @@ Each case runs ``bik.__main__.main`` with the work it must not reach (loading or
 model, timing) replaced by a failure, so an error reported only after work began fails.
 """
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from bik import hf, testing
 from bik.__main__ import TOOLS, main
 from bik.tools import bench, demo, verify
 
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ", ".join(hf.SUPPORTED_FAMILIES)
 
 
@@ -199,3 +203,21 @@ def test_help_shows_no_docstring_markup_and_keeps_its_lines(tool, capsys):
 def test_a_missing_model_directory_is_named_first(capsys, tmp_path):
     line = usage_error(capsys, ["verify", "--model", str(tmp_path / "nosuch")])
     assert f"argument --model: '{tmp_path / 'nosuch'}' does not exist; expected" in line
+
+
+def test_a_python_without_torch_is_told_how_to_run_the_tools(tmp_path):
+    """Issue 71, item 5: outside the virtualenv the tools ended in a raw
+    ``ModuleNotFoundError: torch``."""
+    python = shutil.which("python3")
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        pytest.skip("no second Python on PATH")
+    has_torch = subprocess.run([python, "-c", "import torch"], capture_output=True, cwd=tmp_path)
+    if has_torch.returncode == 0:
+        pytest.skip(f"{python} has torch")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for tool in ("bik", "rl_harness"):
+        done = subprocess.run(
+            [python, "-m", tool, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path
+        )
+        assert done.returncode == 1
+        assert "bik needs torch" in done.stderr and ".venv/bin/activate" in done.stderr
