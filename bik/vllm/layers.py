@@ -19,7 +19,8 @@ The LM head needs nothing: vLLM gathers its vocab shards' logits before the samp
 """
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import torch
 from vllm.distributed import get_tp_group, split_tensor_along_last_dim
@@ -250,10 +251,16 @@ def _take_transformers_yarn(
     rope.bik_inv_freq = inv_freq.float()
 
 
-class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
-    """YaRN RoPE (gpt-oss): BikRotaryEmbedding's forward (vLLM's class is a subclass for
-    vLLM's registry; its base is BikRotaryEmbedding here, which builds no cos/sin cache) with
-    transformers' YaRN frequencies and scale (:func:`_take_transformers_yarn`)."""
+class _TransformersYaRN:
+    """A YaRN layer of vLLM's, built by vLLM's own ``__init__`` (``VLLM_INIT``) over
+    BikRotaryEmbedding (which builds no cos/sin cache and gives the forward), then given
+    transformers' YaRN frequencies and scale (:func:`_take_transformers_yarn`), its arguments
+    checked against the config (``ROPE_TYPE``: how the engine's config names its RoPE;
+    ``DEFAULTS``: what vLLM assumes for absent keys)."""
+
+    VLLM_INIT: ClassVar[Callable[..., None]]
+    ROPE_TYPE: ClassVar[str]
+    DEFAULTS: ClassVar[dict[str, Any]]
 
     def __init__(
         self,
@@ -266,7 +273,7 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
         dtype: torch.dtype,
         **yarn: Any,
     ) -> None:
-        YaRNScalingRotaryEmbedding.__init__(
+        type(self).VLLM_INIT(  # vLLM's own, over BikRotaryEmbedding (the MRO)
             self,
             head_size,
             rotary_dim,
@@ -278,56 +285,33 @@ class BikYaRNRotaryEmbedding(YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
             **yarn,
         )
         asked = dict(
-            rope_type="yarn",
+            rope_type=self.ROPE_TYPE,
             rope_theta=base,
             factor=scaling_factor,
             original_max_position_embeddings=max_position_embeddings,
-            **yarn,
+            **{key: value for key, value in yarn.items() if key != "init_cache"},
         )
-        _take_transformers_yarn(self, rotary_dim, asked, _YARN_DEFAULTS)
+        _take_transformers_yarn(cast(BikRotaryEmbedding, self), rotary_dim, asked, self.DEFAULTS)
 
 
-# the defaults of vLLM's DeepSeek YaRN for keys a config may leave out (transformers reads an
-# absent mscale as 1 and an absent mscale_all_dim as none: the same scale)
-_DEEPSEEK_YARN_DEFAULTS = {**_YARN_DEFAULTS, "mscale": 1, "mscale_all_dim": 0}
+class BikYaRNRotaryEmbedding(_TransformersYaRN, YaRNScalingRotaryEmbedding, BikRotaryEmbedding):
+    """YaRN RoPE (gpt-oss)."""
+
+    VLLM_INIT = YaRNScalingRotaryEmbedding.__init__
+    ROPE_TYPE = "yarn"
+    DEFAULTS = _YARN_DEFAULTS
 
 
-class BikDeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding, BikRotaryEmbedding):
-    """DeepSeek-V3's YaRN RoPE (Kimi K2): BikRotaryEmbedding's interleaved forward with
-    transformers' YaRN frequencies and cos/sin scale (:func:`_take_transformers_yarn`); the
-    attention's softmax scale (mscale squared) is the model's, which vLLM and transformers
-    compute by one formula."""
+class BikDeepseekScalingRotaryEmbedding(
+    _TransformersYaRN, DeepseekScalingRotaryEmbedding, BikRotaryEmbedding
+):
+    """DeepSeek-V3's YaRN RoPE (Kimi K2), interleaved; the attention's softmax scale (mscale
+    squared) is the model's, which vLLM and transformers compute by one formula."""
 
-    def __init__(
-        self,
-        head_size: int,
-        rotary_dim: int,
-        max_position_embeddings: int,
-        base: float,
-        is_neox_style: bool,
-        scaling_factor: float,
-        dtype: torch.dtype,
-        **yarn: Any,
-    ) -> None:
-        DeepseekScalingRotaryEmbedding.__init__(
-            self,
-            head_size,
-            rotary_dim,
-            max_position_embeddings,
-            base,
-            is_neox_style,
-            scaling_factor,
-            dtype,
-            **yarn,
-        )
-        asked = dict(  # vLLM names the engine config's rope_type "deepseek_yarn"
-            rope_type="deepseek_yarn",
-            rope_theta=base,
-            factor=scaling_factor,
-            original_max_position_embeddings=max_position_embeddings,
-            **{k: v for k, v in yarn.items() if k != "init_cache"},
-        )
-        _take_transformers_yarn(self, rotary_dim, asked, _DEEPSEEK_YARN_DEFAULTS)
+    VLLM_INIT = DeepseekScalingRotaryEmbedding.__init__
+    ROPE_TYPE = "deepseek_yarn"  # vLLM renames the engine config's "yarn" for DeepSeek
+    # transformers reads an absent mscale as 1 and an absent mscale_all_dim as none: the same
+    DEFAULTS: ClassVar[dict[str, Any]] = {**_YARN_DEFAULTS, "mscale": 1, "mscale_all_dim": 0}
 
 
 def _gated_attention_forward(self: Any, positions: torch.Tensor, hidden_states: torch.Tensor):
