@@ -125,7 +125,12 @@ def test_an_active_window_runs_in_a_patched_model():
     with torch.no_grad():
         model(input_ids=torch.randint(3, 64, (1, 9)))
         left_padded = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
-        model(input_ids=torch.randint(3, 64, (1, 9)), attention_mask=left_padded)
+        counted = bik.hf.generation_position_ids(left_padded)  # the row's tokens from 0
+        ids = torch.randint(3, 64, (1, 9))
+        model(input_ids=ids, attention_mask=left_padded, position_ids=counted)
+        # transformers' default numbers columns: a decode step would misplace the row's start
+        with pytest.raises(RuntimeError, match="position_ids must number each row's tokens"):
+            model(input_ids=ids, attention_mask=left_padded)
 
 
 def test_training_mode_attention_dropout_raises():
