@@ -12,8 +12,8 @@ their own ``seed`` from one process-wide generator, a draw per row of each step'
 a request's tokens depend on the requests beside it, on how the steps were cut and on the
 process layout (an in-process engine, a TP 2 engine's worker processes), even where every
 log-prob is the trainer's. bik gives each such request a seed of its own (the engine's seed
-and the count of requests the engine took before it, ``n`` for a request of ``n`` samples)
-when the engine has a seed: the same calls then sample the same tokens at any TP degree and
+and the count of samples of the unseeded requests the engine took before it) when the engine
+has a seed: the same calls then sample the same tokens at any TP degree and
 batching. A greedy request draws nothing and keeps none.
 
 A request with its own ``seed`` samples from its own generator. A step that only prefills
