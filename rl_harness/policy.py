@@ -322,7 +322,7 @@ def warmup(
     try:
         for step in range(total):
             ids, attention, target = sft_batch(config, rng, config.warmup.batch_size)
-            loss = _sft_loss(master, ids, attention, target[:, 1:].float(), through_bik)
+            loss = _sft_loss(master, ids, attention, target[:, 1:], through_bik)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -342,7 +342,7 @@ def _sft_loss(
     target: torch.Tensor,
     through_bik: bool,
 ) -> torch.Tensor:
-    """The mean negative log-likelihood of the ``target`` tokens: through
+    """The mean negative log-likelihood of the ``target`` tokens (a 0 / 1 mask): through
     ``bik.token_logprobs`` (its fixed order, which the patched model's bits keep), or torch's
     cross-entropy (warmup.kernels=torch)."""
     logits = model(
