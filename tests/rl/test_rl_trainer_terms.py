@@ -310,3 +310,14 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
         dr = cfg.replace(**{"train.loss_agg": how})
         loss, stats = trainer.policy_loss(current.clone(), part, dr)
         assert float(loss) == pytest.approx(expected) and stats["loss"] == pytest.approx(expected)
+
+
+def test_the_entropys_vocabulary_sum_has_one_order_in_any_batch_shape():
+    """The entropy metric sums the vocabulary in bik.linear's order: a token's sum has the same
+    bits alone as in its batch (torch's sum picked its order by the tensor's shape: a resumed
+    run's entropy differed in its last bit), and agrees with float64."""
+    values = torch.randn(3, 7, 37, generator=torch.Generator().manual_seed(0))
+    sums = trainer.vocabulary_sums(values)
+    assert sums.shape == (3, 7)
+    assert torch.equal(trainer.vocabulary_sums(values[1:2, 4:5]), sums[1:2, 4:5])
+    assert torch.allclose(sums.double(), values.double().sum(-1), atol=1e-5)
