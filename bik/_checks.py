@@ -103,6 +103,18 @@ def positive_int(name, value):
     return int(value)
 
 
+def chunk_count(name, chunks, k, what="K, the last dim of x"):
+    """``chunks`` as the chunk count of a K reduction split into equal chunks: a power of two
+    (1, 2, 4, ...) dividing ``k`` (``what`` names it)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{name}: expected a positive int, got {chunks!r}")
+    if chunks & (chunks - 1):
+        raise ValueError(f"{name}: expected a power of two (1, 2, 4, ...), got {chunks}")
+    if k % chunks:
+        raise ValueError(f"{name}: {what} = {k} is not divisible by {chunks}")
+    return chunks
+
+
 def flag(name, value):
     """``value`` as a bool: True/False (or a numpy bool), never a string or a number."""
     if isinstance(value, bool | numpy.bool_):

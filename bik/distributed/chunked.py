@@ -46,18 +46,9 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.
     return gathered
 
 
-def _check_chunks(name: str, chunks: int, k: int) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"{name}: expected a positive int, got {chunks!r}")
-    if chunks & (chunks - 1):
-        raise ValueError(f"{name}: expected a power of two (1, 2, 4, ...), got {chunks}")
-    if k % chunks:
-        raise ValueError(f"{name}: K = {k} (the last dim of x) is not divisible by {chunks}")
-
-
 def _check_chunked_operands(x: torch.Tensor, weight: torch.Tensor, chunks: int) -> None:
     _check_operands("x", x, "weight", weight, None, "K, the last dim of x")
-    _check_chunks("chunks", chunks, x.shape[-1])
+    _checks.chunk_count("chunks", chunks, x.shape[-1])
 
 
 def _check_partials(partials: list[torch.Tensor]) -> None:
@@ -240,7 +231,7 @@ def chunked_linear(
     (bik.linear's backward on each chunk).
     """
     _check_operands("x", x, "weight", weight, bias, "K, the last dim of x")
-    _check_chunks("chunks", chunks, x.shape[-1])
+    _checks.chunk_count("chunks", chunks, x.shape[-1])
     return combine_partials([rank_partial(x, weight, chunks)], bias, x.dtype)
 
 
@@ -263,7 +254,7 @@ def row_parallel_linear(
     ``all_gather_object``): a disagreement raises ValueError on every rank. Forward only.
     """
     _check_operands("x_shard", x_shard, "weight_shard", weight_shard, bias, "the K slice of x")
-    _check_chunks("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
+    _checks.chunk_count("chunks_per_rank", chunks_per_rank, x_shard.shape[-1])
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_shard, weight_shard, bias)
     ):  # all_gather records no graph: gradients would silently be missing

@@ -2,7 +2,7 @@
 sparse MoE block (bik.families.MOE_FAMILIES)."""
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -69,10 +69,16 @@ class GroupedSigmoidRouter:
 
 class Experts:
     """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.layers.moe's
-    expert_mlp, whose rows do not depend on which other tokens chose the same expert."""
+    expert_mlp, whose rows do not depend on which other tokens chose the same expert;
+    ``down_chunks``: the down projection in the TP-invariant order of that many chunks."""
 
-    def __init__(self, module: torch.nn.Module, backend: str):
-        self.module, self.backend = module, backend
+    def __init__(self, module: torch.nn.Module, backend: str, down_chunks: int | None = None):
+        self.module, self.backend, self.down_chunks = module, backend, down_chunks
+
+    @staticmethod
+    def intermediate_size(module: torch.nn.Module) -> int:
+        """K of the module's down projection (``down_proj [E, H, I]``)."""
+        return cast(torch.Tensor, module.down_proj).shape[2]
 
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -82,18 +88,28 @@ class Experts:
             hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
         )
         out = run(
-            self.backend, autocast_on, expert_mlp, x, top_k_index, top_k_weights, gate_up, down
+            self.backend,
+            autocast_on,
+            expert_mlp,
+            x,
+            top_k_index,
+            top_k_weights,
+            gate_up,
+            down,
+            down_chunks=self.down_chunks,
         )
         return out.to(hidden_states.dtype)
 
 
-class ClampedSwigluExperts:
+class ClampedSwigluExperts(Experts):
     """gpt-oss's experts' forward: weights stored transposed (``gate_up_proj [E, H, 2I]``,
     gate and up interleaved; ``down_proj [E, I, H]``), each projection with a bias, the
     clamped SwiGLU between them: bik.layers.moe's expert_mlp with clamped_swiglu."""
 
-    def __init__(self, module: torch.nn.Module, backend: str):
-        self.module, self.backend = module, backend
+    @staticmethod
+    def intermediate_size(module: torch.nn.Module) -> int:
+        """K of the module's down projection (``down_proj [E, I, H]``)."""
+        return cast(torch.Tensor, module.down_proj).shape[1]
 
     def __call__(
         self,
@@ -118,6 +134,7 @@ class ClampedSwigluExperts:
             m.gate_up_proj_bias,
             m.down_proj_bias,
             activation,
+            down_chunks=self.down_chunks,
         )
         return out.to(hidden_states.dtype)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -154,37 +154,53 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
+_EXPERTS: dict[str, type[Experts]] = {
+    "experts": Experts,
+    "clamped_swiglu_experts": ClampedSwigluExperts,
+}
 _WHOLE_CACHE = "bik.attention, a sliding window over whole cache layers"
 _ROW_PARALLEL = f"bik.distributed.chunked_linear ({TP_CHUNKS} chunks: TP-invariant)"
 
 
-def _row_parallel(
-    model: torch.nn.Module, kinds: dict[str, str | None], family: Family | None
-) -> set[str]:
-    """The names of ``model``'s row-parallel linears (``ROW_PARALLEL_NAMES``) for
-    ``tp_invariant=True``; a ValueError when the order cannot apply to the model."""
-    if family is not None and family.moe:
-        raise ValueError(
-            f"tp_invariant: {family.model_type!r} is a mixture-of-experts model; the "
-            "TP-invariant order covers dense models only"
-        )
+def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[str]:
+    """The names of ``model``'s row-parallel layers for ``tp_invariant=True``: its
+    row-parallel linears (``ROW_PARALLEL_NAMES``) and its experts modules (whose down
+    projection tensor parallelism splits along K, the intermediate size); a ValueError when
+    the order cannot apply to the model."""
     names = {
         name
         for name, kind in kinds.items()
-        if kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES
+        if (kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES)
+        or kind in _EXPERTS
     }
     if not names:
         raise ValueError(
             f"tp_invariant: the model has no row-parallel linear ({', '.join(ROW_PARALLEL_NAMES)})"
         )
     for name in sorted(names):
-        k = cast(torch.Tensor, model.get_submodule(name).weight).shape[1]
+        module = model.get_submodule(name)
+        experts = _EXPERTS.get(kinds[name] or "")
+        if experts is not None:
+            k = experts.intermediate_size(module)
+        else:
+            k = cast(torch.Tensor, module.weight).shape[1]
         if k % TP_CHUNKS:
             raise ValueError(
                 f"tp_invariant: {name} has K = {k} input features, not divisible by "
                 f"bik.contract.TP_CHUNKS = {TP_CHUNKS}"
             )
     return names
+
+
+def _tp_invariant_forward(
+    module: torch.nn.Module, kind: str | None, backend: str
+) -> tuple[Any, str]:
+    """A row-parallel layer's forward in the TP-invariant order, and its report line."""
+    experts = _EXPERTS.get(kind or "")
+    if experts is None:
+        return PatchedForward(module, "row_parallel_linear", backend), _ROW_PARALLEL
+    description = f"{_FORWARDS[cast(str, kind)][1]}, down projection in {_ROW_PARALLEL}"
+    return experts(module, backend, down_chunks=TP_CHUNKS), description
 
 
 def patch_model(
@@ -209,7 +225,8 @@ def patch_model(
     ``bik.contract.TP_CHUNKS`` chunks summed by a fixed tree (``bik.distributed.chunked_linear``),
     the order bik's vLLM engine computes at every tensor-parallel degree, so the model's bits
     equal a TP 1, 2, 4 or 8 rollout's (``bik.vllm.LLM(..., tp_invariant=True)``). Off, they run
-    ``bik.linear``. Dense families only; K must be divisible by ``TP_CHUNKS`` (else ValueError).
+    ``bik.linear``. A mixture-of-experts model's experts run their down projections in the
+    same order. K must be divisible by ``TP_CHUNKS`` (else ValueError).
     pack_weights: keep each linear weight packed in the CPU kernel's layout once used, instead
     of packing it on every call (``bik.pack_weights``: faster decoding, the same bits, one
     packed copy per weight; writes through ``.data`` need ``bik.weights_changed()``).
@@ -246,7 +263,7 @@ def patch_model(
             "strict=False to bik.patch_model to patch the rest and list them in report.unpatched"
         )
 
-    row_parallel = _row_parallel(model, kinds, family) if tp_invariant else set()
+    row_parallel = _row_parallel(model, kinds) if tp_invariant else set()
     patched = {}
     settings = AttentionSettings(backend, split_size)
     for name, kind in kinds.items():
@@ -262,8 +279,7 @@ def patch_model(
                 make_forward, patched[name] = _FORWARDS[kind]
                 module.forward = make_forward(module, backend, family)
         elif name in row_parallel:
-            module.forward = PatchedForward(module, "row_parallel_linear", backend)
-            patched[name] = _ROW_PARALLEL
+            module.forward, patched[name] = _tp_invariant_forward(module, kind, backend)
         elif kind in _FORWARDS:
             make_forward, patched[name] = _FORWARDS[kind]
             module.forward = make_forward(module, backend, family)

@@ -18,7 +18,11 @@ Experts (:func:`expert_mlp`): each (token, rank) pair runs its expert's gated ML
 gpt-oss's clamped SwiGLU with biases: :func:`clamped_swiglu`) through
 :func:`bik.ops.grouped_linear.grouped_linear`, whose rows never depend on which or how many
 other tokens chose the same expert. A token's k expert outputs are weighted and summed in fp32
-in ascending rank order, then rounded once to the activations' dtype.
+in ascending rank order, then rounded once to the activations' dtype. Under tensor
+parallelism the down projection is a row-parallel linear (K, the intermediate size, is split
+across ranks): ``down_chunks`` computes it in bik's TP-invariant order
+(:func:`expert_down_partial`, the order of bik.distributed.chunked), so TP 1, 2, 4 and 8 give
+the same bits.
 
 Every elementwise step (exp, division, SiLU) uses a function whose bits do not depend on the
 tensor's layout (see bik.ops.activations), so the whole path is a function of the token alone.
@@ -29,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _checks
+from ..contract import tp_tree_sum
 from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.grouped_linear import grouped_linear
 from ..ops.log_softmax import log_softmax
@@ -119,6 +124,8 @@ def expert_mlp(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    *,
+    down_chunks: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' gated MLPs, weighted and summed per token.
 
@@ -127,7 +134,9 @@ def expert_mlp(
     transformers stores an experts module; ``activation`` maps the gate/up projection
     ``[R, 2I]`` to ``[R, I]`` (default: SiLU of the first half times the second). With biases
     (gpt-oss), each is added in fp32 to its projection's rounded output (``activation`` then
-    gets fp32). Returns ``[T, H]`` in x's dtype.
+    gets fp32). ``down_chunks``: the down projection in the TP-invariant order
+    (:func:`expert_down_partial` of that many chunks, rounded once), as tensor parallelism
+    splits it; None: one grouped linear. Returns ``[T, H]`` in x's dtype.
     """
     _checks.rank("experts", experts, 2)
     _checks.dim_size("experts", experts, 0, x.shape[0], "T, the tokens of x")
@@ -136,21 +145,71 @@ def expert_mlp(
             f"weights: expected the shape of experts {tuple(experts.shape)}, "
             f"got {tuple(weights.shape)}"
         )
-    tokens, top_k = experts.shape
     pairs = experts.reshape(-1)  # pair t * k + r: token t's expert of rank r
+    hidden = expert_hidden(x, pairs, experts.shape[1], gate_up, gate_up_bias, activation)
+    if down_chunks is None:
+        out = grouped_linear(hidden, down, pairs)
+    else:
+        out = expert_down_partial(hidden, down, pairs, down_chunks).to(x.dtype)
+    return weigh_expert_outputs(out, pairs, weights, down_bias)
+
+
+def expert_hidden(
+    x: torch.Tensor,
+    pairs: torch.Tensor,
+    top_k: int,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """The experts' hidden activations ``[T * k, I]`` in x's dtype, pair ``t * k + r`` (token
+    t's expert of rank r, ``pairs`` the experts flattened): each pair's gate/up projection
+    (column-parallel: each output column reduces the whole H) and activation."""
     projected = grouped_linear(x.repeat_interleave(top_k, 0), gate_up, pairs)
     if gate_up_bias is not None:
         projected = projected.float() + gate_up_bias.float()[pairs]
-    hidden = activation(projected).to(x.dtype)
-    out = grouped_linear(hidden, down, pairs).float()
+    return activation(projected).to(x.dtype)
+
+
+def expert_down_partial(
+    hidden: torch.Tensor, down: torch.Tensor, pairs: torch.Tensor, chunks: int
+) -> torch.Tensor:
+    """The experts' down projection (``hidden [R, K] @ down[pairs].T``) as the fp32 tree sum
+    of ``chunks`` equal K chunks, each one grouped linear from zero on the exact fp32 casts:
+    the TP-invariant order of a row-parallel linear (bik.distributed.chunked) for the
+    experts. A rank holding K slice r of T (``chunks`` = C / T) computes its subtree; the
+    ranks' partials summed by ``bik.contract.tp_tree_sum`` give the C-chunk result at any T."""
+    _checks.chunk_count("chunks", chunks, hidden.shape[-1], "K, the experts' intermediate size")
+    step = hidden.shape[-1] // chunks
+    hidden32, down32 = hidden.float(), down.float()
+    parts = [
+        grouped_linear(
+            hidden32[:, i * step : (i + 1) * step], down32[:, :, i * step : (i + 1) * step], pairs
+        )
+        for i in range(chunks)
+    ]
+    return tp_tree_sum(parts)
+
+
+def weigh_expert_outputs(
+    out: torch.Tensor,
+    pairs: torch.Tensor,
+    weights: torch.Tensor,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each token's k expert outputs (``out [T * k, H]``, rounded to the activations' dtype;
+    the down bias added in fp32) weighted and summed in fp32 in ascending rank order, then
+    rounded once to out's dtype."""
+    tokens, top_k = weights.shape
+    total32 = out.float()
     if down_bias is not None:
-        out = out + down_bias.float()[pairs]
-    out = out.view(tokens, top_k, -1)
+        total32 = total32 + down_bias.float()[pairs]
+    total32 = total32.view(tokens, top_k, -1)
     weights = weights.float()
-    total = out[:, 0] * weights[:, :1]
+    total = total32[:, 0] * weights[:, :1]
     for rank in range(1, top_k):  # ascending rank order, in fp32
-        total = total + out[:, rank] * weights[:, rank : rank + 1]
-    return total.to(x.dtype)
+        total = total + total32[:, rank] * weights[:, rank : rank + 1]
+    return total.to(out.dtype)
 
 
 def clamped_swiglu(projected: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

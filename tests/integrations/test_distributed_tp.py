@@ -273,6 +273,44 @@ def test_tp_invariant_model_equals_every_tp_degree(dtype):
             assert not torch.equal(model(ids).logits, expected)
 
 
+def _emulate_moe_tp(model, degree):
+    """``_emulate_tp``, and every experts module's down projection as ``degree`` TP ranks
+    would compute it (each rank its intermediate slice's TP_CHUNKS / degree chunks)."""
+    _emulate_tp(model, degree)
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.forward = lambda x, experts, weights, m=module: worker.moe_tp_emulation(
+                x, experts, weights, m.gate_up_proj, m.down_proj, degree=degree
+            )
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tp_invariant_moe_model_equals_every_tp_degree(family, dtype):
+    """A mixture-of-experts model patched with tp_invariant: the experts' down projections
+    run in the TP-invariant order too (vLLM splits them along the intermediate size), so the
+    logits equal those of the model whose experts and row-parallel linears are computed as
+    TP 2, 4 and 8 ranks would; the plain grouped down projection gives other logits."""
+    ids = torch.randint(3, 256, (3, 13), generator=torch.Generator().manual_seed(0))
+    model = _tiny_model(dtype, family)
+    report = bik.patch_model(model, backend="cpu", tp_invariant=True)
+    experts = [name for name in report.patched if name.endswith("mlp.experts")]
+    assert experts and all("down projection in" in report.patched[name] for name in experts)
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert_bitwise(model(ids[1:2]).logits, expected[1:2], "a row alone")
+        for degree in (2, 4, 8):
+            twin = _tiny_model(dtype, family)
+            bik.patch_model(twin, backend="cpu", tp_invariant=True)
+            _emulate_moe_tp(twin, degree)
+            assert_bitwise(twin(ids).logits, expected, f"TP degree {degree}")
+        if dtype == torch.float32:
+            # Negative control: the experts' down projection as one grouped linear.
+            for name in experts:
+                model.get_submodule(name).forward.down_chunks = None
+            assert not torch.equal(model(ids).logits, expected)
+
+
 def test_tp_invariant_backward_is_deterministic():
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     grads = []
@@ -291,5 +329,7 @@ def test_tp_invariant_bad_arguments():
         bik.patch_model(_tiny_model(), tp_invariant="yes")
     with pytest.raises(ValueError, match=r"down_proj has K = 100 input features, not divisible by"):
         bik.patch_model(_tiny_model(intermediate_size=100), tp_invariant=True)
-    with pytest.raises(ValueError, match=r"'qwen3_moe' is a mixture-of-experts model"):
-        bik.patch_model(_tiny_model(family="qwen3_moe"), tp_invariant=True)
+    with pytest.raises(ValueError, match=r"mlp.experts has K = 36 input features, not divisible"):
+        bik.patch_model(
+            _tiny_model(family="qwen3_moe", moe_intermediate_size=36), tp_invariant=True
+        )

@@ -112,24 +112,30 @@ def test_route_breaks_ties_toward_the_lower_expert_index(backend):
     tokens=st.integers(1, 40),
     top_k=st.integers(1, 4),
     seed=st.integers(0, 50),
+    down_chunks=st.sampled_from([None, 4]),  # 4 chunks of the intermediate size 20
 )
-def test_expert_mlp_token_depends_only_on_the_token(backend, dtype, tokens, top_k, seed):
+def test_expert_mlp_token_depends_only_on_the_token(
+    backend, dtype, tokens, top_k, seed, down_chunks
+):
     hidden, inner, num_experts = 24, 20, 6
     x = randn((tokens, hidden), dtype, seed)
     gate_up = randn((num_experts, 2 * inner, hidden), dtype, seed + 1)
     down = randn((num_experts, hidden, inner), dtype, seed + 2)
     logits = randn((tokens, num_experts), dtype, seed + 3, scale=2.0)
     weights, experts = route(logits, top_k, normalize=True)
-    out = expert_mlp(x, experts, weights, gate_up, down)
+    out = expert_mlp(x, experts, weights, gate_up, down, down_chunks=down_chunks)
     last = tokens - 1
     alone_weights, alone_experts = route(logits[last:], top_k, normalize=True)
     assert_bitwise(alone_weights[0], weights[last], "route alone")
-    single = expert_mlp(x[last:], alone_experts, alone_weights, gate_up, down)
+    single = expert_mlp(
+        x[last:], alone_experts, alone_weights, gate_up, down, down_chunks=down_chunks
+    )
     assert_bitwise(single[0], out[last], "token alone")
 
 
+@pytest.mark.parametrize("down_chunks", [None, 8], ids=["grouped", "tp_invariant"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_mlp_accuracy(backend, dtype):
+def test_expert_mlp_accuracy(backend, dtype, down_chunks):
     tokens, hidden, inner, num_experts, top_k = 9, 32, 16, 4, 2
     x = randn((tokens, hidden), dtype, 1)
     gate_up = randn((num_experts, 2 * inner, hidden), dtype, 2, scale=0.3)
@@ -141,8 +147,17 @@ def test_expert_mlp_accuracy(backend, dtype):
             e = experts[t, rank]
             gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
             expected[t] += weights[t, rank].double() * (down[e].double() @ (F.silu(gate) * up))
-    out = expert_mlp(x, experts, weights, gate_up, down)
+    out = expert_mlp(x, experts, weights, gate_up, down, down_chunks=down_chunks)
     assert_close_to_reference(out, expected, dtype, "expert_mlp")
+
+
+def test_expert_mlp_down_chunks_errors():
+    f32 = torch.float32
+    x, gate_up, down = randn((3, 8), f32, 1), randn((2, 12, 8), f32, 2), randn((2, 8, 6), f32, 3)
+    weights, experts = route(randn((3, 2), f32, 4), 1, normalize=True)
+    for chunks, match in ((3, "power of two"), (4, "intermediate size = 6 is not divisible")):
+        with pytest.raises(ValueError, match=f"^chunks: .*{match}"):
+            expert_mlp(x, experts, weights, gate_up, down, down_chunks=chunks)
 
 
 def test_negative_control_transformers_experts_depend_on_the_other_tokens():

@@ -238,9 +238,46 @@ def tp_emulation(
         rank_partial(k_slice(x, r, degree), k_slice(weight, r, degree), chunks // degree)
         for r in range(degree)
     ]
-    while len(partials) > 1:  # the top of the tree: neighbours pairwise, in rank order
+    total = _tree_of_ranks(partials)
+    return (total if bias is None else total + bias.float()).to(x.dtype)
+
+
+def _tree_of_ranks(partials: list[torch.Tensor]) -> torch.Tensor:
+    """The top of the TP-invariant tree: neighbours pairwise, in rank order."""
+    while len(partials) > 1:
         partials = [partials[i] + partials[i + 1] for i in range(0, len(partials), 2)]
-    return (partials[0] if bias is None else partials[0] + bias.float()).to(x.dtype)
+    return partials[0]
+
+
+def moe_tp_emulation(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    degree: int,
+) -> torch.Tensor:
+    """A SiLU experts module at TP degree ``degree`` in one process, as vLLM shards it: rank r
+    holds the rows of its intermediate slice of the gate and of the up projection
+    (``gate_up [E, 2I, H]``) and that K slice of the down projection (``down [E, H, I]``);
+    its partial is its slice's TP_CHUNKS / degree chunks; the partials are tree-summed in
+    rank order and rounded once, then each token's experts are weighed."""
+    from bik.contract import TP_CHUNKS
+    from bik.layers.moe import expert_down_partial, expert_hidden, weigh_expert_outputs
+
+    pairs, top_k = experts.reshape(-1), experts.shape[1]
+    gate, up = gate_up.chunk(2, dim=1)
+    partials = []
+    for r in range(degree):
+        rows = torch.cat(
+            [k_slice(gate.transpose(1, 2), r, degree), k_slice(up.transpose(1, 2), r, degree)], 2
+        )
+        hidden = expert_hidden(x, pairs, top_k, rows.transpose(1, 2))
+        partials.append(
+            expert_down_partial(hidden, k_slice(down, r, degree), pairs, TP_CHUNKS // degree)
+        )
+    return weigh_expert_outputs(_tree_of_ranks(partials).to(x.dtype), pairs, weights)
 
 
 def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
