@@ -170,8 +170,7 @@ def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[s
     names = {
         name
         for name, kind in kinds.items()
-        if (kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES)
-        or kind in _EXPERTS
+        if (kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES) or kind in _EXPERTS
     }
     if not names:
         raise ValueError(
