@@ -131,21 +131,22 @@ def check_settings(settings: EngineSettings) -> None:
 
 def moe_tensor_parallel_problem(config: dict, tensor_parallel: int) -> str | None:
     """What is wrong with running a model whose config is ``config`` (config.json's keys) at
-    ``tensor_parallel`` in bik.vllm: a mixture-of-experts model above TP 1, or None."""
+    ``tensor_parallel`` in bik.vllm: a mixture-of-experts model with biased experts (gpt-oss)
+    above TP 1, or None."""
     experts = max((config.get(key) or 0 for key in EXPERT_COUNT_KEYS), default=0)
-    if not experts or tensor_parallel == 1:
+    if not experts or tensor_parallel == 1 or config.get("model_type") != "gpt_oss":
         return None
     return (
-        f"a mixture-of-experts model ({config.get('model_type')!r}, {experts} experts) at "
-        f"tensor_parallel_size={tensor_parallel}: bik.vllm routes experts at "
-        "tensor_parallel_size=1 only (vLLM would shard the experts and all-reduce them in "
-        "its own order)"
+        f"a mixture-of-experts model with biased experts ({config.get('model_type')!r}, "
+        f"{experts} experts) at tensor_parallel_size={tensor_parallel}: vLLM loads the experts' "
+        "down bias on rank 0 only, an order bik does not compute; run it at "
+        "tensor_parallel_size=1"
     )
 
 
 def check_hf_config(hf_config: "PreTrainedConfig", tensor_parallel: int = 1) -> None:
     """Raise for a model bik.vllm cannot run at ``tensor_parallel``, read off its
-    transformers config before vLLM builds it: a mixture-of-experts model, or one with
+    transformers config before vLLM builds it: a model with biased experts, or one with
     recurrent (linear-attention or state-space) layers, above TP 1; one whose vLLM model code
     cannot be imported here (vLLM would fail part-way, with a less direct error)."""
     problem = (
@@ -269,7 +270,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
         elif isinstance(module, MoERunner):
             bik_layers.append(name)
             limit = getattr(hf_config, "swiglu_limit", None)
-            problems.extend(moe.problems(name, module, hf_config.model_type, limit))
+            problems.extend(moe.problems(name, module, hf_config.model_type, limit, tp_invariant()))
         elif isinstance(module, CustomOp):
             problems.append(f"{name} ({kind}): not computed by bik")
         elif isinstance(module, LinearBase) and not isinstance(

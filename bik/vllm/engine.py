@@ -37,7 +37,7 @@ def vllm_problem() -> str | None:
 def model_problem(model_dir: str, tensor_parallel: int = 1) -> str | None:
     """Why bik.vllm cannot run the model in ``model_dir`` at ``tensor_parallel``, read off
     its config.json before any engine starts (None when it can, or when the directory has no
-    readable config: the loader reports that): a mixture-of-experts model above TP 1."""
+    readable config: the loader reports that): biased experts (gpt-oss) above TP 1."""
     from .config import moe_tensor_parallel_problem
 
     try:

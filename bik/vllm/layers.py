@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import torch
-from vllm.distributed import get_tp_group, split_tensor_along_last_dim
+from vllm.distributed import split_tensor_along_last_dim
 from vllm.model_executor.layers.activation import (
     GeluAndMul,
     ReLUSquaredActivation,
@@ -46,13 +46,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
 from vllm.model_executor.models.transformers.fusers.rms_norm import TPAwareRMSNorm
 
-from ..contract import TP_CHUNKS
-from ..distributed import combine_partials, rank_partial
 from ..layers.rotary import apply_rotary, apply_rotary_pairs, default_inv_freq, rotary_cos_sin
 from ..ops.activations import gelu_tanh, sigmoid, silu_and_mul
 from ..ops.matmul import linear
 from ..ops.rms_norm import gated_rms_norm, gemma_rms_norm, rms_norm_like_transformers
 from . import gdn, mamba2, mla, moe
+from .ranks import gather_tp_ranks, row_parallel_in_order
 
 
 class BikRMSNorm(RMSNorm):
@@ -335,19 +334,10 @@ def _keep_weights(self, layer):
     """bik reads ``layer.weight`` as loaded: nothing to repack."""
 
 
-def _gather_ranks(layer: Any, t: torch.Tensor) -> list[torch.Tensor]:
-    """Every TP rank's ``t``, in rank order (exact copies)."""
-    if layer.tp_size == 1:
-        return [t]
-    return list(get_tp_group().all_gather(t.contiguous(), dim=0).chunk(layer.tp_size, dim=0))
-
-
 def _row_parallel_forward(
     self: RowParallelLinear, input_: torch.Tensor
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-    """RowParallelLinear.forward in the TP-invariant order: this rank's subtree of
-    ``TP_CHUNKS / T`` chunks in fp32, the ranks' partials gathered and tree-summed in rank
-    order, the full bias added once, one rounding (check_model checks the divisibility)."""
+    """RowParallelLinear.forward in the TP-invariant order (:func:`row_parallel_in_order`)."""
     if not self.reduce_results:
         raise NotImplementedError(
             "bik.vllm tp_invariant: a row-parallel linear whose sum a later layer takes "
@@ -356,9 +346,7 @@ def _row_parallel_forward(
     x = input_
     if not self.input_is_parallel:
         x = split_tensor_along_last_dim(input_, num_partitions=self.tp_size)[self.tp_rank]
-    partials = _gather_ranks(self, rank_partial(x, self.weight, TP_CHUNKS // self.tp_size))
-    bias = None if self.skip_bias_add else self.bias
-    output = combine_partials(partials, bias, x.dtype)
+    output = row_parallel_in_order(self, x)
     if not self.return_bias:
         return output
     return output, self.bias if self.skip_bias_add else None
@@ -386,7 +374,7 @@ def _vocab_parallel_embedding_forward(
         shard.added_vocab_end_index,
     )
     rows = self.quant_method.embedding(self, masked.long()).masked_fill(foreign.unsqueeze(-1), -0.0)
-    ranks = _gather_ranks(self, rows)
+    ranks = gather_tp_ranks(self.tp_size, rows)
     out = ranks[0]
     for other in ranks[1:]:
         out = out + other

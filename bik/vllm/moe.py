@@ -10,8 +10,16 @@ group-limited top-k with a score-correction bias of DeepSeek-V3 and GLM-4.5); th
 through bik.layers.moe.expert_mlp on the weights as loaded (vLLM's CPU method would prepack
 them for its grouped GEMM; bik keeps them, so a weight update written into the parameters is
 what the next step uses); a shared expert's gate through ``bik.sigmoid``. What the runner
-supports beyond that (other routers, biased or quantised experts, expert, data or tensor
-parallelism) is refused when the engine starts (:func:`problems`), never run in vLLM's order.
+supports beyond that (other routers, quantised experts, expert or data parallelism) is
+refused when the engine starts (:func:`problems`), never run in vLLM's order.
+
+Under tensor parallelism (``tp_invariant``), every rank holds the intermediate slice r of each
+expert; the router runs whole on every rank (the same bits), each rank computes its slice's
+down-projection partial in bik's TP-invariant order (bik.layers.moe.expert_down_partial), and
+the partials are gathered and tree-summed in rank order, so each rank has the whole output and
+vLLM's final all-reduce is not called; a shared expert's down projection is summed the same
+way. With ``tp_invariant`` on, TP 1 runs the same chunks: every degree gives the bits of
+``bik.patch_model(model, tp_invariant=True)``.
 """
 
 import functools
@@ -28,10 +36,21 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
     UnquantizedFusedMoEMethod,
 )
 
+from ..contract import TP_CHUNKS
+from ..distributed import combine_partials
 from ..families import FAMILIES
-from ..layers.moe import clamped_swiglu, expert_mlp, route, route_grouped_sigmoid
+from ..layers.moe import (
+    clamped_swiglu,
+    expert_down_partial,
+    expert_hidden,
+    route,
+    route_grouped_sigmoid,
+    weigh_expert_outputs,
+)
 from ..ops.activations import sigmoid, silu_and_mul
+from ..ops.grouped_linear import grouped_linear
 from ..ops.matmul import linear
+from .ranks import gather_tp_ranks, row_parallel_in_order
 
 Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> weights, experts
 # gpt-oss's SwiGLU slope: a constant of transformers' GptOssExperts (``alpha``), not a config key
@@ -77,27 +96,48 @@ def _runner_forward(
     elif self.gate is not None:
         router_logits, _ = self.gate(x)
     weights, chosen = routing(router_logits)
-    experts: Any = self.routed_experts
-    biased = self.moe_config.has_bias
-    out = expert_mlp(
-        x,
-        chosen,
-        weights,
-        experts.w13_weight,
-        experts.w2_weight,
-        experts.w13_bias if biased else None,
-        experts.w2_bias if biased else None,
-        self._bik_activation,
-    )
+    out = _routed_experts(self, x, chosen, weights)
     if self._shared_experts is None:
         return out
     # a gated MLP (gate_up_proj, act_fn, down_proj); Qwen2-MoE's has an expert_gate, whose
     # sigmoid its forward takes with torch: bik's is computed here instead
     shared: Any = self._shared_experts._layer
-    mlp, _ = shared.down_proj(shared.act_fn(shared.gate_up_proj(x)[0]))
+    hidden = shared.act_fn(shared.gate_up_proj(x)[0])
+    if self._bik_down_chunks is None:
+        mlp, _ = shared.down_proj(hidden)
+    else:  # summed over the ranks here, as vLLM's final all-reduce would
+        mlp = row_parallel_in_order(shared.down_proj, hidden)
     if getattr(shared, "expert_gate", None) is not None:
         mlp = sigmoid(shared.expert_gate(x)[0]) * mlp
     return out + mlp
+
+
+def _routed_experts(
+    self: MoERunner, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """bik.layers.moe.expert_mlp on this rank's experts: under tensor parallelism (rank r of
+    T holds the intermediate slice r of every expert, ``w13 [E, 2I/T, H]``, ``w2 [E, H,
+    I/T]``) the down projection's partials in the TP-invariant order, gathered from the
+    ranks and tree-summed in rank order; every rank returns the whole output."""
+    experts: Any = self.routed_experts
+    biased = self.moe_config.has_bias
+    pairs = chosen.reshape(-1)
+    hidden = expert_hidden(
+        x,
+        pairs,
+        chosen.shape[1],
+        experts.w13_weight,
+        experts.w13_bias if biased else None,
+        self._bik_activation,
+    )
+    chunks = self._bik_down_chunks
+    if chunks is None:
+        out = grouped_linear(hidden, experts.w2_weight, pairs)
+    else:
+        partial = expert_down_partial(hidden, experts.w2_weight, pairs, chunks)
+        partials = gather_tp_ranks(self.moe_config.tp_size, partial)
+        out = combine_partials(partials, None, x.dtype)
+    return weigh_expert_outputs(out, pairs, weights, experts.w2_bias if biased else None)
 
 
 def _keep_weights(self: Any, layer: Any) -> None:
@@ -175,11 +215,16 @@ def _activation(
 
 
 def problems(
-    name: str, runner: MoERunner, model_type: str, swiglu_limit: float | None = None
+    name: str,
+    runner: MoERunner,
+    model_type: str,
+    swiglu_limit: float | None = None,
+    tp_invariant: bool = False,
 ) -> list[str]:
     """What bik cannot compute in ``runner`` (a MoE layer of a ``model_type`` model, with the
-    config's ``swiglu_limit`` for gpt-oss) in the bik-patched trainer's order; with none, the
-    runner is marked for bik's forward."""
+    config's ``swiglu_limit`` for gpt-oss) in the bik-patched trainer's order (with
+    ``tp_invariant``, the trainer's TP-invariant one); with none, the runner is marked for
+    bik's forward."""
     config: Any = runner.moe_config
     router: Any = runner.router
     experts: Any = runner.routed_experts
@@ -203,12 +248,7 @@ def problems(
             "experts with biases or an activation other than SiLU-and-multiply (gpt-oss's "
             "biased, clamped SwiGLU excepted)"
         )
-    parallel = config.moe_parallel_config
-    if parallel.tp_size * parallel.dp_size * parallel.ep_size * parallel.pcp_size != 1:
-        found.append(
-            "tensor, data or expert parallelism of the experts (bik.vllm runs mixture-of-"
-            "experts models at tensor_parallel_size=1)"
-        )
+    found.extend(_parallel_problems(config.moe_parallel_config, experts, tp_invariant))
     if runner.routed_input_transform is not None or runner.routed_output_transform is not None:
         found.append("latent (transformed) expert inputs or outputs")
     fp32_logits = isinstance(routing, functools.partial) and routing.func is route_grouped_sigmoid
@@ -218,4 +258,32 @@ def problems(
         return [f"{name} ({type(runner).__name__}): {problem}" for problem in found]
     runner._bik_routing, runner._bik_activation = routing, activation
     runner._bik_fp32_logits = fp32_logits
+    tp = config.moe_parallel_config.tp_size
+    runner._bik_down_chunks = TP_CHUNKS // tp if tp_invariant else None
     return []
+
+
+def _parallel_problems(parallel: Any, experts: Any, tp_invariant: bool) -> list[str]:
+    """What bik cannot order in the experts' parallel layout: data, expert or context
+    parallelism; tensor parallelism without the TP-invariant order (bik.vllm.config refuses
+    the engine first), biased experts above TP 1 (vLLM loads gpt-oss's down bias on rank 0
+    only), an intermediate slice not divisible into its rank's chunks."""
+    found = []
+    if parallel.dp_size * parallel.ep_size * parallel.pcp_size != 1:
+        found.append(
+            "data, expert or context parallelism of the experts (bik.vllm shards experts by "
+            "tensor parallelism: enable_expert_parallel=False, data_parallel_size=1)"
+        )
+    if parallel.tp_size == 1:
+        return found
+    if not tp_invariant:
+        found.append("tensor parallelism of the experts without tp_invariant")
+    if getattr(experts, "w2_bias", None) is not None:
+        found.append("biased experts above tensor_parallel_size=1 (gpt-oss): run them at TP 1")
+    inner = experts.w2_weight.shape[-1]
+    if inner % (TP_CHUNKS // parallel.tp_size):
+        found.append(
+            f"an intermediate slice of {inner} per rank, not divisible into its "
+            f"{TP_CHUNKS // parallel.tp_size} chunks (bik.contract.TP_CHUNKS = {TP_CHUNKS})"
+        )
+    return found

@@ -148,14 +148,12 @@ def test_model_given_twice_must_agree(capsys, no_work, qwen3_dir):
     assert "argument --model: got 'tiny-qwen3' and MODEL" in line
 
 
-def test_a_mixture_of_experts_model_above_tp_1_is_refused_before_any_engine(
-    capsys, no_work, tmp_path
-):
-    """bik.vllm routes experts at TP 1 (bik.vllm.moe); given a MoE model directory and
-    ``--tp 2``, ``verify --engine vllm`` stops at once with status 2 (only config.json is
-    read)."""
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 4}')
+def test_biased_experts_above_tp_1_are_refused_before_any_engine(capsys, no_work, tmp_path):
+    """vLLM loads gpt-oss's experts' down bias on rank 0 only (bik.vllm.moe); given a gpt-oss
+    model directory and ``--tp 2``, ``verify --engine vllm`` stops at once with status 2
+    (only config.json is read)."""
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_oss", "num_local_experts": 4}')
     argv = ["verify", "--engine", "vllm", str(tmp_path), "--tp", "2"]
     line = usage_error(capsys, argv)
-    assert f"argument --tp: '{tmp_path}' holds a mixture-of-experts model ('qwen3_moe', 4" in line
-    assert "at tensor_parallel_size=2: bik.vllm routes experts at tensor_parallel_size=1" in line
+    assert f"argument --tp: '{tmp_path}' holds a mixture-of-experts model with biased" in line
+    assert "('gpt_oss', 4 experts) at tensor_parallel_size=2: vLLM loads" in line
