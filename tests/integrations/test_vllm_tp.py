@@ -170,6 +170,51 @@ def test_tp2_samples_the_tokens_tp1_samples(model_dir, dtype):
     assert _tokens(tp2) == _tokens(tp1)
 
 
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """test_vllm.py's tiny mixture-of-experts models (experts' intermediate size 64: 8 chunks
+    of 8, 4 a rank at TP 2), saved on first use."""
+    from test_vllm import saved_models
+
+    return saved_models(tmp_path_factory)
+
+
+# Qwen3-MoE (softmax router) runs at TP 2 in fp32 through `verify --engine vllm --tp 2`
+# (tests/tools/test_verify_vllm.py, with the native control).
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "deepseek_v3"])
+def test_moe_tp1_with_tp_invariant_equals_the_trainer(moe_dirs, family):
+    """Issue 65: with tp_invariant, bik's TP 1 engine runs the experts' down projections in
+    the TP-invariant chunks (and a shared expert's), as the trainer patched with
+    tp_invariant=True does: bf16 log-probs equal, bit for bit (softmax and sigmoid
+    group-limited routers, shared experts with and without a gate, latent attention)."""
+    path = moe_dirs(family)
+    request = _request(path, "bfloat16", 1)
+    _assert_equals_trainer(path, "bfloat16", request, vllm_engine.serve(request))
+
+
+@pytest.mark.slow  # a TP 2 engine per case
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+@pytest.mark.parametrize(("family", "dtype"), [("mixtral", "bfloat16"), ("glm4_moe", "float32")])
+def test_moe_tp2_equals_the_tp_invariant_trainer(moe_dirs, family, dtype):
+    """Issue 65: a mixture-of-experts model at TP 2 (each rank half of every expert's
+    intermediate size; GLM-4.5 with its shared expert and dense first layer): the experts'
+    down-projection partials gathered and tree-summed in rank order give the bits of the
+    trainer patched with tp_invariant=True."""
+    path = moe_dirs(family)
+    request = _request(path, dtype, 2)
+    _assert_equals_trainer(path, dtype, request, _run_tp2(path, dtype, request))
+
+
+def test_biased_experts_are_refused_above_tp_1(moe_dirs):
+    """vLLM loads gpt-oss's experts' down bias on rank 0 only: refused before the engine
+    builds."""
+    with pytest.raises(
+        NotImplementedError,
+        match=r"biased experts \('gpt_oss', 8 experts\) at tensor_parallel_size=2",
+    ):
+        bik.vllm.LLM(moe_dirs("gpt_oss"), tensor_parallel_size=2, tp_invariant=True)
+
+
 def test_tp_above_1_needs_tp_invariant(model_dir):
     with pytest.raises(ValueError, match=r"^bik\.vllm: tensor_parallel_size=2 without tp_inv"):
         bik.vllm.LLM(model_dir, tensor_parallel_size=2)

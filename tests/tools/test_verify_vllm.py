@@ -1,6 +1,6 @@
 """python -m bik verify --engine vllm: native vLLM and vLLM with bik against the trainer.
 
-One real run (both engines at TP 2, each in its own processes, on a tiny random-init Qwen3
+One real run (both engines at TP 2, each in its own processes, on a tiny random-init Qwen3-MoE
 saved to a directory): bik's log-probs equal the trainer's bit for bit, native vLLM's do not
 (fp32, the negative control). The argument cases stop before any model or engine runs.
 """
@@ -43,6 +43,23 @@ def _row(stdout: str, kernels: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """A tiny random-init Qwen3-MoE (head_dim 32, which native vLLM's CPU attention runs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bik.families import FAMILIES
+
+    torch.manual_seed(0)
+    config = FAMILIES["qwen3_moe"].engine_config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, max_position_embeddings=256
+    )
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
 def _verify(qwen3_dir, *options: str, timeout: int) -> str:
     """The stdout of a passing ``python -m bik verify --engine vllm`` run on ``qwen3_dir``."""
     done = subprocess.run(
@@ -58,14 +75,19 @@ def _verify(qwen3_dir, *options: str, timeout: int) -> str:
 
 @pytest.mark.slow  # minutes: 2 engines of 2 worker processes
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
-def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(qwen3_dir):
-    """Both engines at tensor parallelism 2 (2 worker processes): bik's, in the TP-invariant
-    order, equals the trainer patched with tp_invariant=True; native vLLM's does not (fp32,
-    the negative control). The TP 1 path differs only in the engine keywords; engines at TP 1
-    run in test_vllm.py (bik) and tests/rl/test_rl_vllm.py (native, against the trainer)."""
-    out = _verify(qwen3_dir, "--tp", "2", "--prompts", "8", "--tokens", "8", timeout=900)
+def test_at_tp_2_bik_vllm_equals_the_tp_invariant_trainer_and_native_vllm_does_not(
+    qwen3_moe_dir,
+):
+    """Both engines at tensor parallelism 2 (2 worker processes) on a mixture-of-experts model
+    (issue 65): bik's, in the TP-invariant order (attention's and the experts' row-parallel
+    projections), equals the trainer patched with tp_invariant=True; native vLLM's does not
+    (fp32, the negative control). The TP 1 path differs only in the engine keywords; engines
+    at TP 1 run in test_vllm.py (bik) and tests/rl/test_rl_vllm.py (native, against the
+    trainer); dense and other MoE families at TP 2 in tests/integrations/test_vllm_tp.py."""
+    out = _verify(qwen3_moe_dir, "--tp", "2", "--prompts", "8", "--tokens", "8", timeout=900)
     assert "| kernels | unequal log-probs vs trainer |" in out
     assert "TP 2 (TP-invariant order)" in out and "chunked_linear (8 chunks" in out
+    assert "experts (summed in rank order), down projection in bik.distributed.chunked" in out
     bik_unequal, total = _row(out, verify_vllm.KERNELS["bik"])
     native_unequal, native_total = _row(out, verify_vllm.KERNELS["native"])
     assert total == native_total == 8 * 2 * 8
