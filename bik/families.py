@@ -327,7 +327,10 @@ FAMILIES: dict[str, Family] = {
             expert_width_key="moe_intermediate_size",
             moe_keys=_GROUPED_ROUTER_KEYS,
             tiny_keys=(*_GROUPED_ROUTER_PRESET, ("use_qk_norm", True)),
-            vllm="exact (bf16; from a bf16 checkpoint: vLLM keeps the router in fp32)",
+            vllm=(
+                "exact (bf16; from a bf16 checkpoint: vLLM keeps the router in fp32); TP 1 = 2 "
+                "with `tp_invariant` (fp32)"
+            ),
         ),
         Family(
             "qwen3_5_text",
@@ -434,7 +437,7 @@ FAMILIES: dict[str, Family] = {
             vllm=(
                 "exact (fp32, bf16): sinks, sliding windows, YaRN RoPE, biased router and experts,"
                 " the clamped SwiGLU at the config's `swiglu_limit` (vLLM's own kernel clamps at "
-                "7)"
+                "7); refused above TP 1 (vLLM loads the experts' down bias on rank 0 only)"
             ),
         ),
         Family(
@@ -445,7 +448,7 @@ FAMILIES: dict[str, Family] = {
             "weighted and summed in fp32 in rank order",
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
-            vllm="exact (bf16); refused above TP 1",
+            vllm="exact (bf16); TP 1 = 2 with `tp_invariant` (fp32)",
         ),
     )
 }
