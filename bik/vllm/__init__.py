@@ -22,16 +22,18 @@ mixture-of-experts layers through bik's routing and grouped experts (:mod:`bik.v
 latent attention in the trainer's form (:mod:`bik.vllm.mla`) and the recurrent layers
 of the hybrids (:mod:`bik.vllm.gdn`, :mod:`bik.vllm.mamba2`, at TP 1). What bik cannot make
 invariant (torch.compile or CUDA graphs, speculative decoding, quantization, TP without
-``tp_invariant``, biased experts and recurrent layers above TP 1, PP, LoRA, scaled RoPE variants other
-than YaRN...) is refused when the engine starts; docs/vllm.md's family table says which
-families run. Then vLLM's log-probs equal
+``tp_invariant``, biased experts and recurrent layers above TP 1, PP, LoRA, scaled RoPE
+variants other than YaRN...) is refused when the engine starts; docs/vllm.md's family table
+says which families run. Then vLLM's log-probs equal
 ``bik.token_logprobs`` of the bik-patched Hugging Face model loaded from the same directory,
 for every batch vLLM forms: continuous batching, chunked prefill, prefix caching, ``n > 1``.
 
 Tensor parallelism runs with ``tp_invariant=True`` only (``BIK_VLLM_TP_INVARIANT=1`` for the
 plugin): row-parallel linears (the experts' down projections included) and the
-vocab-parallel embedding then follow bik's TP-invariant order (bik.contract), and the log-probs at every TP degree equal those of the
-model patched with ``bik.patch_model(model, tp_invariant=True)``.
+vocab-parallel embedding then follow bik's TP-invariant order (bik.contract), and the
+log-probs at every TP degree equal those of the model patched with
+``bik.patch_model(model, tp_invariant=True)``; so do expert-parallel engines
+(``enable_expert_parallel=True``).
 """
 
 import functools

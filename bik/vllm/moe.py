@@ -10,16 +10,18 @@ group-limited top-k with a score-correction bias of DeepSeek-V3 and GLM-4.5); th
 through bik.layers.moe.expert_mlp on the weights as loaded (vLLM's CPU method would prepack
 them for its grouped GEMM; bik keeps them, so a weight update written into the parameters is
 what the next step uses); a shared expert's gate through ``bik.sigmoid``. What the runner
-supports beyond that (other routers, quantised experts, expert or data parallelism) is
-refused when the engine starts (:func:`problems`), never run in vLLM's order.
+supports beyond that (other routers, quantised experts, data parallelism, expert load
+balancing) is refused when the engine starts (:func:`problems`), never run in vLLM's order.
 
 Under tensor parallelism (``tp_invariant``), every rank holds the intermediate slice r of each
 expert; the router runs whole on every rank (the same bits), each rank computes its slice's
 down-projection partial in bik's TP-invariant order (bik.layers.moe.expert_down_partial), and
 the partials are gathered and tree-summed in rank order, so each rank has the whole output and
 vLLM's final all-reduce is not called; a shared expert's down projection is summed the same
-way. With ``tp_invariant`` on, TP 1 runs the same chunks: every degree gives the bits of
-``bik.patch_model(model, tp_invariant=True)``.
+way. Under expert parallelism (``enable_expert_parallel``) each rank computes its whole
+experts' pairs in all the chunks and the ranks' rows are combined exactly
+(:func:`_expert_parallel`). With ``tp_invariant`` on, TP 1 runs the same chunks: every
+degree and layout gives the bits of ``bik.patch_model(model, tp_invariant=True)``.
 """
 
 import functools
@@ -50,7 +52,7 @@ from ..layers.moe import (
 from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.grouped_linear import grouped_linear
 from ..ops.matmul import linear
-from .ranks import gather_tp_ranks, row_parallel_in_order
+from .ranks import gather_ep_ranks, gather_tp_ranks, row_parallel_in_order
 
 Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> weights, experts
 # gpt-oss's SwiGLU slope: a constant of transformers' GptOssExperts (``alpha``), not a config key
@@ -119,6 +121,8 @@ def _routed_experts(
     T holds the intermediate slice r of every expert, ``w13 [E, 2I/T, H]``, ``w2 [E, H,
     I/T]``) the down projection's partials in the TP-invariant order, gathered from the
     ranks and tree-summed in rank order; every rank returns the whole output."""
+    if self.moe_config.moe_parallel_config.ep_size > 1:
+        return _expert_parallel(self, x, chosen, weights)
     experts: Any = self.routed_experts
     biased = self.moe_config.has_bias
     pairs = chosen.reshape(-1)
@@ -138,6 +142,32 @@ def _routed_experts(
         partials = gather_tp_ranks(self.moe_config.tp_size, partial)
         out = combine_partials(partials, None, x.dtype)
     return weigh_expert_outputs(out, pairs, weights, experts.w2_bias if biased else None)
+
+
+def _expert_parallel(
+    self: MoERunner, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts under expert parallelism: each rank holds whole experts (the
+    runner's ``expert_map``: global index -> local, -1 for another rank's) and computes the
+    (token, rank) pairs routed to them, the down projection in all of the TP-invariant order's
+    chunks (a whole expert, as the trainer's); the other pairs' rows are -0.0, the identity
+    of addition, so the rows gathered from every rank and added in rank order are exactly
+    the owner's, whichever rank that is; then each token's experts are weighed in rank
+    order, as at TP 1."""
+    experts: Any = self.routed_experts
+    pairs = chosen.reshape(-1)
+    local = self.expert_map[pairs]
+    mine = (local >= 0).nonzero().squeeze(1)
+    rows = x.repeat_interleave(chosen.shape[1], 0)[mine]
+    hidden = expert_hidden(rows, local[mine], 1, experts.w13_weight, None, self._bik_activation)
+    computed = expert_down_partial(hidden, experts.w2_weight, local[mine], TP_CHUNKS)
+    out = torch.full((pairs.shape[0], x.shape[1]), -0.0, dtype=x.dtype, device=x.device)
+    out[mine] = computed.to(x.dtype)
+    ranks = gather_ep_ranks(self.moe_config.moe_parallel_config.ep_size, out)
+    total = ranks[0]
+    for other in ranks[1:]:  # rank order; every row has one owner, the others add -0.0
+        total = total + other
+    return weigh_expert_outputs(total, pairs, weights)
 
 
 def _keep_weights(self: Any, layer: Any) -> None:
@@ -264,26 +294,30 @@ def problems(
 
 
 def _parallel_problems(parallel: Any, experts: Any, tp_invariant: bool) -> list[str]:
-    """What bik cannot order in the experts' parallel layout: data, expert or context
-    parallelism; tensor parallelism without the TP-invariant order (bik.vllm.config refuses
-    the engine first), biased experts above TP 1 (vLLM loads gpt-oss's down bias on rank 0
-    only), an intermediate slice not divisible into its rank's chunks."""
+    """What bik cannot order in the experts' parallel layout: data or context parallelism,
+    expert-parallel load balancing (redundant copies of an expert); tensor or expert
+    parallelism without the TP-invariant order (bik.vllm.config refuses the engine first),
+    biased experts above one process (vLLM loads gpt-oss's down bias on rank 0 only), an
+    intermediate slice not divisible into its rank's chunks."""
     found = []
-    if parallel.dp_size * parallel.ep_size * parallel.pcp_size != 1:
+    if parallel.dp_size * parallel.pcp_size != 1:
         found.append(
-            "data, expert or context parallelism of the experts (bik.vllm shards experts by "
-            "tensor parallelism: enable_expert_parallel=False, data_parallel_size=1)"
+            "data or context parallelism of the experts (bik.vllm shards experts by tensor or "
+            "expert parallelism: data_parallel_size=1)"
         )
-    if parallel.tp_size == 1:
+    if parallel.enable_eplb:
+        found.append("expert-parallel load balancing (enable_eplb: redundant expert copies)")
+    ranks = parallel.tp_size * parallel.ep_size
+    if ranks == 1:
         return found
     if not tp_invariant:
-        found.append("tensor parallelism of the experts without tp_invariant")
+        found.append("tensor or expert parallelism of the experts without tp_invariant")
     if getattr(experts, "w2_bias", None) is not None:
         found.append("biased experts above tensor_parallel_size=1 (gpt-oss): run them at TP 1")
-    inner = experts.w2_weight.shape[-1]
-    if inner % (TP_CHUNKS // parallel.tp_size):
+    inner, chunks = experts.w2_weight.shape[-1], TP_CHUNKS // parallel.tp_size
+    if inner % chunks:
         found.append(
-            f"an intermediate slice of {inner} per rank, not divisible into its "
-            f"{TP_CHUNKS // parallel.tp_size} chunks (bik.contract.TP_CHUNKS = {TP_CHUNKS})"
+            f"an intermediate slice of {inner} per rank, not divisible into its {chunks} "
+            f"chunks (bik.contract.TP_CHUNKS = {TP_CHUNKS})"
         )
     return found

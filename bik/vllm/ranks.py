@@ -2,8 +2,10 @@
 computes the same order in one process): a rank's fp32 partial of its K slice, the ranks'
 partials gathered exactly and summed in rank order by the top of the tree."""
 
+from typing import Any
+
 import torch
-from vllm.distributed import get_tp_group
+from vllm.distributed import get_ep_group, get_tp_group
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from ..contract import TP_CHUNKS
@@ -12,9 +14,18 @@ from ..distributed import combine_partials, rank_partial
 
 def gather_tp_ranks(tp_size: int, t: torch.Tensor) -> list[torch.Tensor]:
     """Every TP rank's ``t``, in rank order (exact copies)."""
-    if tp_size == 1:
+    return _gather(get_tp_group(), tp_size, t)
+
+
+def gather_ep_ranks(ep_size: int, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every expert-parallel rank's ``t``, in rank order (exact copies)."""
+    return _gather(get_ep_group(), ep_size, t)
+
+
+def _gather(group: Any, size: int, t: torch.Tensor) -> list[torch.Tensor]:
+    if size == 1:
         return [t]
-    return list(get_tp_group().all_gather(t.contiguous(), dim=0).chunk(tp_size, dim=0))
+    return list(group.all_gather(t.contiguous(), dim=0).chunk(size, dim=0))
 
 
 def row_parallel_in_order(layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:

@@ -352,12 +352,13 @@ def test_weights_pushed_into_a_moe_engine_reach_the_experts_and_the_router(model
     assert torch.equal(torch.tensor(got), bik.token_logprobs(logits, torch.tensor(tokens)))
 
 
-def test_mixture_of_experts_above_tp_1_is_refused_before_vllm_builds_it():
+def test_biased_experts_above_tp_1_are_refused_before_vllm_builds_them():
     from bik.vllm.config import check_hf_config
 
-    config = FAMILIES["qwen3_moe"].tiny_config()
-    check_hf_config(config)  # TP 1: bik routes the experts
-    with pytest.raises(NotImplementedError, match=r"at tensor_parallel_size=2: bik\.vllm routes"):
+    check_hf_config(FAMILIES["qwen3_moe"].tiny_config(), 2)  # issue 65: MoE at TP 2 runs
+    config = FAMILIES["gpt_oss"].tiny_config()
+    check_hf_config(config)  # TP 1: bik computes the biased experts
+    with pytest.raises(NotImplementedError, match=r"at tensor_parallel_size=2: vLLM loads the"):
         check_hf_config(config, 2)
 
 
@@ -410,13 +411,17 @@ def _moe_runner(model_type="qwen3_moe", router=None, **config):
         settings = dict(scoring_func="softmax", use_grouped_topk=False, top_k=2)
         vars(router).update(settings, renormalize=True, e_score_correction_bias=None)
         vars(router).update(routed_scaling_factor=1.0)
-    sizes = dict(tp_size=1, dp_size=1, ep_size=1, pcp_size=1)
+    inner = config.pop("inner", 16)
+    sizes = dict(tp_size=1, dp_size=1, ep_size=1, pcp_size=1, enable_eplb=False)
     parallel = SimpleNamespace(**{**sizes, **config.pop("parallel", {})})
     moe_config = dict(has_bias=False, activation=MoEActivation.SILU, moe_parallel_config=parallel)
     return SimpleNamespace(
         moe_config=SimpleNamespace(**{**moe_config, **config}),
         router=router,
-        routed_experts=SimpleNamespace(quant_method=object.__new__(UnquantizedFusedMoEMethod)),
+        routed_experts=SimpleNamespace(
+            quant_method=object.__new__(UnquantizedFusedMoEMethod),
+            w2_weight=torch.empty(4, 8, inner),  # [E, H, I of this rank]
+        ),
         routed_input_transform=None,
         routed_output_transform=None,
         routed_scaling_factor=1.0,
@@ -458,13 +463,26 @@ def test_moe_layers_bik_cannot_route_are_refused():
         "bik.vllm runs softmax top-k routers": _moe_runner(router=grouped),
         "biases or an activation other than SiLU": _moe_runner(has_bias=True),
         "other than SiLU-and-multiply": _moe_runner(activation=MoEActivation.GELU),
-        "expert parallelism of the experts": _moe_runner(parallel=dict(ep_size=2)),
+        "expert parallelism of the experts without tp_invariant": _moe_runner(
+            parallel=dict(ep_size=2)
+        ),
+        "data or context parallelism": _moe_runner(parallel=dict(dp_size=2)),
+        "expert-parallel load balancing": _moe_runner(parallel=dict(enable_eplb=True)),
     }
     for message, runner in refused.items():
         model_type = "llama" if "family" in message else "qwen3_moe"
         (problem,) = problems("model.layers.0.mlp.experts", runner, model_type)
         assert problem.startswith("model.layers.0.mlp.experts (SimpleNamespace): ")
         assert message in problem and not hasattr(runner, "_bik_routing")
+    # with tp_invariant: TP 2 and EP 2 run (issue 65), a rank's slice must split into chunks
+    for layout in (dict(tp_size=2), dict(ep_size=2)):
+        runner = _moe_runner(parallel=layout)
+        assert problems("mlp.experts", runner, "qwen3_moe", tp_invariant=True) == []
+        assert runner._bik_down_chunks == 8 // layout.get("tp_size", 1)
+    (problem,) = problems(
+        "mlp.experts", _moe_runner(parallel=dict(tp_size=2), inner=6), "qwen3_moe", None, True
+    )
+    assert "an intermediate slice of 6 per rank, not divisible into its 4 chunks" in problem
 
 
 IGNORED_BY_VLLM = [
