@@ -98,6 +98,9 @@ def _runner_forward(
     elif self.gate is not None:
         router_logits, _ = self.gate(x)
     weights, chosen = routing(router_logits)
+    capture = getattr(self.router, "capture_fn", None)
+    if capture is not None:  # vLLM's enable_return_routed_experts: bik's choices, as computed
+        capture(chosen)
     out = _routed_experts(self, x, chosen, weights)
     if self._shared_experts is None:
         return out
