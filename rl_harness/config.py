@@ -54,11 +54,12 @@ REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 WARMUP_KERNELS = ("bik", "torch")  # warmup.kernels; a saved config without it: torch
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 
-# bik.vllm runs MoE models, but the harness compares the rollout's expert choices with the
-# trainer's (routing flips), which vLLM does not report
+# The harness compares the rollout's expert choices with the trainer's (routing flips): bik's
+# engine records them (bik.vllm.routing), vLLM's own CPU engine cannot (its capture needs the
+# V2 model runner, which needs Triton)
 VLLM_MOE_REFUSAL = (
-    "the vLLM rollout does not report the expert choices the harness compares (routing "
-    "flips) for mixture-of-experts policies"
+    "native vLLM does not report the expert choices the harness compares (routing flips) for "
+    "mixture-of-experts policies on this platform"
 )
 
 
@@ -555,8 +556,9 @@ class Config(_Section):
             )
         family = FAMILIES[self.model.family]
         refused = family.vllm.startswith("refused") and not self.model.path
-        if self.rollout.engine == "vllm" and (self.model.moe or refused):
-            why = VLLM_MOE_REFUSAL if self.model.moe else f"bik.vllm {family.vllm}"
+        native_moe = self.model.moe and self.rollout.kernels == "native"
+        if self.rollout.engine == "vllm" and (native_moe or refused):
+            why = VLLM_MOE_REFUSAL if native_moe else f"bik.vllm {family.vllm}"
             raise ConfigError(
                 f"rollout.engine=vllm: {why} (model.family={self.model.family}); "
                 "use rollout.engine=hf"

@@ -44,6 +44,7 @@ import torch
 
 import bik
 import bik.vllm
+import bik.vllm.routing
 from bik.vllm.engine import cpu_binding
 
 from . import config, routing
@@ -155,10 +156,10 @@ class VllmRollout:
             )
         if master is None:
             return
-        if routing.routers(master):
+        if routing.routers(master) and cfg.rollout.kernels != "bik":
             raise ConfigError(
                 f"rollout.engine=vllm: {config.VLLM_MOE_REFUSAL} ({type(master).__name__}); "
-                "use rollout.engine=hf"
+                "use rollout.kernels=bik or rollout.engine=hf"
             )
         check_available(cfg, head_dim(master.config))
 
@@ -173,6 +174,7 @@ class VllmRollout:
         dtype = cfg.precision.rollout_dtype
         self.cfg = cfg
         self.pad, self.eos = master.config.pad_token_id, master.config.eos_token_id
+        self.moe = bool(routing.routers(master))  # bik's engine records the expert choices
         self.vllm = _import_vllm()
         self.model_dir = Path(model_dir or tempfile.mkdtemp(prefix="rl_harness_vllm_"))
         _save(master, self.model_dir)
@@ -232,7 +234,8 @@ class VllmRollout:
         consecutive ``prompts`` (tasks.prompt_batch's layout); ``seed``: the step's; ``rows``:
         every row (the engine runs in one process, see :meth:`check`).
 
-        Returns the record :func:`rl_harness.rollout.sample` returns (no ``routing``); row
+        Returns the record :func:`rl_harness.rollout.sample` returns, with a mixture-of-
+        experts policy's ``routing`` as bik's engine computed it (bik.vllm.routing); row
         ``i * n + j`` is sample ``j`` of prompt ``i``."""
         r = self.cfg.rollout
         n = r.samples_per_prompt
@@ -254,9 +257,13 @@ class VllmRollout:
         seeded = [params.clone() for _ in unique]
         for request, request_seed in zip(seeded, request_seeds(seed, len(unique), n)):
             request.seed = request_seed
+        if self.moe:
+            bik.vllm.routing.record(self.llm)
         outputs = self.llm.generate(requests, seeded, use_tqdm=False)
+        taken = bik.vllm.routing.take(self.llm) if self.moe else {}
         responses: list[list[int]] = []
         logps: list[list[float]] = []
+        records = []
         for output in outputs:
             samples = sorted(output.outputs, key=lambda c: c.index)
             if len(samples) != n:
@@ -265,7 +272,12 @@ class VllmRollout:
                 tokens = list(c.token_ids)
                 responses.append(tokens)
                 logps.append([step[t].logprob for step, t in zip(c.logprobs, tokens)])
-        return _batch(prompts, responses, logps, self.pad)
+                if self.moe:
+                    records.append(bik.vllm.routing.of_sample(taken, output.request_id, c.index, n))
+        batch = _batch(prompts, responses, logps, self.pad)
+        if self.moe:
+            batch.routing = _routing(prompts, records, batch.sequences.shape[1], batch.prompt_width)
+        return batch
 
     def close(self) -> None:
         """Shut the engine down and remove the saved model."""
@@ -313,6 +325,23 @@ def _save(master: PreTrainedModel, path: Path) -> None:
     master.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+
+
+def _routing(
+    prompts: list[list[int]],
+    records: list[tuple[torch.Tensor, torch.Tensor]],
+    length: int,
+    width: int,
+) -> torch.Tensor:
+    """The engine's expert choices (bik.vllm.routing: each row's computed positions and
+    ``[n, layers, k]`` experts) laid out as the HF rollout's ``[rows, length, layers, k]``,
+    the prompt right-aligned at ``width``; positions the engine did not compute (a cached
+    prefix, the last token) UNROUTED."""
+    _, layers, k = records[0][1].shape
+    out = torch.full((len(prompts), length, layers, k), routing.UNROUTED, dtype=torch.long)
+    for row, (prompt, (positions, experts)) in enumerate(zip(prompts, records)):
+        out[row, width - len(prompt) + positions] = experts.long()
+    return out
 
 
 def _batch(

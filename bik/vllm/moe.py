@@ -52,6 +52,7 @@ from ..layers.moe import (
 from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.grouped_linear import grouped_linear
 from ..ops.matmul import linear
+from . import routing as routing_record
 from .ranks import gather_ep_ranks, gather_tp_ranks, row_parallel_in_order
 
 Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> weights, experts
@@ -101,6 +102,7 @@ def _runner_forward(
     capture = getattr(self.router, "capture_fn", None)
     if capture is not None:  # vLLM's enable_return_routed_experts: bik's choices, as computed
         capture(chosen)
+    routing_record.capture(chosen)
     out = _routed_experts(self, x, chosen, weights)
     if self._shared_experts is None:
         return out

@@ -35,6 +35,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ..ops.log_softmax import log_softmax
+from . import routing
 
 _ORIGINAL: dict[str, Callable[..., Any]] = {
     "__init__": Sampler.__init__,
@@ -82,7 +83,8 @@ def _sample(
 def _bookkeeping_sync(self: GPUModelRunner, *args: Any, **kwargs: Any) -> Any:
     """vLLM's step bookkeeping, which rewinds the generator of every request whose sampled
     token it discards (a partial prefill): CPU generators are rewound here, to the state
-    saved before the draw, and hidden from vLLM's offset rewind."""
+    saved before the draw, and hidden from vLLM's offset rewind. The step's expert choices,
+    when recorded, are split by request here (bik.vllm.routing)."""
     batch = self.input_batch
     discarded = np.nonzero(self.discard_request_mask.np[: batch.num_reqs])[0]
     hidden = {}
@@ -91,6 +93,7 @@ def _bookkeeping_sync(self: GPUModelRunner, *args: Any, **kwargs: Any) -> Any:
         if generator is not None and generator.device.type == "cpu":
             generator.set_state(_BEFORE_DRAW[generator])
             hidden[index] = batch.generators.pop(index)
+    routing.end_step(self, args[0] if args else kwargs["scheduler_output"])
     try:
         return _ORIGINAL["_bookkeeping_sync"](self, *args, **kwargs)
     finally:

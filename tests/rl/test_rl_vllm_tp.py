@@ -1,6 +1,7 @@
 """rl_harness with a tensor-parallel vLLM rollout (``rollout.tensor_parallel=2``): two vLLM
 worker processes, one core each, run bik's TP-invariant order, and so does the one-process
-trainer, so every mismatch metric is exactly 0; a resumed run equals an uninterrupted one
+trainer, so every mismatch metric is exactly 0 (a mixture-of-experts policy's routing flips
+included); a resumed run equals an uninterrupted one
 (each request carries its own seed). Native vLLM's mismatch is measured at TP 1
 (test_rl_vllm.py) and at TP 2 by ``python -m bik verify --engine vllm --tp 2``
 (tests/tools/test_verify_vllm.py)."""
@@ -57,6 +58,17 @@ def test_tp2_rollout_has_exactly_zero_mismatch_and_trains(tp2_run):
     assert_exactly_zero_mismatch_and_trains(history)
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["rollout"]["tensor_parallel"] == 2
+
+
+@needs_two_cores
+def test_a_moe_policy_rolls_out_at_tp2_with_exactly_zero_mismatch(tmp_path, cache):
+    """Issue 65: a Qwen3-MoE policy, its experts split across the two ranks in bik's
+    TP-invariant order, trained by the one-process trainer in the same order: every mismatch
+    metric 0, and so is every routing flip, read from the experts bik's engine routed each
+    token to (bik.vllm.routing) against the trainer's."""
+    moe = ["model.family=qwen3_moe", "model.experts=4", "model.experts_per_token=2"]
+    history = _run(tmp_path / "moe", cache, [*BIK_RUN, *moe])
+    assert_exactly_zero_mismatch_and_trains(history, routing=True)
 
 
 @pytest.mark.slow  # two more TP 2 engines
