@@ -5,6 +5,7 @@ argument cases stop before any engine starts.
 """
 
 import json
+import os
 
 import pytest
 from test_cli import _never, usage_error
@@ -49,6 +50,20 @@ def test_quick_vllm_bench_of_a_hybrid_family(tmp_path):
     assert record["generated_tokens"] == 8 * 4 and record["ratio"] > 0
 
 
+@pytest.mark.slow  # two TP 2 engines
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
+def test_quick_vllm_bench_of_a_sharded_mixture_of_experts(tmp_path):
+    """--tp 2 --family qwen3_moe: both engines shard the experts over two worker processes,
+    bik's in the TP-invariant order (issue 65)."""
+    out = tmp_path / "out.json"
+    argv = ["bench", "--vllm", "--quick", "--family", "qwen3_moe", "--dtypes", "bfloat16"]
+    assert main([*argv, "--tp", "2", "--tokens", "4", "--json", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["records"]
+    assert record["shape"].startswith("qwen3_moe hidden=128 layers=2")
+    assert "TP 2, 1 thread" in record["shape"]
+    assert record["generated_tokens"] == 8 * 4 and record["ratio"] > 0
+
+
 @pytest.fixture
 def no_engine(monkeypatch):
     monkeypatch.setattr(vllm_engine, "run_engine", _never("vllm_engine.run_engine"))
@@ -66,6 +81,8 @@ def no_engine(monkeypatch):
         (["--vllm", "--runs", "0"], "argument --runs: expected an integer >= 1, got '0'"),
         (["--family", "nemotron_h"], "argument --family: applies to --vllm only"),
         (["--vllm", "--family", "gemma2"], "argument --family: invalid choice: 'gemma2'"),
+        (["--tp", "2"], "argument --tp: applies to --vllm only"),
+        (["--vllm", "--tp", "3"], "argument --tp: expected a power of two dividing 8, got 3"),
     ],
 )
 def test_vllm_arguments_are_checked_before_any_engine(capsys, no_engine, argv, message):

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ... import backends, models
-from ...contract import DTYPE_NAMES
+from ...contract import DTYPE_NAMES, TP_CHUNKS
 from ...machine import device_name, loaded, machine_load
 from ...testing import PRESETS
 from ...vllm import engine as vllm_engine
@@ -580,6 +580,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="OpenMP threads of both engines (OMP_NUM_THREADS; default: vLLM's choice)",
     )
+    vllm.add_argument(
+        "--tp",
+        type=positive_int,
+        help="both engines' tensor-parallel degree, a worker process per rank on its share of "
+        "the CPUs; bik's in the TP-invariant order (a power of two dividing "
+        f"{TP_CHUNKS}; default 1)",
+    )
     for option, default in vllm_throughput.DEFAULTS.items():
         what = {"prompts": "prompts", "tokens": "tokens generated per prompt"}
         vllm.add_argument(
@@ -599,7 +606,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-VLLM_ONLY = ("model", "family", "prompts", "tokens", "runs", "threads")
+VLLM_ONLY = ("model", "family", "prompts", "tokens", "runs", "threads", "tp")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -643,6 +650,13 @@ def _check_vllm(args):
         raise UsageError("--model", f"expected a local model directory, got {args.model!r}")
     if args.model is not None and args.family is not None:
         raise UsageError("--family", "sizes the random-init model; not with --model")
+    if args.tp is not None:
+        if TP_CHUNKS % args.tp:
+            raise UsageError("--tp", f"expected a power of two dividing {TP_CHUNKS}, got {args.tp}")
+        if len(os.sched_getaffinity(0)) < args.tp:
+            raise UsageError(
+                "--tp", f"needs a CPU per rank; this process may use fewer than {args.tp}"
+            )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -658,6 +672,7 @@ def main(args: argparse.Namespace) -> int:
             runs=args.runs,
             threads=args.threads,
             quick=args.quick,
+            tensor_parallel=args.tp or 1,
             echo=lambda line: print(line, flush=True),
             row=_row,
         )

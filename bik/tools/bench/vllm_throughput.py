@@ -6,6 +6,8 @@ caching off, since every timed run repeats the prompts) in a process of their ow
 then ``runs`` timed calls. Sampling is a rollout's: temperature 1, the sampled tokens'
 log-probs returned, ``tokens`` new tokens per prompt (end-of-sequence ignored).
 ``ratio = bik tokens/s / native tokens/s`` (= native ms / bik ms, the kernel bench's ratio).
+With ``tensor_parallel`` above 1 both engines run that many worker processes, a share of the
+CPUs each (bik.vllm.engine.cpu_binding), bik's in the TP-invariant order.
 """
 
 import os
@@ -73,18 +75,26 @@ def time_engine(
     tokens: int,
     runs: int,
     threads: int | None = None,
+    tensor_parallel: int = 1,
 ) -> dict:
     """One engine's warm-up and ``runs`` timed generate calls; its :func:`run_engine` result.
-    threads: the engine's OpenMP threads (OMP_NUM_THREADS), None: vLLM's choice."""
+    threads: the engine's OpenMP threads (OMP_NUM_THREADS), None: vLLM's choice;
+    tensor_parallel: its TP degree (bik's then in the TP-invariant order)."""
+    env = vllm_engine.cpu_binding(tensor_parallel)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    sharded = {"tensor_parallel_size": tensor_parallel, "disable_custom_all_reduce": True}
     return vllm_engine.run_engine(
         engine,
         model_dir,
         prompts,
         dtype=dtype,
         backend=backend,
+        tp_invariant=tensor_parallel > 1,
         engine_args={
             "enable_prefix_caching": False,
             "max_model_len": max(map(len, prompts)) + tokens,
+            **(sharded if tensor_parallel > 1 else {}),
         },
         sampling={
             "max_tokens": tokens,
@@ -94,7 +104,7 @@ def time_engine(
             "logprobs": 0,
         },
         timed_runs=runs,
-        env=None if threads is None else {"OMP_NUM_THREADS": str(threads)},
+        env=env or None,
     )
 
 
@@ -136,6 +146,7 @@ def run(
     threads: int | None = None,
     quick: bool = False,
     seed: int = 0,
+    tensor_parallel: int = 1,
     echo: Callable[..., object] = print,
     row: Callable[[dict], str] = str,
 ) -> dict:
@@ -143,7 +154,8 @@ def run(
     model of ``family`` (:func:`save_model`), :data:`MODEL` or with ``quick``
     :data:`QUICK_MODEL`); the bench's result dict.
     Unset counts come from :data:`DEFAULTS` (``quick``: :data:`QUICK`); ``threads`` sets
-    both engines' OpenMP threads (None: vLLM's choice)."""
+    both engines' OpenMP threads (None: vLLM's choice); ``tensor_parallel`` both engines'
+    TP degree."""
     from transformers import AutoConfig
 
     from ... import backends
@@ -163,6 +175,8 @@ def run(
         model_dir = model or save_model(scratch, **size, seed=seed, family=family)
         config = AutoConfig.from_pretrained(model_dir)
         shape = f"{describe(config)} {counts['prompts']} prompts x {counts['tokens']} tokens"
+        if tensor_parallel > 1:
+            shape += f", TP {tensor_parallel}"
         batch = sample_prompts(seed, counts["prompts"], config.vocab_size)
         records, version = [], None
         for dtype in dtypes:
@@ -176,6 +190,7 @@ def run(
                     counts["tokens"],
                     counts["runs"],
                     threads,
+                    tensor_parallel,
                 )
                 for engine in ("native", "bik")
             }
