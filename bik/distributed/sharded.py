@@ -187,10 +187,11 @@ def _check_model(model: nn.Module) -> dict[str, str]:
         )
     if family is None:
         raise ValueError(f"model: family {model_type!r} is not one bik supports")
-    if family.moe:
+    if family.moe and not hasattr(model, "_bik_expert_parallel"):
         raise ValueError(
-            f"model: {model_type!r} is a mixture-of-experts model; bik.distributed."
-            "tensor_parallel shards dense models only"
+            f"model: {model_type!r} is a mixture-of-experts model: shard its experts with "
+            "bik.distributed.expert_parallel(model, mesh) first (tensor_parallel then splits "
+            "its attention and dense MLPs)"
         )
     if model_type in _UNSPLITTABLE:
         raise ValueError(
@@ -237,8 +238,9 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     mesh's first rank) and then runs the same batches. The logits equal the one-process
     model's bit for bit at every TP degree dividing ``bik.contract.TP_CHUNKS``. Refused
     (ValueError): an unpatched model or one patched without ``tp_invariant``, a family that
-    cannot be split into whole heads (mixture-of-experts, fused projections, q/k norms over
-    all heads), a mesh that is not 1-D, a degree that does not divide TP_CHUNKS or the head
+    cannot be split into whole heads (fused projections, q/k norms over all heads), a
+    mixture-of-experts model whose experts :func:`bik.distributed.expert_parallel` has not
+    sharded, a mesh that is not 1-D, a degree that does not divide TP_CHUNKS or the head
     counts; a model sharded already (RuntimeError).
     """
     patched = _check_model(model)

@@ -6,9 +6,11 @@ from typing import Any, cast
 
 import torch
 
+from ..distributed.experts import expert_group, expert_parallel_mlp
+from ..distributed.sharded import local_weight
 from ..families import Family
 from ..layers.moe import clamped_swiglu, expert_mlp, route, route_grouped_sigmoid
-from ..ops.activations import sigmoid
+from ..ops.activations import sigmoid, silu_and_mul
 from ..ops.matmul import linear
 from .autocast import autocast_inputs, run
 
@@ -70,7 +72,9 @@ class GroupedSigmoidRouter:
 class Experts:
     """An experts module's forward (3-D gate_up_proj / down_proj weights): bik.layers.moe's
     expert_mlp, whose rows do not depend on which other tokens chose the same expert;
-    ``down_chunks``: the down projection in the TP-invariant order of that many chunks."""
+    ``down_chunks``: the down projection in the TP-invariant order of that many chunks. A
+    module sharded by bik.distributed.expert_parallel computes its rank's experts
+    (bik.distributed.experts.expert_parallel_mlp: the same bits)."""
 
     def __init__(self, module: torch.nn.Module, backend: str, down_chunks: int | None = None):
         self.module, self.backend, self.down_chunks = module, backend, down_chunks
@@ -80,23 +84,39 @@ class Experts:
         """K of the module's down projection (``down_proj [E, H, I]``)."""
         return cast(torch.Tensor, module.down_proj).shape[2]
 
+    def weights(self) -> tuple[Any, ...]:
+        """(gate_up [E, 2I, H], down [E, H, I] in nn.Linear layout, their biases or None,
+        the activation), the weights as this rank holds them."""
+        gate_up, down = (
+            local_weight(self.module, "gate_up_proj"),
+            local_weight(self.module, "down_proj"),
+        )
+        return gate_up, down, None, None, silu_and_mul
+
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        m: Any = self.module  # a family's experts: gate_up_proj and down_proj
+        gate_up, down, gate_up_bias, down_bias, activation = self.weights()
         autocast_on, (x, gate_up, down) = autocast_inputs(
-            hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
+            hidden_states.device.type, hidden_states, gate_up, down
         )
+        group = expert_group(self.module)
+        if group is None:
+            fn: Any = functools.partial(expert_mlp, down_chunks=self.down_chunks)
+        else:
+            fn = functools.partial(expert_parallel_mlp, down_chunks=self.down_chunks, group=group)
         out = run(
             self.backend,
             autocast_on,
-            expert_mlp,
+            fn,
             x,
             top_k_index,
             top_k_weights,
             gate_up,
             down,
-            down_chunks=self.down_chunks,
+            gate_up_bias,
+            down_bias,
+            activation,
         )
         return out.to(hidden_states.dtype)
 
@@ -111,32 +131,15 @@ class ClampedSwigluExperts(Experts):
         """K of the module's down projection (``down_proj [E, I, H]``)."""
         return cast(torch.Tensor, module.down_proj).shape[1]
 
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        router_indices: torch.Tensor,
-        routing_weights: torch.Tensor,
-    ) -> torch.Tensor:
+    def weights(self) -> tuple[Any, ...]:
         m: Any = self.module  # gpt-oss's experts: the transposed weights, biases, alpha, limit
-        autocast_on, (x, gate_up, down) = autocast_inputs(
-            hidden_states.device.type, hidden_states, m.gate_up_proj, m.down_proj
+        gate_up, down, gate_up_bias, down_bias = (
+            local_weight(m, name)
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         )
         activation = functools.partial(clamped_swiglu, alpha=m.alpha, limit=m.limit)
-        out = run(
-            self.backend,
-            autocast_on,
-            expert_mlp,
-            x,
-            router_indices,
-            routing_weights,
-            gate_up.transpose(1, 2),  # nn.Linear layout, a view
-            down.transpose(1, 2),
-            m.gate_up_proj_bias,
-            m.down_proj_bias,
-            activation,
-            down_chunks=self.down_chunks,
-        )
-        return out.to(hidden_states.dtype)
+        # nn.Linear layout: views
+        return gate_up.transpose(1, 2), down.transpose(1, 2), gate_up_bias, down_bias, activation
 
 
 class MoeBlock:

@@ -422,6 +422,36 @@ def spawn_tensor_parallel(world: int, out_dir: str, degrees: tuple[int, ...]) ->
     return [torch.load(os.path.join(out_dir, f"tensor_parallel{r}.pt")) for r in range(world)]
 
 
+def run_expert_parallel_rank(rank: int, world: int, out_dir: str) -> None:
+    """A Qwen3-MoE's experts over ``world`` gloo ranks (bik.distributed.expert_parallel):
+    the logits of ROWS per dtype, and the gradients of two backward runs in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bik.distributed import expert_parallel
+
+    _init(rank, world, out_dir)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        result = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = expert_parallel(tp_model("qwen3_moe", dtype, tp_invariant=False), mesh)
+            with torch.no_grad():
+                result["logits", dtype] = tp_logits(model)
+        result["grads"] = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss(model, ROWS).backward()
+            result["grads"].append(_grads(model))
+        torch.save(result, os.path.join(out_dir, f"expert_parallel{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_expert_parallel(world: int, out_dir: str) -> list[dict]:
+    mp.spawn(run_expert_parallel_rank, args=(world, out_dir), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"expert_parallel{r}.pt")) for r in range(world)]
+
+
 def run_threads(world: int, fn) -> list:
     """``fn(rank)`` on ``world`` ranks emulated in this process: one thread per rank, joined by
     torch's in-process "threaded" process group (torch.testing's, on which torch's own DTensor
