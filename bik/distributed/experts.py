@@ -13,6 +13,9 @@ pairs' fp32 rows, the others -0.0 (the identity of addition: -0.0 + x = x for ev
 exactly its owner's value, whichever rank that is and however the gather delivered it. Then
 each token's experts are weighed and summed in rank-of-k order in fp32, as in one process.
 
+Every rank must run the same tokens (data parallelism belongs on another mesh dim); under
+:func:`bik.distributed.context_parallel`, where each rank holds its own positions, it raises.
+
 Backward: the gather sends nothing back (every rank computes the same loss from the same
 combined rows, so the gradient of its own rows is its share of the incoming one); the
 experts' input is read through the rank-order gradient sum (each rank's gradient covers
@@ -36,6 +39,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from ..families import FAMILIES
 from ..layers.moe import expert_down_partial, expert_hidden, weigh_expert_outputs
 from ..ops.grouped_linear import grouped_linear
+from .context import active_group
 from .sharded import _GatherPartials, _SumGradsInRankOrder
 
 if TYPE_CHECKING:
@@ -81,6 +85,11 @@ def expert_parallel_mlp(
     """bik.layers.moe.expert_mlp with ``gate_up``, ``down`` and the biases holding this
     rank's contiguous block of experts (nn.Linear layout): the same bits on every rank as
     expert_mlp on the whole weights in one process (see the module doc)."""
+    if active_group() is not None:
+        raise NotImplementedError(
+            "bik.distributed.expert_parallel: every rank must run the same tokens; under "
+            "context_parallel each runs its own positions (keep the experts whole there)"
+        )
     local = gate_up.shape[0]
     first = dist.get_rank(group) * local
     pairs = experts.reshape(-1)

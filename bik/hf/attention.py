@@ -15,6 +15,7 @@ import torch
 
 from .. import _checks
 from ..backends import reference
+from ..distributed import context
 from ..families import SUPPORTED_FAMILIES
 from ..ops.attention import attention
 from .autocast import autocast_inputs, run
@@ -280,6 +281,10 @@ def attention_forward(
         )
     else:
         batch, _, tq, _ = query.shape
+        if context.active_group() is not None:
+            key, value, attention_mask = _context_parallel_keys(
+                query, key, value, attention_mask, kwargs
+            )
         kv_start, kv_len, window_active = _cached_kv_bounds(
             attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
         )
@@ -312,6 +317,21 @@ def attention_forward(
         sinks=kwargs.get("s_aux"),
     )
     return out[..., :value_dim].transpose(1, 2), None
+
+
+def _context_parallel_keys(query, key, value, mask, kwargs):
+    """Under bik.distributed.context_parallel: the keys and values of this rank and the ranks
+    before it, and no mask (causal, the queries last), once the call is checked to be a whole
+    unpadded chunk without a cache or a window."""
+    batch, _, tq, _ = query.shape
+    kv_start, kv_len, _ = _kv_bounds(mask, batch, tq, key.shape[2], None, None)
+    if key.shape[2] != tq or kv_len != tq or bool(kv_start.any()) or kwargs.get("sliding_window"):
+        raise ValueError(
+            "bik context parallelism: each rank's call must be its whole chunk of unpadded "
+            "rows, without a cache or a sliding window"
+        )
+    key, value = context.gather_keys(key, value, kwargs.get("position_ids"))
+    return key, value, None
 
 
 class WholeCacheAttention:
