@@ -4,7 +4,7 @@ mixture-of-experts models (8 experts), a left-padded batch of 4 rows, fp32 and b
   forward    the logits on every rank == the one-process model, bit for bit: EP 2 and 4 as
              threads of one process (torch's in-process process group; Qwen3-MoE, Mixtral,
              GLM-4.5, gpt-oss) and on 2 and 4 gloo processes (Qwen3-MoE); with
-             tensor_parallel on the same mesh for attention (tp_invariant)
+             tensor_parallel on the same mesh of 2 and 4 for attention (tp_invariant)
   backward   a rerun gives the same gradient bits, every rank the same; close to one process
   control    plain expert parallelism (transformers' experts on each rank's experts, the
              ranks' bf16 partial outputs summed) gives other logits than one process
@@ -66,13 +66,14 @@ def test_expert_parallel_logits_equal_one_process(family, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_expert_and_tensor_parallel_equal_the_tp_invariant_model(dtype):
-    """EP for the experts and TP for attention on one mesh of 2 (Qwen3-MoE, 16/8 heads), the
-    model patched with tp_invariant=True: the one-process tp_invariant logits."""
+    """EP for the experts and TP for attention on one mesh of 2 and of 4 (Qwen3-MoE, 16/8
+    heads), the model patched with tp_invariant=True: the one-process tp_invariant logits."""
     with torch.no_grad():
         one = worker.tp_logits(_model("qwen3_moe", dtype, tp_invariant=True))
-    ranks = worker.run_threads(2, _sharded("qwen3_moe", dtype, 2, True, with_tp=True))
-    for rank, (logits, _) in enumerate(ranks):
-        assert_bitwise(logits, one, f"EP x TP 2 rank {rank}")
+    for degree in (2, 4):
+        ranks = worker.run_threads(degree, _sharded("qwen3_moe", dtype, degree, True, True))
+        for rank, (logits, _) in enumerate(ranks):
+            assert_bitwise(logits, one, f"EP x TP {degree} rank {rank}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
