@@ -133,13 +133,12 @@ class ClampedSwigluExperts(Experts):
 
     def weights(self) -> tuple[Any, ...]:
         m: Any = self.module  # gpt-oss's experts: the transposed weights, biases, alpha, limit
-        gate_up, down, gate_up_bias, down_bias = (
-            local_weight(m, name)
-            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-        )
+        gate_up, down = local_weight(m, "gate_up_proj"), local_weight(m, "down_proj")
+        assert gate_up is not None and down is not None  # classify found both
+        biases = (local_weight(m, "gate_up_proj_bias"), local_weight(m, "down_proj_bias"))
         activation = functools.partial(clamped_swiglu, alpha=m.alpha, limit=m.limit)
         # nn.Linear layout: views
-        return gate_up.transpose(1, 2), down.transpose(1, 2), gate_up_bias, down_bias, activation
+        return gate_up.transpose(1, 2), down.transpose(1, 2), *biases, activation
 
 
 class MoeBlock:
