@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from ..families import FAMILIES
 from ..layers.moe import expert_down_partial, expert_hidden, weigh_expert_outputs
 from ..ops.grouped_linear import grouped_linear
 from .context import active_group
-from .sharded import _GatherPartials, _SumGradsInRankOrder
+from .sharded import _GatherPartials, _SumGradsInRankOrder, shard_first_dim
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -52,13 +52,7 @@ class _ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
-            for key, param in list(submodule.named_parameters(recurse=False)):
-                sharded = distribute_tensor(
-                    param, mesh, [Shard(0)], src_data_rank=self.src_data_rank
-                )
-                submodule.register_parameter(
-                    key, nn.Parameter(sharded, requires_grad=param.requires_grad)
-                )
+            shard_first_dim(submodule, mesh, self.src_data_rank)
 
         distribute_module(module, device_mesh, shard)
         module._bik_expert_group = device_mesh.get_group()  # type: ignore[assignment]

@@ -125,6 +125,15 @@ def tp_group(weight: torch.Tensor) -> ProcessGroup | None:
     return weight.device_mesh.get_group() if isinstance(weight, DTensor) else None
 
 
+def shard_first_dim(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    """Every parameter of ``module`` itself split along its first dim across ``mesh``
+    (``Shard(0)``: rank r holds the r-th of equal contiguous blocks), taken from the rank
+    ``src_data_rank``."""
+    for key, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=src_data_rank)
+        module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
 class _ColumnParallel(ParallelStyle):
     """Weight and bias rows split across the mesh (``Shard(0)``); the input stays a plain
     replicated tensor, its gradient summed across ranks in rank order; the output is this
@@ -133,13 +142,7 @@ class _ColumnParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
-            for key, param in list(submodule.named_parameters(recurse=False)):
-                sharded = distribute_tensor(
-                    param, mesh, [Shard(0)], src_data_rank=self.src_data_rank
-                )
-                submodule.register_parameter(
-                    key, nn.Parameter(sharded, requires_grad=param.requires_grad)
-                )
+            shard_first_dim(submodule, mesh, self.src_data_rank)
 
         def sum_grads(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
             return (_SumGradsInRankOrder.apply(inputs[0], mesh.get_group()), *inputs[1:])

@@ -26,6 +26,7 @@ process, for the TP degrees this machine has no cores for.
 import datetime
 import os
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -194,8 +195,14 @@ def run_rank(rank: int, world: int, out_dir: str, configs: list[tuple[str, torch
 def spawn(world: int, out_dir: str, configs: list[tuple[str, torch.dtype]]) -> list[dict]:
     """Run every (wrapper, dtype) config on ``world`` processes (one process group: the
     imports are the slow part); returns each rank's results, keyed by config."""
-    mp.spawn(run_rank, args=(world, out_dir, configs), nprocs=world)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return _spawn(run_rank, "rank", world, out_dir, configs)
+
+
+def _spawn(run: Any, name: str, world: int, out_dir: str, *args: Any) -> list[dict]:
+    """``run(rank, world, out_dir, *args)`` on ``world`` processes; each rank's results, which
+    it saved as ``out_dir/{name}{rank}.pt``."""
+    mp.spawn(run, args=(world, out_dir, *args), nprocs=world)
+    return [torch.load(os.path.join(out_dir, f"{name}{r}.pt")) for r in range(world)]
 
 
 def load_checkpoint(path: str) -> torch.nn.Module:
@@ -318,8 +325,7 @@ def run_tp_rank(rank: int, world: int, out_dir: str) -> None:
 
 
 def spawn_tp(world: int, out_dir: str) -> list[dict]:
-    mp.spawn(run_tp_rank, args=(world, out_dir), nprocs=world)
-    return [torch.load(os.path.join(out_dir, f"tp{r}.pt")) for r in range(world)]
+    return _spawn(run_tp_rank, "tp", world, out_dir)
 
 
 # -- the sharded trainer (bik.distributed.tensor_parallel) -----------------------------------
@@ -418,8 +424,7 @@ def run_tensor_parallel_rank(rank: int, world: int, out_dir: str, degrees: tuple
 
 
 def spawn_tensor_parallel(world: int, out_dir: str, degrees: tuple[int, ...]) -> list[dict]:
-    mp.spawn(run_tensor_parallel_rank, args=(world, out_dir, degrees), nprocs=world)
-    return [torch.load(os.path.join(out_dir, f"tensor_parallel{r}.pt")) for r in range(world)]
+    return _spawn(run_tensor_parallel_rank, "tensor_parallel", world, out_dir, degrees)
 
 
 def run_expert_parallel_rank(rank: int, world: int, out_dir: str) -> None:
@@ -448,8 +453,7 @@ def run_expert_parallel_rank(rank: int, world: int, out_dir: str) -> None:
 
 
 def spawn_expert_parallel(world: int, out_dir: str) -> list[dict]:
-    mp.spawn(run_expert_parallel_rank, args=(world, out_dir), nprocs=world)
-    return [torch.load(os.path.join(out_dir, f"expert_parallel{r}.pt")) for r in range(world)]
+    return _spawn(run_expert_parallel_rank, "expert_parallel", world, out_dir)
 
 
 def run_threads(world: int, fn) -> list:

@@ -20,44 +20,37 @@ from bik.tools import verify, verify_vllm
 from bik.vllm import engine as vllm_engine
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    """A tiny random-init Qwen3 (GQA 4/2, head_dim 32) saved with save_pretrained."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    from bik.families import FAMILIES
-
-    torch.manual_seed(0)
-    config = FAMILIES["qwen3"].tiny_config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, max_position_embeddings=256
-    )
-    path = tmp_path_factory.mktemp("qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def _row(stdout: str, kernels: str) -> tuple[int, int]:
-    match = re.search(rf"^\| {re.escape(kernels)} \| (\d+)/(\d+) \|", stdout, re.MULTILINE)
-    assert match, f"no {kernels!r} row in:\n{stdout}"
-    return int(match[1]), int(match[2])
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe_dir(tmp_path_factory):
-    """A tiny random-init Qwen3-MoE (head_dim 32, which native vLLM's CPU attention runs)."""
+def _saved(family, tmp_path_factory):
+    """A tiny random-init model of ``family`` (GQA 4/2, head_dim 32, which native vLLM's CPU
+    attention runs) saved with save_pretrained."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from bik.families import FAMILIES
 
     torch.manual_seed(0)
-    config = FAMILIES["qwen3_moe"].engine_config(
+    config = FAMILIES[family].engine_config(
         vocab_size=512, hidden_size=64, intermediate_size=128, max_position_embeddings=256
     )
-    path = tmp_path_factory.mktemp("qwen3_moe")
+    path = tmp_path_factory.mktemp(family)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return _saved("qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    return _saved("qwen3_moe", tmp_path_factory)
+
+
+def _row(stdout: str, kernels: str) -> tuple[int, int]:
+    match = re.search(rf"^\| {re.escape(kernels)} \| (\d+)/(\d+) \|", stdout, re.MULTILINE)
+    assert match, f"no {kernels!r} row in:\n{stdout}"
+    return int(match[1]), int(match[2])
 
 
 def _verify(qwen3_dir, *options: str, timeout: int) -> str:
