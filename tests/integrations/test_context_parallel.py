@@ -5,7 +5,7 @@ positions; attention gathers the keys of the ranks before it.
   forward    each rank's logits == the one-process logits of its positions, bit for bit: CP 2
              and 4, fp32 and bf16, dense (Qwen3), mixture of experts (Qwen3-MoE, its experts
              whole on every rank; expert parallelism under it is refused) and latent
-             attention (DeepSeek-V3)
+             attention (DeepSeek-V3); CP 2 on 2 gloo processes (Qwen3)
   backward   a rerun gives the same gradient bits
   control    a ring of partial softmaxes merged by their log-sum-exp (torch's context
              parallelism) gives other bits than one attention over the whole sequence
@@ -68,6 +68,17 @@ def test_each_rank_gets_the_one_process_logits_of_its_positions(family, dtype):
         for rank, (logits, _) in enumerate(_context_parallel(models, degree)):
             expected = one[:, rank * step : (rank + 1) * step]
             assert_bitwise(logits, expected, f"CP {degree} rank {rank}")
+
+
+def test_two_gloo_processes_give_the_one_process_logits(tmp_path):
+    ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    ranks = worker.spawn_context_parallel(2, str(tmp_path))
+    for dtype in DTYPES:
+        with torch.no_grad():
+            one = worker.tp_model("qwen3", dtype, tp_invariant=False)(ids, use_cache=False).logits
+        for rank, result in enumerate(ranks):
+            expected = one[:, rank * 8 : (rank + 1) * 8]
+            assert_bitwise(result[dtype], expected, f"CP 2 gloo rank {rank} {dtype}")
 
 
 def test_gradients_rerun_to_the_same_bits():

@@ -456,6 +456,29 @@ def spawn_expert_parallel(world: int, out_dir: str) -> list[dict]:
     return _spawn(run_expert_parallel_rank, "expert_parallel", world, out_dir)
 
 
+def run_context_parallel_rank(rank: int, world: int, out_dir: str) -> None:
+    """A tiny Qwen3's forward with one sequence split over ``world`` gloo ranks
+    (bik.distributed.context_parallel): each rank's logits of its positions, per dtype."""
+    from bik.distributed import context_parallel, context_shard
+
+    _init(rank, world, out_dir)
+    try:
+        result = {}
+        ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tp_model("qwen3", dtype, tp_invariant=False)
+            chunk, positions = context_shard(ids)
+            with context_parallel(model), torch.no_grad():
+                result[dtype] = model(chunk, position_ids=positions, use_cache=False).logits
+        torch.save(result, os.path.join(out_dir, f"context_parallel{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_context_parallel(world: int, out_dir: str) -> list[dict]:
+    return _spawn(run_context_parallel_rank, "context_parallel", world, out_dir)
+
+
 def run_threads(world: int, fn) -> list:
     """``fn(rank)`` on ``world`` ranks emulated in this process: one thread per rank, joined by
     torch's in-process "threaded" process group (torch.testing's, on which torch's own DTensor
