@@ -11,9 +11,11 @@ loaded; removed when the run ends). Every file but
 metrics.jsonl is replaced atomically (written beside, then renamed), so a crash leaves the old
 file or the new one, never half of one; a crash in the middle of a metrics line leaves a torn
 last line, which reading drops with a warning. A finished run may be compacted
-(:func:`compact`, ``python -m rl_harness compact``): its metrics then live gzipped in
-``metrics.jsonl.gz`` and its plots as palette PNGs; every reader takes either form, and
-resuming such a run writes the plain file back.
+(:func:`compact`, ``python -m rl_harness compact``): its metrics then live by column in
+``metrics.cols.xz`` (rl_harness.metrics_pack; ``metrics.jsonl.gz`` in runs compacted before
+it) and its plot as a palette PNG; every reader takes each form, and resuming such a run
+writes the plain file back. The runs committed under ``results/`` keep no plot
+(``python -m rl_harness compare RUN`` draws one).
 
 Trust: checkpoints load with ``torch.load(weights_only=True)`` (no pickled code), and a
 config.json naming a plug-in task (``task.module``) is loaded only when the caller names that
@@ -24,17 +26,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import os
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from . import metrics_pack
 from .errors import ConfigError, RunDirError
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
-METRICS_GZ = METRICS + ".gz"  # a compacted run's metrics (compact)
+METRICS_PACKED = "metrics.cols.xz"  # a compacted run's metrics (compact, metrics_pack)
+METRICS_GZ = METRICS + ".gz"  # a run compacted before metrics_pack: the lines gzipped
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 PLOT = "metrics.png"
@@ -70,11 +75,14 @@ def metrics_text(rows: Iterable[dict[str, Any]]) -> str:
 
 
 def metrics_path(run_dir: str | Path) -> Path:
-    """The file holding a run's metrics: ``metrics.jsonl``, or where only the compacted form
-    exists, ``metrics.jsonl.gz``."""
+    """The file holding a run's metrics: ``metrics.jsonl``, or where only a compacted form
+    exists, ``metrics.cols.xz`` or ``metrics.jsonl.gz``."""
     plain = Path(run_dir) / METRICS
-    packed = plain.with_name(METRICS_GZ)
-    return packed if packed.exists() and not plain.exists() else plain
+    if not plain.exists():
+        for name in (METRICS_PACKED, METRICS_GZ):
+            if plain.with_name(name).exists():
+                return plain.with_name(name)
+    return plain
 
 
 def has_metrics(run_dir: str | Path) -> bool:
@@ -91,10 +99,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         raise RunDirError(f"{path}: not a regular file")
     try:
         data = path.read_bytes()
+        if path.name == METRICS_PACKED:
+            return metrics_pack.unpack(data)
         text = (gzip.decompress(data) if path.name == METRICS_GZ else data).decode()
     except FileNotFoundError:
         raise RunDirError(f"{run_dir}: no {METRICS}; not an rl_harness run directory") from None
-    except (OSError, EOFError, UnicodeDecodeError) as error:
+    except (OSError, EOFError, UnicodeDecodeError, lzma.LZMAError, ValueError) as error:
         raise RunDirError(f"{path}: cannot be read ({error})") from None
     lines = text.split("\n")
     rows = []
@@ -124,21 +134,29 @@ the lines and the text's antialiasing keep their look at half the bytes of 256 c
 
 
 def compact(run_dir: str | Path) -> bool:
-    """Store a finished run small: its metrics gzipped (``metrics.jsonl.gz``, byte-for-byte
-    the same lines; no time stamp inside, so the same metrics give the same file) and its
-    plot as a palette image of :data:`RUN_PLOT_COLOURS` colours (:func:`shrink_png`). Returns
-    whether the metrics were compacted now (False: already compacted). A run still going on
-    would append to the plain file, so only a finished one (with its summary.md) is taken."""
+    """Store a finished run small: its metrics by column (``metrics.cols.xz``,
+    rl_harness.metrics_pack; no time stamp inside, so the same metrics give the same file),
+    after checking that they read back as the same lines byte for byte, and its plot as a
+    palette image of :data:`RUN_PLOT_COLOURS` colours (:func:`shrink_png`). A run compacted
+    before (``metrics.jsonl.gz``) is repacked. Returns whether the metrics were packed now
+    (False: already packed). A run still going on would append to the plain file, so only
+    a finished one (with its summary.md) is taken."""
     run_dir = Path(run_dir)
     if not (run_dir / SUMMARY).is_file():
         raise RunDirError(f"compact: {run_dir} has no {SUMMARY}: not a finished run")
-    plain = run_dir / METRICS
-    done_now = plain.is_file()
+    source = metrics_path(run_dir)
+    done_now = source.name != METRICS_PACKED and source.is_file()
     if done_now:
-        read_metrics(run_dir)  # refuse to pack a file that does not read back
-        packed = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
-        write_atomic(run_dir / METRICS_GZ, packed)
-        plain.unlink()
+        data = source.read_bytes()
+        text = (gzip.decompress(data) if source.name == METRICS_GZ else data).decode()
+        packed = metrics_pack.pack(read_metrics(run_dir))
+        if metrics_text(metrics_pack.unpack(packed)) != text:
+            raise RunDirError(
+                f"compact: {source} does not print back byte for byte from its rows (a torn "
+                "or hand-edited line?); left as it is"
+            )
+        write_atomic(run_dir / METRICS_PACKED, packed)
+        source.unlink()
     if (run_dir / PLOT).is_file():
         shrink_png(run_dir / PLOT, RUN_PLOT_COLOURS)
     return done_now

@@ -586,7 +586,8 @@ def _loop(
         kept = read_metrics(out) if rundir.has_metrics(out) else []
         kept = [m for m in kept if m["step"] < job.start]
         rundir.write_atomic(metrics_path, rundir.metrics_text(kept))  # drop uncheckpointed steps
-        (out / rundir.METRICS_GZ).unlink(missing_ok=True)  # a compacted run goes on plain
+        for packed in (rundir.METRICS_PACKED, rundir.METRICS_GZ):  # a compacted run goes on plain
+            (out / packed).unlink(missing_ok=True)
     started = time.time()
     with (
         contextlib.closing(job),

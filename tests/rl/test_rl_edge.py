@@ -2,14 +2,22 @@
 logistic fit and its power, coupled sampling and response digests, compacted run directories,
 and the grid end to end."""
 
-import gzip
-
 import pytest
 import torch
 from PIL import Image
 from rl_helpers import TINY
 
-from rl_harness import collapse, config, edge, engines, policy, rollout, rundir, runner
+from rl_harness import (
+    collapse,
+    config,
+    edge,
+    engines,
+    metrics_pack,
+    policy,
+    rollout,
+    rundir,
+    runner,
+)
 from rl_harness.__main__ import main
 from rl_harness.rollout import response_digests
 
@@ -165,14 +173,14 @@ def test_a_compacted_run_reads_back_the_same_and_resumes_plain(tmp_path):
     png = (tmp_path / "run" / rundir.PLOT).stat().st_size
     assert rundir.compact(tmp_path / "run") and not rundir.compact(tmp_path / "run")
     assert not (tmp_path / "run" / rundir.METRICS).exists()
-    packed = (tmp_path / "run" / rundir.METRICS_GZ).read_bytes()
-    assert gzip.decompress(packed).decode() == rundir.metrics_text(before)
+    packed = (tmp_path / "run" / rundir.METRICS_PACKED).read_bytes()
+    assert rundir.metrics_text(metrics_pack.unpack(packed)) == rundir.metrics_text(before)
     assert (tmp_path / "run" / rundir.PLOT).stat().st_size < png
     with Image.open(tmp_path / "run" / rundir.PLOT) as plot:  # a run's plot: 16 colours
         assert plot.mode == "P" and plot.getcolors(rundir.RUN_PLOT_COLOURS) is not None
     assert rundir.read_metrics(tmp_path / "run") == before
     runner.resume(tmp_path / "run", steps=3, cache_dir=tmp_path / "cache", progress=False)
-    assert not (tmp_path / "run" / rundir.METRICS_GZ).exists()
+    assert not (tmp_path / "run" / rundir.METRICS_PACKED).exists()
     assert rundir.read_metrics(tmp_path / "run")[:2] == before
 
 
@@ -242,7 +250,7 @@ def test_the_grid_runs_resumes_and_reports(tmp_path, capsys):
     text = (tmp_path / "grid" / "edge.md").read_text()
     assert "Complete runs: 4 (1 seeds: 0)" in text and "| 0.001 | fp8w |" in text
     run = tmp_path / "grid" / "lr0.004" / "fp8w" / "seed0"
-    assert (run / rundir.METRICS_GZ).exists() and (tmp_path / "grid" / "edge.png").exists()
+    assert (run / rundir.METRICS_PACKED).exists() and (tmp_path / "grid" / "edge.png").exists()
     cfg = config.load(run / rundir.CONFIG)
     assert (cfg.train.lr, cfg.rollout.weight_round_bits, cfg.train.dtype) == (4e-3, 3, "bfloat16")
     capsys.readouterr()
