@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import collapse, edge
+from . import collapse, edge, report, rundir
 from .edge import Cell
 from .errors import HarnessError
 from .rundir import resolved, write_atomic
@@ -191,25 +191,37 @@ def mcnemar_upper(only_dose: int, only_zero: int) -> float:
 
 def budget(rows: Sequence[tuple[str, float, bool]], zero: str = "zero") -> float | None:
     """The mismatch budget from ``rows`` (dose, score, collapsed): P(collapse) fitted
-    against the score over the mismatched doses' runs (logistic, intercept and slope, ridge
-    edge.RIDGE on the slope); the k3 (10 ** score) at which it equals the zero dose's share
-    + :data:`BUDGET_RISE`. math.inf where the slope is not positive, that level is 1 or
-    more, or the crossing lies above a k3 of 1 (no budget: the mismatch does not raise
-    P(collapse) that far); None without runs."""
+    against the score over the mismatched doses' runs (:func:`_budget_fit`); the k3
+    (10 ** score) at which it equals the zero dose's share + :data:`BUDGET_RISE`. math.inf
+    where the slope is not positive, that level is 1 or more, or the crossing lies above a
+    k3 of 1 (no budget: the mismatch does not raise P(collapse) that far); None without
+    runs."""
     base = [y for d, _, y in rows if d == zero]
-    dosed = [(x, y) for d, x, y in rows if d != zero]
-    if not base or not dosed:
+    if not base or all(d == zero for d, _, _ in rows):
         return None
     level = statistics.fmean(float(y) for y in base) + BUDGET_RISE
+    fitted = _budget_fit(rows, zero)
+    if fitted is None or fitted[2] <= 0 or level >= 1:
+        return math.inf
+    center, b0, b1 = fitted
+    crossing = center + (math.log(level / (1 - level)) - b0) / b1
+    return math.inf if crossing > 0 else 10**crossing  # a k3 above 1: no budget either
+
+
+def _budget_fit(
+    rows: Sequence[tuple[str, float, bool]], zero: str
+) -> tuple[float, float, float] | None:
+    """The logistic fit of collapse on the score over the mismatched doses' runs: (the
+    scores' mean, intercept, slope) with P = 1 / (1 + exp(-(intercept + slope x (score -
+    mean)))), ridge edge.RIDGE on the slope; None without such runs or where it fails."""
+    dosed = [(x, y) for d, x, y in rows if d != zero]
+    if not dosed:
+        return None
     center = statistics.fmean(x for x, _ in dosed)
     x = torch.tensor([[1.0, s - center] for s, _ in dosed], dtype=torch.float64)
     y = torch.tensor([float(v) for _, v in dosed], dtype=torch.float64)
     beta = edge.fit(x, y)
-    if beta is None or float(beta[1]) <= 0 or level >= 1:
-        return math.inf
-    logit = math.log(level / (1 - level))
-    crossing = center + (logit - float(beta[0])) / float(beta[1])
-    return math.inf if crossing > 0 else 10**crossing  # a k3 above 1: no budget either
+    return None if beta is None else (center, float(beta[0]), float(beta[1]))
 
 
 def budget_interval(
@@ -335,6 +347,75 @@ def report_markdown(results: Mapping[Cell, History], doses: Sequence[str], lr: f
     return "\n".join(lines) + "\n"
 
 
+def plot(results: Mapping[Cell, History], doses: Sequence[str], lr: float, path: Path) -> None:
+    """dose.png. Left: each dose's share of seeds collapsed (Wilson 95 % interval) at its
+    median step-0 k3 (the zero dose, k3 exactly 0, at :data:`K3_FLOOR`), the budget's
+    logistic fit over the mismatched doses' runs and the level it is read at (the zero
+    dose's share + :data:`BUDGET_RISE`). Right: every run's step-0 k3 by dose, filled where
+    the run collapsed: the ladder as delivered."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({c.seed for c in results})
+    whole = [s for s in seeds if all(Cell(lr, d, s) in results for d in doses)]
+    runs = {d: [results[Cell(lr, d, s)] for s in whole] for d in doses}
+    fell = {d: [collapse.persistent_collapse_step(h) is not None for h in runs[d]] for d in doses}
+    k3s = {d: [max(step0_k3(h), K3_FLOOR) for h in runs[d]] for d in doses}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for i, (dose, marker) in enumerate(zip(doses, itertools.cycle(edge.MARKERS))):
+        share = statistics.fmean(fell[dose])
+        low, high = report.wilson(sum(fell[dose]), len(whole))
+        x = statistics.median(k3s[dose])
+        bars = left.errorbar(
+            [x], [share], yerr=[[share - low], [high - share]], fmt=marker, capsize=3, label=dose
+        )
+        colour = bars[0].get_color()
+        for j, (k3, y) in enumerate(zip(k3s[dose], fell[dose])):
+            spread = i + 0.5 * (j / max(1, len(whole) - 1) - 0.5)  # seeds side by side
+            face = colour if y else "none"
+            right.plot([spread], [k3], marker, color=colour, markerfacecolor=face, alpha=0.8)
+    rows = [(d, score(k), y) for d in doses for k, y in zip(k3s[d], fell[d])]
+    dosed = [x for d, x, _ in rows if d != doses[0]]
+    beta = _budget_fit(rows, doses[0])
+    if beta is not None:
+        center, b0, b1 = beta
+        xs = torch.linspace(min(dosed), max(dosed), 50).tolist()
+        fit = [1 / (1 + math.exp(-(b0 + b1 * (x - center)))) for x in xs]
+        left.plot([10**x for x in xs], fit, "k--", linewidth=1, label="logistic fit (dosed runs)")
+    level = statistics.fmean(fell[doses[0]]) + BUDGET_RISE
+    left.axhline(
+        level,
+        color="grey",
+        linestyle=":",
+        linewidth=1,
+        label=f"{doses[0]} share + {BUDGET_RISE:.2f}",
+    )
+    left.set_xscale("log")
+    left.set_xlabel(
+        f"step-0 k3 of the rollout (median of the dose; {doses[0]} drawn at {K3_FLOOR:g})"
+    )
+    left.set_ylabel("share of seeds collapsed (95 % Wilson)")
+    left.set_ylim(-0.05, 1.05)
+    left.set_title(
+        f"Persistent collapse by dose, LR {lr:g}, {len(whole)} seeds a dose", fontsize=10
+    )
+    left.legend(fontsize=8)
+    right.set_yscale("log")
+    right.set_xticks(range(len(doses)), list(doses))
+    right.set_xlabel("dose")
+    right.set_ylabel("step-0 k3 of the run")
+    right.set_title(
+        f"Each run's step-0 k3 by dose, LR {lr:g} (filled: collapsed)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    plt.close(fig)
+    rundir.shrink_png(path)
+
+
 def validity_lines(
     results: Mapping[Cell, History], doses: Sequence[str], lr: float, whole: Sequence[int]
 ) -> list[str]:
@@ -398,5 +479,6 @@ def main(args: argparse.Namespace) -> int:
             raise HarnessError(f"dose-response: no complete run under {out} yet")
         text = report_markdown(results, doses, args.lr)
         write_atomic(out / "dose.md", text)
+        plot(results, doses, args.lr, out / "dose.png")
     print(text)
     return 0

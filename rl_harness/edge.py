@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import multiprocessing
 import statistics
@@ -389,6 +390,10 @@ def _signature_lines(results: dict[Cell, History]) -> list[str]:
     ]
 
 
+MARKERS = "os^dvP"  # one a dose, cycled past six
+LINES = ("-", "--", "-.", ":")  # one a dose, so that two equal fitted curves both show
+
+
 def plot(
     results: dict[Cell, History],
     lrs: Sequence[float],
@@ -397,8 +402,10 @@ def plot(
     path: Path,
 ) -> None:
     """Left: the share of runs collapsed per LR, each dose with its fitted curve; right: the
-    endpoint per LR with its 95 % interval. Doses are offset a little along the LR axis so
-    that their points and bars do not hide each other."""
+    endpoint per LR with its 95 % interval, cut to [0, 1]. Doses are offset a little along
+    the LR axis so that their points and bars do not hide each other, and each dose's curve
+    has its own dash and width, so that equal curves (two doses with one fitted edge) both
+    show."""
     import matplotlib
     import matplotlib.ticker
 
@@ -407,7 +414,8 @@ def plot(
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     grid_x = torch.logspace(math.log10(min(lrs)) - 0.1, math.log10(max(lrs)) + 0.1, 100).tolist()
-    for i, (dose, marker) in enumerate(zip(doses, "os^dv")):
+    styles = zip(doses, itertools.cycle(MARKERS), itertools.cycle(LINES))
+    for i, (dose, marker, dash) in enumerate(styles):
         nudge = 2 ** ((i - (len(doses) - 1) / 2) * 0.06)
         shares, ends, halves, xs = [], [], [], []
         for lr in lrs:
@@ -426,10 +434,18 @@ def plot(
         lr50 = fitted.lr50[dose]
         if fitted.slope is not None and lr50 is not None:
             curve = [1 / (1 + (lr50 / x) ** fitted.slope) for x in grid_x]
-            left.plot(grid_x, curve, "-", color=line.get_color(), alpha=0.7)
-        right.errorbar(xs, ends, yerr=halves, fmt=marker + "-", capsize=3, label=dose)
+            width = 1.0 + 1.2 * (len(doses) - 1 - i)  # the first widest: equal curves show
+            left.plot(grid_x, curve, dash, color=line.get_color(), alpha=0.7, linewidth=width)
+        errors = report.clipped_errors(ends, halves)
+        right.errorbar(xs, ends, yerr=errors, fmt=marker + dash, capsize=3, label=dose)
+    span = f"LR {min(lrs):g} to {max(lrs):g}" if len(lrs) > 1 else f"LR {lrs[0]:g}"
+    fit = ", with the logistic fit" if fitted.slope is not None else " (one LR: no fit)"
     for ax, title, ylabel in (
-        (left, "runs collapsed (persistently), with the logistic fit", "share of seeds collapsed"),
+        (
+            left,
+            f"runs collapsed (persistently), {span}{fit}",
+            "share of seeds collapsed",
+        ),
         (right, "evaluation endpoint (mean of last 3), 95 % CI", "held-out greedy accuracy"),
     ):
         ax.set_xscale("log")
@@ -439,7 +455,7 @@ def plot(
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         ax.legend(title="dose", fontsize=8)
-        ax.set_ylim(-0.05, 1.05)  # a share and an accuracy: wider intervals run off the axis
+        ax.set_ylim(-0.05, 1.05)
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -365,28 +366,52 @@ def survival(histories: Sequence[History], horizon: int) -> list[float]:
 
 
 def plot(results: dict[tuple[str, int], History], phase: Phase, path: Path) -> None:
-    """The share of runs not yet collapsed against the step, one step curve per arm (the
-    curves are offset a little vertically so that equal ones stay visible)."""
+    """The share of runs not yet collapsed against the step: one panel per remedy arm, each
+    beside the control (:data:`CONTROL`, dashed) and the other arms that are no remedy
+    (``zero``: dotted), drawn thin over the remedy's wide pale band, so that a remedy equal
+    to its control shows as the dashes inside the band; every curve at its true height."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     horizon = max(len(h) for h in results.values())
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    styles = itertools.cycle(["-", "--", "-.", ":"])
-    for i, arm in enumerate(phase.arms):
-        runs = [h for (a, _), h in results.items() if a == arm]
-        if not runs:
-            continue
-        nudge = (i - (len(phase.arms) - 1) / 2) * 0.006
-        share = [v + nudge for v in survival(runs, horizon)]
-        ax.step(range(horizon), share, next(styles), where="post", label=f"{arm} ({len(runs)})")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("share of seeds not collapsed")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(f"Time to persistent collapse by arm, LR {phase.lr:g}", fontsize=10)
-    ax.legend(title="arm (seeds)", fontsize=8)
+    curves = {
+        arm: (survival(runs, horizon), len(runs))
+        for arm in phase.arms
+        if (runs := [h for (a, _), h in results.items() if a == arm])
+    }
+    references = [arm for arm in curves if arm == CONTROL or ARMS[arm].dose != CONTROL]
+    remedies = [arm for arm in curves if arm not in references] or references[:1]
+    columns = min(3, len(remedies))
+    rows = math.ceil(len(remedies) / columns)
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(4.2 * columns, 3.2 * rows + 0.5), squeeze=False, sharey=True
+    )
+    for ax, arm in zip(axes.flat, remedies):
+        share, n = curves[arm]  # wide and pale, under the references: equal curves both show
+        ax.step(
+            range(horizon), share, "-", where="post", linewidth=4, alpha=0.5, label=f"{arm} ({n})"
+        )
+        for reference in references:
+            share, n = curves[reference]
+            dash = "--" if reference == CONTROL else ":"
+            ax.step(
+                range(horizon), share, dash, where="post", color="black", label=f"{reference} ({n})"
+            )
+        ax.set_title(arm, fontsize=9)
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7, loc="lower left")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("share of seeds not collapsed", fontsize=8)
+    for ax in axes.flat[len(remedies) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        f"Time to persistent collapse by arm, LR {phase.lr:g}: each remedy against the "
+        f"{CONTROL} control (dashed)",
+        fontsize=10,
+    )
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)

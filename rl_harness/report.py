@@ -61,6 +61,27 @@ def interval(values: Sequence[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / math.sqrt(len(values))
 
 
+def clipped_errors(
+    means: Sequence[float], halves: Sequence[float], low: float = 0.0, high: float = 1.0
+) -> list[list[float]]:
+    """matplotlib's ``yerr`` (below, above) for intervals mean ± half cut to [low, high]: a
+    share or an accuracy whose Student-t interval runs past its range is drawn to the edge."""
+    below = [m - max(low, m - h) for m, h in zip(means, halves)]
+    above = [min(high, m + h) - m for m, h in zip(means, halves)]
+    return [below, above]
+
+
+def wilson(successes: int, trials: int, z: float = 1.960) -> tuple[float, float]:
+    """The Wilson score interval (95 % by default) of a share: inside [0, 1] by construction,
+    and not empty at 0 or n successes as the plain normal interval is."""
+    if trials <= 0:
+        raise ValueError(f"wilson: trials must be positive, got {trials}")
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials**2))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def cell(values: Sequence[float | None], fmt: str, half_fmt: str | None = None) -> str:
     """A table cell: ``-`` when there is no value or any is missing (None), one value as
     ``fmt``, several as ``mean ± half-width`` of the 95 % interval (``half_fmt``, default

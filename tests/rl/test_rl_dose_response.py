@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
+from PIL import Image
 from rl_helpers import TINY
 
-from rl_harness import dose_response, edge, policy, rundir
+from rl_harness import dose_response, edge, policy, report, rundir
 from rl_harness.__main__ import main
 from rl_harness.edge import Cell
 
@@ -125,6 +126,18 @@ def test_the_budget_is_where_the_fit_rises_ten_points_over_the_zero_dose():
     assert dose_response.budget(flat) == math.inf
 
 
+@pytest.mark.parametrize("successes", [0, 1, 7, 20])
+def test_the_wilson_interval_holds_the_share_and_stays_in_0_1(successes):
+    low, high = report.wilson(successes, 20)
+    assert 0.0 <= low <= successes / 20 <= high <= 1.0 and high - low > 0.1
+    assert report.wilson(10, 20) == pytest.approx((0.2993, 0.7007), abs=1e-4)
+
+
+def test_error_bars_are_cut_to_their_range():
+    below, above = report.clipped_errors([0.95, 0.5, 0.02], [0.2, 0.1, 0.1])
+    assert below == pytest.approx([0.2, 0.1, 0.02]) and above == pytest.approx([0.05, 0.1, 0.1])
+
+
 def test_a_one_lr_grid_of_the_ladder_runs_and_reads_back(tmp_path, monkeypatch):
     """The zero dose and the strongest rung at one LR on two seeds of the tiny policy with a
     fresh warm-up seed: the edge runner makes them, the dose-response report reads them."""
@@ -144,5 +157,7 @@ def test_a_one_lr_grid_of_the_ladder_runs_and_reads_back(tmp_path, monkeypatch):
     assert "| w2 |" in text and "w3 (fp8-like)" not in text
     assert "1. one warm-up (a single held-out accuracy at step 0" in text and ": yes (" in text
     assert "3. the design point (zero collapsed on 10% to 70% of the seeds): no (0 of 2)" in text
+    with Image.open(tmp_path / "g" / "dose.png") as plot:  # drawn beside dose.md
+        assert plot.size[0] > 800
     pilot = ["dose-response", "--pilot", "--lrs", "1e-3", *grid]
     assert main(pilot) == 0 and "| 0.001 |" in (tmp_path / "g" / "pilot.md").read_text()
