@@ -49,6 +49,8 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
 STALE = "stale"
 SAVE_EVERY = 10
 STATE = "state.pt"
+BATCHES = "batches_{arm}.f32"  # an arm's per-batch paired differences (sign_flip_p)
+SIGN_FLIPS = 10_000  # random sign vectors of the sign-flip null
 
 
 def arm_config(recipe: str, arm: str, sets: list[str]) -> config_lib.Config:
@@ -167,6 +169,7 @@ def run(
         done = state["done"]
         sums = {a: Sums.from_dict(v) for a, v in state["sums"].items()}
         diffs = {a: Sums.from_dict(v) for a, v in state["diffs"].items()}
+    rows = {arm: _batch_rows(out / BATCHES.format(arm=arm), done, size) for arm in arms[1:]}
     first, started = done, time.time()
     for b in range(first, batches):
         grads = {arm: batch_gradient(job, b) for arm, job in jobs.items()}
@@ -174,6 +177,7 @@ def run(
             sums[arm].add(g)
             if arm != arms[0]:
                 diffs[arm].add(g - grads[arms[0]])
+                _append_row(rows[arm], g - grads[arms[0]])
         done = b + 1
         if done % SAVE_EVERY == 0 or done == batches:
             _save(path, arms, done, sums, diffs)
@@ -185,7 +189,50 @@ def run(
     return done, sums, diffs
 
 
-def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
+def _batch_rows(path: Path, done: int, size: int) -> Path | None:
+    """The arm's file of per-batch differences, cut back to the ``done`` batches the state
+    holds (a cut run may have written rows past its last save); None (with a warning: the
+    sign-flip p will be missing) where it holds fewer, as a run begun without it does."""
+    have = path.stat().st_size if path.exists() else 0
+    if have < done * size * 4:
+        print(f"bias: {path.name} holds fewer than {done} batches: no sign-flip p for it")
+        path.unlink(missing_ok=True)
+        return None
+    with path.open("ab") as handle:
+        handle.truncate(done * size * 4)
+    return path
+
+
+def _append_row(path: Path | None, difference: torch.Tensor) -> None:
+    if path is not None:
+        with path.open("ab") as handle:
+            handle.write(difference.float().numpy().tobytes())
+
+
+def sign_flip_p(rows: torch.Tensor, flips: int = SIGN_FLIPS, seed: int = 0) -> float:
+    """The sign-flip p of the mean of ``rows`` (n paired differences, one a row) being 0:
+    the share of random sign vectors s, the observed one counted, with |sum_b s_b d_b|^2 =
+    s' G s (G the rows' Gram matrix) at least the observed |sum_b d_b|^2. Valid when each
+    difference is symmetric about 0 under no bias, as coupled pairs of exchangeable arms are."""
+    d = rows.double()
+    gram = d @ d.T
+    observed = float(gram.sum())
+    rng = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (flips, d.shape[0]), generator=rng).double() * 2 - 1
+    null = ((signs @ gram) * signs).sum(dim=1)
+    return (1 + int((null >= observed).sum())) / (1 + flips)
+
+
+def _sign_flip_cell(out: Path | None, arm: str, done: int, size: int) -> str:
+    """The table's sign-flip p from the arm's rows ("-" where they are missing)."""
+    path = None if out is None else out / BATCHES.format(arm=arm)
+    if path is None or not path.exists() or path.stat().st_size != done * size * 4:
+        return "-"
+    rows = torch.from_file(str(path), size=done * size, dtype=torch.float32).view(done, size)
+    return f"{sign_flip_p(rows):.4f}"
+
+
+def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums], out: Path | None = None) -> str:
     arms = list(sums)
     base = sums[arms[0]].mean()
     lines = [
@@ -196,8 +243,9 @@ def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
             else []
         ),
         "",
-        "| arm | bias (relative to the on-policy gradient) | z (bias / its noise) | cosine |",
-        "|---|---:|---:|---:|",
+        "| arm | bias (relative to the on-policy gradient) | z (bias / its noise) | cosine | "
+        f"sign-flip p ({SIGN_FLIPS} flips) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for arm in arms[1:]:
         norm = float(diffs[arm].mean().norm())
@@ -205,7 +253,8 @@ def table(done: int, sums: dict[str, Sums], diffs: dict[str, Sums]) -> str:
         cosine = float(torch.nn.functional.cosine_similarity(sums[arm].mean(), base, dim=0))
         relative = norm / max(float(base.norm()), 1e-30)
         z = norm / noise if noise else (math.inf if norm else 0.0)  # no difference at all: 0
-        lines.append(f"| {arm} | {relative:.3g} | {z:.2f} | {cosine:.4f} |")
+        flip = _sign_flip_cell(out, arm, done, base.numel())
+        lines.append(f"| {arm} | {relative:.3g} | {z:.2f} | {cosine:.4f} | {flip} |")
     return "\n".join(lines) + "\n"
 
 
@@ -243,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     out = rundir.resolved(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(*run(args.recipe, arms, args.batches, out, args.set or [], args.cache_dir))
+    text = table(*run(args.recipe, arms, args.batches, out, args.set or [], args.cache_dir), out)
     rundir.write_atomic(out / "bias.md", text)
     print(text)
     return 0

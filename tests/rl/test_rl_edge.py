@@ -2,12 +2,15 @@
 logistic fit and its power, coupled sampling and response digests, compacted run directories,
 and the grid end to end."""
 
+import re
+
 import pytest
 import torch
 from PIL import Image
 from rl_helpers import TINY
 
 from rl_harness import (
+    bias,
     collapse,
     config,
     edge,
@@ -331,6 +334,13 @@ def test_the_stale_arm_samples_one_update_behind_every_other_arm(tmp_path):
     assert jobs["fp8w"].rollout.master is jobs["fp8w"].master
 
 
+def test_the_sign_flip_p_finds_a_shifted_mean_and_not_a_symmetric_one():
+    noise = torch.randn(40, 30, generator=torch.Generator().manual_seed(0))
+    assert bias.sign_flip_p(noise + 1.0, flips=999) == 1 / 1000
+    symmetric = torch.cat([noise[:20], -noise[:20]])  # its mean is exactly 0
+    assert bias.sign_flip_p(symmetric, flips=999) == 1.0
+
+
 def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys):
     argv = ["bias", "--recipe", "zero_mismatch", "--arms", "on_policy,fp8w", "--out"]
     argv += [str(tmp_path / "b"), "--cache-dir", str(tmp_path / "c")]
@@ -341,6 +351,9 @@ def test_the_bias_tool_pairs_arms_resumes_and_writes_its_table(tmp_path, capsys)
     text = (tmp_path / "b" / "bias.md").read_text()
     assert text.startswith("3 batches an arm, paired against on_policy")
     assert "| fp8w |" in text
+    rows = (tmp_path / "b" / bias.BATCHES.format(arm="fp8w")).stat().st_size // 4
+    assert rows % 3 == 0 and rows > 0  # 3 batches of the flat gradient's size, none twice
+    assert re.search(r"\| fp8w \|.*\| [01]\.\d{4} \|$", text, re.MULTILINE)  # its sign-flip p
     with pytest.raises(SystemExit):
         main([*argv[:4], "fp8w,on_policy", *argv[5:], "--batches", "3"])
     assert "expected on_policy first" in capsys.readouterr().err
