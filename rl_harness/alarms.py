@@ -62,7 +62,9 @@ class Signal:
 
 SIGNALS = (
     Signal("k3 KL (token mean)", "mismatch/k3_kl", "bulk"),
-    Signal("eq. 8, mean abs log-ppl diff (sequence)", "mismatch/log_ppl_abs_diff", "bulk"),
+    Signal(
+        "per-token-mean log-ppl diff (verl's form of eq. 8)", "mismatch/log_ppl_abs_diff", "bulk"
+    ),
     Signal("mean abs log-prob diff (token)", "mismatch/logprob_abs_diff_mean", "bulk"),
     Signal("max abs log-prob diff (token)", "mismatch/logprob_abs_diff_max", "tail"),
     Signal("chi2 of the sequence IS weight", "mismatch/chi2_seq", "tail"),

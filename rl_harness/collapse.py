@@ -194,7 +194,7 @@ def endpoint(history: list[dict[str, Any]]) -> float | None:
 
 
 SIGNATURES = {  # flag -> the metric whose rise it marks
-    "log_ppl_spike": "mismatch/log_ppl_abs_diff",  # the paper's eq. 8 (arXiv 2602.01826)
+    "log_ppl_spike": "mismatch/log_ppl_abs_diff",  # eq. 8 of arXiv 2602.01826 per token (verl)
     "k3_spike": "mismatch/k3_kl",
     "grad_norm_rise": "grad_norm",
 }
