@@ -29,6 +29,16 @@ class Tokens:
 
 
 @dataclass
+class Speculation:
+    """A sample's speculative decoding, counted per step of the whole batch (its rows draw
+    in lockstep): draft positions scored, drafts that stood, and model forwards."""
+
+    proposed: int = 0
+    accepted: int = 0
+    forwards: int = 0
+
+
+@dataclass
 class Rollout(Tokens):
     """A sampler's rows (rl_harness.rollout.sample, rl_harness.vllm_rollout)."""
 
@@ -38,6 +48,7 @@ class Rollout(Tokens):
     # [B, L, layers, k] long, mixture-of-experts models only: the top-k experts each position
     # was routed to (rl_harness.routing; the last position, never fed back, is UNROUTED)
     routing: torch.Tensor | None = None
+    speculation: Speculation | None = None  # rollout.speculative: the sample's counts
 
 
 @dataclass

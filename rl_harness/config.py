@@ -49,6 +49,7 @@ TASK_NAMES = tuple(tasks.TASKS)  # the task registry's names (rl_harness.tasks.T
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ENGINES = ("hf", "vllm")
 SHADOWS = ("none", "native")  # rollout.shadow: off, or a native-kernel meter
+SPECULATIVE = ("none", "ngram")  # rollout.speculative: off, or n-gram (prompt lookup) drafts
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
 REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 WARMUP_KERNELS = ("bik", "torch")  # warmup.kernels; a saved config without it: torch
@@ -308,6 +309,16 @@ class RolloutConfig(_Section):
     # measurement only (metrics shadow/...): what a fast engine's mismatch would have been.
     # Training reads none of it.
     shadow: str = spec("none", choices=SHADOWS)
+    # Speculative decoding in the hf sampler (rl_harness.rollout): "ngram" drafts up to
+    # speculative_tokens tokens a step by prompt lookup (the continuation of the latest
+    # earlier match of the row's last speculative_ngram tokens, down to 1) and one forward
+    # scores them; a draft stands where it equals the token the sampler draws there. The
+    # tokens, log-probs and random numbers are those of plain decoding (with bik's kernels
+    # bit for bit: the scoring forward gives each position a decode step's bits); metrics
+    # rollout/draft_tokens, rollout/draft_accepted, rollout/forwards.
+    speculative: str = spec("none", choices=SPECULATIVE)
+    speculative_tokens: int = spec(4, ge=1)
+    speculative_ngram: int = spec(3, ge=1)
 
     def _validate(self) -> None:
         if self.split_size:
@@ -336,6 +347,13 @@ class RolloutConfig(_Section):
             raise ConfigError(
                 f"rollout.shadow={self.shadow}: the shadow meter replays the hf sampler's "
                 f"decode; expected rollout.engine=hf, got {self.engine}"
+            )
+        if self.speculative != "none" and self.engine != "hf":
+            raise ConfigError(
+                f"rollout.speculative={self.speculative}: expected rollout.engine=hf, got "
+                f"{self.engine} (bik.vllm speculates for greedy requests only: a sampled "
+                "request's draft is accepted by vLLM's rejection sampler with its own random "
+                "numbers, so its tokens are not plain decoding's)"
             )
         if self.engine == "vllm":
             # The synthetic sources live in the hf sampler's loop; bik's vLLM attention runs

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from bik.hf import cache_argument, generation_position_ids
 
 from . import routing
-from .batch import Rollout
+from .batch import Rollout, Speculation
 from .logits import LogitsProcessor, perturb
 
 if TYPE_CHECKING:
@@ -92,34 +92,59 @@ def sample(
     alive = torch.ones(last - first, dtype=torch.bool)
     recorder = routing.Recorder(model)
     steps = cfg.max_new_tokens if forced is None else forced.shape[1]
+    speculating = cfg.speculative != "none" and forced is None
+    history = [list(p) for p in prompts[rows]]  # each row's tokens so far, for the drafts
+    counts = Speculation()
     with recorder if recorder.routers else contextlib.nullcontext():
-        for _ in range(steps):
-            logits = model(
+        while len(tokens) < steps and bool(alive.any()):
+            room = steps - len(tokens) - 1  # drafts past max_new_tokens would never be drawn
+            drafts = draft(history, alive, cfg, room, pad) if speculating and tokens else None
+            if drafts is None:  # a plain decode step (and the prefill)
+                drafts = step_ids.new_empty(len(alive), 0)
+            width_k = drafts.shape[1]
+            step_ids = torch.cat([step_ids, drafts], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(width_k)], 1)
+            scored = model(
                 input_ids=step_ids,
-                attention_mask=attention,
+                attention_mask=torch.cat([attention, attention.new_ones(len(alive), width_k)], 1),
                 position_ids=positions,
                 **cache_argument(model, cache),
                 use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-            if forced is not None:
-                logits = processor.filter(logits)
-                token = forced[:, len(tokens)]
-            elif greedy:
-                logits = processor.filter(logits)
-                token = logits.argmax(-1)  # temperature, top-k and top-p keep the argmax
-            else:
-                logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
-                token = _draw(processor.log_probs(logits).exp(), generator, rows, total)
-            token = torch.where(alive, token, pad)  # finished rows keep feeding PAD
-            logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
-            tokens.append(token)
-            in_response.append(alive)
-            alive = alive & (token != eos)
-            if not bool(alive.any()):
-                break
-            attention = torch.cat([attention, torch.ones_like(token)[:, None]], dim=1)
-            step_ids, positions = token[:, None], positions[:, -1:] + 1
+                logits_to_keep=1 + width_k,  # with drafts: the last input's and each draft's
+            ).logits
+            counts.forwards += 1
+            for j in range(1 + width_k):  # position j: drawn as a decode step would draw it
+                logits = scored[:, j]
+                if forced is not None:
+                    logits = processor.filter(logits)
+                    token = forced[:, len(tokens)]
+                elif greedy:
+                    logits = processor.filter(logits)
+                    token = logits.argmax(-1)  # temperature, top-k and top-p keep the argmax
+                else:
+                    logits = processor.filter(perturb(logits, cfg, drift, generator, rows, total))
+                    token = _draw(processor.log_probs(logits).exp(), generator, rows, total)
+                token = torch.where(alive, token, pad)  # finished rows keep feeding PAD
+                logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
+                tokens.append(token)
+                in_response.append(alive)
+                for row, t in zip(history, token.tolist()):
+                    row.append(t)
+                alive = alive & (token != eos)
+                # the next draft stands if every row still going drew it: the rows then share
+                # one length, as plain decoding's do
+                if j == width_k or not bool(alive.any()):
+                    break
+                if not bool(((token == drafts[:, j]) | ~alive).all()):
+                    break
+                counts.accepted += 1
+            drawn = j + 1
+            counts.proposed += width_k
+            if width_k + 1 > drawn:  # the inputs past the last drawn position leave the cache
+                cache.crop(drawn - width_k - 1)
+            attention = torch.cat([attention, attention.new_ones(len(alive), drawn)], dim=1)
+            next_position = positions[:, -1 - width_k] + drawn  # the first input's, + drawn
+            step_ids, positions = token[:, None], next_position[:, None]
     generated = torch.stack(tokens, dim=1)
     response_mask = torch.stack(in_response, dim=1).long()
     sequences = torch.cat([ids, generated], dim=1)
@@ -132,11 +157,44 @@ def sample(
         rollout_logp=torch.cat([pad_prompt.float(), torch.stack(logps, dim=1)], dim=1),
         prompt_width=width,
         pad_id=pad,
+        speculation=counts if speculating else None,
     )
     if recorder.routers:
         experts = recorder.pop(last - first, calls_along="positions")
         batch.routing = routing.pad_positions(experts, sequences.shape[1])
     return batch
+
+
+def draft(
+    history: list[list[int]], alive: torch.Tensor, cfg: RolloutConfig, room: int, pad: int
+) -> torch.Tensor | None:
+    """The batch's drafts ``[B, k]`` by prompt lookup: for each row still going, the tokens
+    that followed the latest earlier occurrence of its last n tokens (n = speculative_ngram
+    down to 1), at most speculative_tokens and ``room``; k is the fewest any such row has
+    (the rows go on together, so a longer draft could not stand past it). None where a row
+    has none or there is no room. Finished rows' drafts are PAD: nothing of theirs is kept."""
+    limit = min(cfg.speculative_tokens, room)
+    if limit < 1:
+        return None
+    found = [
+        lookup(row, cfg.speculative_ngram, limit) if go else []
+        for row, go in zip(history, alive.tolist())
+    ]
+    k = min(len(f) for f, go in zip(found, alive.tolist()) if go)
+    if k == 0:
+        return None
+    return torch.tensor([f[:k] if go else [pad] * k for f, go in zip(found, alive.tolist())])
+
+
+def lookup(tokens: list[int], ngram: int, limit: int) -> list[int]:
+    """Up to ``limit`` tokens that followed the latest earlier occurrence of the last n
+    ``tokens`` (n from ``ngram`` down to 1; the first n with a match and a continuation)."""
+    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # the latest match first
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + limit]
+    return []
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator, rows: slice, total: int) -> torch.Tensor:

@@ -212,6 +212,14 @@ class Run:
         mask = batch.response_mask
         lengths = mask.sum(-1).float()
         metrics.update(stats)
+        if share.speculation is not None:  # this rank's rows (each rank drafts its own)
+            metrics.update(
+                {
+                    "rollout/draft_tokens": share.speculation.proposed,
+                    "rollout/draft_accepted": share.speculation.accepted,
+                    "rollout/forwards": share.speculation.forwards,
+                }
+            )
         if cfg.rollout.digests:
             metrics["rollout/response_digests"] = rollout.response_digests(
                 batch.sequences[:, share.prompt_width :], mask[:, share.prompt_width :]
