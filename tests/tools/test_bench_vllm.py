@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from bik.__main__ import main
 from bik.tools import bench
-from bik.tools.bench import vllm_throughput
+from bik.tools.bench import speculative, vllm_throughput
 from bik.vllm import engine as vllm_engine
 
 
@@ -83,6 +83,9 @@ def no_engine(monkeypatch):
         (["--vllm", "--family", "gemma2"], "argument --family: invalid choice: 'gemma2'"),
         (["--tp", "2"], "argument --tp: applies to --vllm only"),
         (["--vllm", "--tp", "3"], "argument --tp: expected a power of two dividing 8, got 3"),
+        (["--speculative", "4"], "argument --speculative: applies to --vllm only"),
+        (["--vllm", "--speculative", "4", "--tp", "2"], "argument --tp: not with --speculative"),
+        (["--vllm", "--speculative", "0"], "argument --speculative: expected an integer >= 1"),
     ],
 )
 def test_vllm_arguments_are_checked_before_any_engine(capsys, no_engine, argv, message):
@@ -100,3 +103,21 @@ def test_family_and_model_are_refused_together(capsys, no_engine, tmp_path):
     argv = ["bench", "--vllm", "--family", "qwen3", "--model", str(tmp_path)]
     message = "argument --family: sizes the random-init model; not with --model"
     assert message in usage_error(capsys, argv)
+
+
+def test_the_speculative_record_refuses_other_bits_and_reads_its_counts():
+    outputs = [[{"tokens": [5, 6], "logprobs": [-0.5, -0.25]}]]
+    plain = {"outputs": outputs, "seconds": [2.0, 2.2], "generated_tokens": 40, "threads": 2}
+    fast = {**plain, "seconds": [1.0, 1.2], "accepted_draft_tokens": 30}  # 2 calls: 15 a call
+    r = speculative.record("copy", "float32", "cpu", fast, plain, runs=1)
+    assert r["ratio"] == pytest.approx(2.1 / 1.1) and r["kept_draft_share"] == 15 / 40
+    other = [[{"tokens": [5, 6], "logprobs": [-0.5, -0.2500001]}]]
+    with pytest.raises(RuntimeError, match="changed the tokens or log-probs"):
+        speculative.record("copy", "float32", "cpu", {**fast, "outputs": other}, plain, runs=1)
+
+
+def test_without_a_tokenizer_the_copy_task_repeats_a_segment(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64}))
+    tasks = speculative.task_prompts(str(tmp_path), 3, seed=0)
+    assert [len(p) for p in tasks["copy"]] == [36] * 3 and len(tasks["open"]) == 3
+    assert all(p[:12] == p[12:24] == p[24:] for p in tasks["copy"])

@@ -56,7 +56,7 @@ from ..cli import (
     positive_int,
 )
 from . import cases as case_lib
-from . import graphs, vllm_throughput
+from . import graphs, speculative, vllm_throughput
 
 MIN_TIME = 0.2  # seconds per timed sample set
 TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}
@@ -576,6 +576,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(one of: {', '.join(vllm_throughput.ENGINE_FAMILIES)})",
     )
     vllm.add_argument(
+        "--speculative",
+        type=positive_int,
+        metavar="K",
+        help="time bik's engine with n-gram speculation of K draft tokens against it without, "
+        "greedy, on a task that repeats its prompt and one that does not (the same bits "
+        "asserted); bik's engine only",
+    )
+    vllm.add_argument(
         "--threads",
         type=positive_int,
         help="OpenMP threads of both engines (OMP_NUM_THREADS; default: vLLM's choice)",
@@ -606,7 +614,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-VLLM_ONLY = ("model", "family", "prompts", "tokens", "runs", "threads", "tp")
+VLLM_ONLY = ("model", "family", "prompts", "tokens", "runs", "threads", "tp", "speculative")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -650,6 +658,12 @@ def _check_vllm(args):
         raise UsageError("--model", f"expected a local model directory, got {args.model!r}")
     if args.model is not None and args.family is not None:
         raise UsageError("--family", "sizes the random-init model; not with --model")
+    if args.speculative is not None:
+        for option in ("family", "tp", "threads"):
+            if getattr(args, option) is not None:
+                raise UsageError(
+                    f"--{option}", "not with --speculative (one engine, Qwen3 or --model)"
+                )
     if args.tp is not None:
         if TP_CHUNKS % args.tp:
             raise UsageError("--tp", f"expected a power of two dividing {TP_CHUNKS}, got {args.tp}")
@@ -661,9 +675,24 @@ def _check_vllm(args):
 
 def main(args: argparse.Namespace) -> int:
     print(HEADER)
-    if args.vllm:
+    model = str(models.path(args.model)) if args.model in models.MODELS else args.model
+    if args.vllm and args.speculative:
+        result = speculative.run(
+            args.speculative,
+            model=model,
+            dtypes=args.dtypes,
+            prompts=args.prompts,
+            tokens=args.tokens,
+            runs=args.runs,
+            quick=args.quick,
+            device=args.device,
+            echo=lambda line: print(line, flush=True),
+            row=_row,
+        )
+        save(result, args.json, args.plot)
+    elif args.vllm:
         result = vllm_throughput.run(
-            model=args.model,
+            model=model,
             family=args.family or "qwen3",
             device=args.device,
             dtypes=args.dtypes,

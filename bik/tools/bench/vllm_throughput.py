@@ -197,6 +197,13 @@ def run(
             version = results["bik"]["vllm"]
             records.append(record(shape, dtype, backend, results["bik"], results["native"]))
             echo(row(records[-1]))
+    return result(device, backend, version, load_before, records)
+
+
+def result(
+    device: str, backend: str, version: str | None, load_before: float, records: list[dict]
+) -> dict:
+    """An engine bench's result dict: the machine, versions, load and ``records``."""
     return {
         "device": device_name(torch.device(device)),
         "date": time.strftime("%Y-%m-%d"),
