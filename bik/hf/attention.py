@@ -18,6 +18,7 @@ from ..backends import reference
 from ..distributed import context
 from ..families import SUPPORTED_FAMILIES
 from ..ops.attention import attention
+from . import packed
 from .autocast import autocast_inputs, run
 from .cache_keyword import pop_cache
 from .static_decode import decode_attention, static_step_of, static_step_running
@@ -32,8 +33,10 @@ _UNPATCH_ADVICE = (
 class AttentionSettings:
     """Backend and split size chosen at patch time, kept on each patched attention module."""
 
-    def __init__(self, backend: str, split_size: int | None) -> None:
-        self.backend, self.split_size = backend, split_size
+    def __init__(self, backend: str, split_size: int | None, packing: bool = True) -> None:
+        # packing: whether packed sequences are computed (False in a model with recurrent
+        # layers, which would carry one sequence's state into the next: refused)
+        self.backend, self.split_size, self.packing = backend, split_size, packing
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Unpickling a patched model in a fresh process: its config names the "bik" attention,
@@ -212,11 +215,18 @@ _UNSUPPORTED = {
     ),
     "position_bias": ("an additive position bias", _UNPATCH_ADVICE),
     "value_head_dim": ("value heads wider than the query and key heads", _UNPATCH_ADVICE),
-    **{
-        key: ("packed (varlen) sequences", "pad on the left with one sequence per row")
-        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    },
+    "packed_recurrent": (
+        "packed sequences in a model with recurrent layers (linear attention, Mamba), whose "
+        "state would run from one sequence into the next",
+        "give each sequence a row of its own (left padding)",
+    ),
+    "packed_context_parallel": (
+        "packed sequences under bik.distributed.context_parallel",
+        "give each rank its chunk of one sequence a row",
+    ),
 }
+# flash-attention's varlen keywords of a packed forward: read by bik.hf.packed.segments
+_PACKING = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
 
 
 def _unsupported(module, keyword, value):
@@ -241,8 +251,10 @@ def _check_keywords(module, dropout, kwargs):
     if not getattr(module, "is_causal", True) and kwargs.get("is_causal") is None:
         raise _unsupported(module, "is_causal", False)
     for keyword, value in kwargs.items():
-        if keyword in _BOOKKEEPING or keyword == "sliding_window" or value is None:
+        if keyword in _BOOKKEEPING or keyword in _PACKING or keyword == "sliding_window":
             continue  # sliding_window is checked against the mask, in _kv_bounds
+        if value is None:
+            continue
         if keyword in ("softcap", "s_aux"):
             continue  # computed: bik.attention's softcap and sinks (gpt-oss's s_aux)
         if keyword == "is_causal" and value is True:
@@ -269,6 +281,7 @@ def attention_forward(
     settings = getattr(module, "_bik_attention", None) or _DEFAULT_SETTINGS
     step = static_step_of(key)
     value_dim = value.shape[-1]
+    found = None  # packed sequences (bik.hf.packed), read below off a full forward
     if value_dim > query.shape[-1]:
         raise _unsupported(module, "value_head_dim", value_dim)
     if step is not None:  # a StaticDecoder's step: lengths on the device, every key kept
@@ -281,21 +294,31 @@ def attention_forward(
         )
     else:
         batch, _, tq, _ = query.shape
+        found = packed.segments(attention_mask, kwargs, batch, tq, key.shape[2])
+        if found is not None and context.active_group() is not None:
+            raise _unsupported(module, "packed_context_parallel", True)
+        if found is not None and not getattr(settings, "packing", True):
+            raise _unsupported(module, "packed_recurrent", True)
         if context.active_group() is not None:
             key, value, attention_mask = _context_parallel_keys(
                 query, key, value, attention_mask, kwargs
             )
-        kv_start, kv_len, window_active = _cached_kv_bounds(
-            attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
-        )
-        if window_active and not isinstance(vars(module).get("forward"), WholeCacheAttention):
-            raise _unsupported(module, "sliding_window", window)
         if value_dim < query.shape[-1]:
             # Multi-head latent attention (DeepSeek-V3): value heads narrower than query/key
             # heads. Zero columns widen them: each output column is its own fixed-order sum
             # over the keys, so the real columns keep their order and the added ones are 0.
             value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
-        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+        if found is not None:  # a row per sequence, each from its first token (bik.hf.packed)
+            query, key, value = (packed.stack(t, found) for t in (query, key, value))
+            kv_start = torch.zeros(len(found), dtype=torch.int32)
+            window_active = window is not None and query.shape[2] > window
+        else:
+            kv_start, kv_len, window_active = _cached_kv_bounds(
+                attention_mask, batch, tq, key.shape[2], window, kwargs.get("position_ids")
+            )
+            key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+        if window_active and not isinstance(vars(module).get("forward"), WholeCacheAttention):
+            raise _unsupported(module, "sliding_window", window)
         fn = functools.partial(
             attention,
             causal=True,
@@ -316,6 +339,8 @@ def attention_forward(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
     )
+    if found is not None:
+        out = packed.unstack(out, found, batch, tq)
     return out[..., :value_dim].transpose(1, 2), None
 
 

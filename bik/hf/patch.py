@@ -118,6 +118,7 @@ _FORWARDS: dict[str, tuple[_Forward, str]] = {
         "Mamba2 mixer (bik.layers: causal_conv1d, selective_scan; gated group RMSNorm)",
     ),
 }
+RECURRENT_KINDS = frozenset({"gated_delta_net", "kimi_delta_attention", "mamba2_mixer"})
 # Modules that a patched parent computes itself: (the parent's kind, the child's name).
 _COMPUTED_BY_PARENT = (
     ("gated_delta_net", "conv1d"),
@@ -264,7 +265,10 @@ def patch_model(
 
     row_parallel = _row_parallel(model, kinds) if tp_invariant else set()
     patched = {}
-    settings = AttentionSettings(backend, split_size)
+    # A recurrent layer carries its state across a packed row's sequences: such a model's
+    # packed forwards stay refused (bik.hf.packed).
+    recurrent = any(kind in RECURRENT_KINDS for kind in kinds.values())
+    settings = AttentionSettings(backend, split_size, packing=not recurrent)
     for name, kind in kinds.items():
         module = model.get_submodule(name)
         if kind in ("attention", "gated_attention"):

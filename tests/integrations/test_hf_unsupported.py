@@ -61,7 +61,6 @@ def _call(model, q=Q, **kwargs):
         ("is_causal", False),
         ("output_attentions", True),
         ("position_bias", torch.zeros(1, 4, 9, 9)),
-        ("cu_seq_lens_q", torch.tensor([0, 4, 9])),
     ],
 )
 def test_unimplemented_attention_keyword_raises_naming_it_and_the_module(
