@@ -353,10 +353,7 @@ def plot(results: dict[Cell, History], zero: str, path: Path) -> None:
         f"{PLOT_TICKS[0]:g})",
         fontsize=10,
     )
-    fig.tight_layout()
-    rundir.write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
-    plt.close(fig)
-    rundir.shrink_png(path)
+    rundir.save_figure(fig, path, dpi=90)
 
 
 def report_markdown(

@@ -410,10 +410,7 @@ def plot(results: Mapping[Cell, History], doses: Sequence[str], lr: float, path:
         f"Each run's step-0 k3 by dose, LR {lr:g} (filled: collapsed)",
         fontsize=10,
     )
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    rundir.shrink_png(path)
+    rundir.save_figure(fig, path)
 
 
 def validity_lines(

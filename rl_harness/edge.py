@@ -456,10 +456,7 @@ def plot(
         ax.set_title(title, fontsize=10)
         ax.legend(title="dose", fontsize=8)
         ax.set_ylim(-0.05, 1.05)
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    rundir.shrink_png(path)
+    rundir.save_figure(fig, path)
 
 
 def write_report(out: Path, cells: Sequence[Cell], recipe: str, sets: Sequence[str]) -> str:

@@ -412,10 +412,7 @@ def plot(results: dict[tuple[str, int], History], phase: Phase, path: Path) -> N
         f"{CONTROL} control (dashed)",
         fontsize=10,
     )
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
-    rundir.shrink_png(path)
+    rundir.save_figure(fig, path)
 
 
 def write_report(phase: Phase, out: Path, also: Sequence[Path] = ()) -> str:

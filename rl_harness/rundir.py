@@ -162,6 +162,17 @@ def compact(run_dir: str | Path) -> bool:
     return done_now
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 100) -> None:
+    """A report's matplotlib figure laid out, written atomically as a palette PNG
+    (:func:`shrink_png`) and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    plt.close(fig)
+    shrink_png(path)
+
+
 def shrink_png(path: Path, colours: int = 256) -> None:
     """Rewrite the PNG ``path`` with an adaptive palette of at most ``colours`` colours (a
     line plot has few; a translucent band's shades are merged into the nearest ones): about

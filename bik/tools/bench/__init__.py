@@ -676,35 +676,27 @@ def _check_vllm(args):
 def main(args: argparse.Namespace) -> int:
     print(HEADER)
     model = str(models.path(args.model)) if args.model in models.MODELS else args.model
-    if args.vllm and args.speculative:
-        result = speculative.run(
-            args.speculative,
-            model=model,
-            dtypes=args.dtypes,
-            prompts=args.prompts,
-            tokens=args.tokens,
-            runs=args.runs,
-            quick=args.quick,
-            device=args.device,
-            echo=lambda line: print(line, flush=True),
-            row=_row,
-        )
-        save(result, args.json, args.plot)
-    elif args.vllm:
-        result = vllm_throughput.run(
-            model=model,
-            family=args.family or "qwen3",
-            device=args.device,
-            dtypes=args.dtypes,
-            prompts=args.prompts,
-            tokens=args.tokens,
-            runs=args.runs,
-            threads=args.threads,
-            quick=args.quick,
-            tensor_parallel=args.tp or 1,
-            echo=lambda line: print(line, flush=True),
-            row=_row,
-        )
+    if args.vllm:
+        common = {
+            "model": model,
+            "dtypes": args.dtypes,
+            "prompts": args.prompts,
+            "tokens": args.tokens,
+            "runs": args.runs,
+            "quick": args.quick,
+            "device": args.device,
+            "echo": lambda line: print(line, flush=True),
+            "row": _row,
+        }
+        if args.speculative:
+            result = speculative.run(args.speculative, **common)
+        else:
+            result = vllm_throughput.run(
+                family=args.family or "qwen3",
+                threads=args.threads,
+                tensor_parallel=args.tp or 1,
+                **common,
+            )
         save(result, args.json, args.plot)
     else:
         result = run(

@@ -21,7 +21,7 @@ import torch
 
 from ...vllm import engine as vllm_engine
 from ..verify_vllm import sample_prompts
-from .vllm_throughput import MODEL, QUICK_MODEL, describe, result, save_model
+from .vllm_throughput import MODEL, QUICK_MODEL, describe, result, save_model, time_engine
 
 OP = "vllm_speculative"
 DEFAULTS = {"prompts": 8, "tokens": 96, "runs": 3}
@@ -75,29 +75,18 @@ def time_bik(
 ) -> dict:
     """bik's engine, greedy, with ``draft_tokens`` n-gram drafts a step (0: none)."""
     speculative = {"method": "ngram", "num_speculative_tokens": draft_tokens, **LOOKUP}
-    return vllm_engine.run_engine(
+    return time_engine(
         "bik",
         model_dir,
         prompts,
-        dtype=dtype,
-        backend=backend,
-        engine_args={
-            "enable_prefix_caching": False,
-            "max_model_len": max(map(len, prompts)) + tokens,
-            **(
-                {"speculative_config": speculative, "disable_log_stats": False}
-                if draft_tokens
-                else {}
-            ),
-        },
-        sampling={
-            "max_tokens": tokens,
-            "min_tokens": tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "logprobs": 0,
-        },
-        timed_runs=runs,
+        dtype,
+        backend,
+        tokens,
+        runs,
+        temperature=0.0,
+        engine_args={"speculative_config": speculative, "disable_log_stats": False}
+        if draft_tokens
+        else None,
     )
 
 

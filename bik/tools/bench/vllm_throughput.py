@@ -76,10 +76,13 @@ def time_engine(
     runs: int,
     threads: int | None = None,
     tensor_parallel: int = 1,
+    temperature: float = 1.0,
+    engine_args: dict | None = None,
 ) -> dict:
     """One engine's warm-up and ``runs`` timed generate calls; its :func:`run_engine` result.
     threads: the engine's OpenMP threads (OMP_NUM_THREADS), None: vLLM's choice;
-    tensor_parallel: its TP degree (bik's then in the TP-invariant order)."""
+    tensor_parallel: its TP degree (bik's then in the TP-invariant order); engine_args: more
+    keywords of the engine (a speculative_config)."""
     env = vllm_engine.cpu_binding(tensor_parallel)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -95,12 +98,13 @@ def time_engine(
             "enable_prefix_caching": False,
             "max_model_len": max(map(len, prompts)) + tokens,
             **(sharded if tensor_parallel > 1 else {}),
+            **(engine_args or {}),
         },
         sampling={
             "max_tokens": tokens,
             "min_tokens": tokens,
             "ignore_eos": True,
-            "temperature": 1.0,
+            "temperature": temperature,
             "logprobs": 0,
         },
         timed_runs=runs,
