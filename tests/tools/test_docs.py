@@ -1,5 +1,6 @@
 """The documentation runs as written: every ```python block of README.md and docs/*.md is
-executed, and every dotted ``bik.`` name the pages mention exists.
+executed, every dotted ``bik.`` name the pages mention exists, and every path of the tree
+that a page names (its own folder's, or the repository's) exists.
 
 A page's blocks run in order as one script (later blocks may use earlier ones' names), in a
 fresh process (``__name__ == "__main__"``, so a guarded script runs its main; from a file,
@@ -22,6 +23,17 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SKIP = re.compile(r"<!-- docs-test: skip \((.+)\) -->\s*$")
 NAME = re.compile(r"(?<![\w.])bik(?:\.[A-Za-z_]\w*)+")
+# the prose that names paths: the pages above, the layout map, the harness's and benchmarks'
+PATH_PAGES = [
+    *PAGES,
+    ROOT / "CONTRIBUTING.md",
+    ROOT / "rl_harness/README.md",
+    ROOT / "benchmarks/README.md",
+]
+# a path of the tree: a top folder, then names, globs (*) and brace lists ({json,md})
+PATH = re.compile(
+    r"(?<![\w/.-])((?:bik|rl_harness|tests|benchmarks|csrc|docs|results|\.ci)/[\w./*{},-]*[\w/*}])"
+)
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
@@ -106,3 +118,26 @@ def test_every_bik_name_exists(page):
     names = sorted(set(NAME.findall(page.read_text())))
     missing = [n for n in names if not resolves(n)]
     assert not missing, f"{page.name} names what bik does not have: {missing}"
+
+
+def expanded(token: str) -> list[str]:
+    """A path with its first brace list expanded ("a.{json,md}": a.json, a.md), recursively."""
+    match = re.search(r"\{([^{}]*)\}", token)
+    if match is None:
+        return [token]
+    head, tail = token[: match.start()], token[match.end() :]
+    return [p for part in match.group(1).split(",") for p in expanded(head + part + tail)]
+
+
+@pytest.mark.parametrize("page", PATH_PAGES, ids=lambda p: p.name)
+def test_every_path_a_page_names_exists(page):
+    text = page.read_text()
+    missing = []
+    for match in PATH.finditer(text):
+        rest = re.match(r"[^\s`]*", text[match.end() :])
+        if rest is not None and "<" in rest.group():  # a pattern: tests/ops/test_<op>.py
+            continue
+        for path in expanded(match.group(1)):
+            if not any(any(base.glob(path)) for base in (ROOT, page.parent)):
+                missing.append(path)
+    assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
