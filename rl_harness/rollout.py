@@ -128,8 +128,9 @@ def sample(
                 logps.append(torch.where(alive, processor.token_logprobs(logits, token), 0.0))
                 tokens.append(token)
                 in_response.append(alive)
-                for row, t in zip(history, token.tolist()):
-                    row.append(t)
+                if speculating:
+                    for row, t in zip(history, token.tolist()):
+                        row.append(t)
                 alive = alive & (token != eos)
                 # the next draft stands if every row still going drew it: the rows then share
                 # one length, as plain decoding's do
