@@ -22,23 +22,43 @@ import torch
 
 Segment = tuple[int, int, int]  # (row, first token, one past the last)
 
-# (weakref to the mask, its version, the segments): every layer gets the same mask
-_last: list[tuple[weakref.ref[torch.Tensor], int, list[Segment] | None] | None] = [None]
+# (weakrefs to the mask and the varlen bounds, their versions and the shape, the segments):
+# every layer of a forward gets the same tensors, so the sequences are read once a forward
+_last: list[tuple[tuple[Any, ...], tuple[Any, ...], list[Segment] | None] | None] = [None]
 
 
 def segments(
     mask: torch.Tensor | None, kwargs: dict[str, Any], batch: int, tq: int, tk: int
 ) -> list[Segment] | None:
-    """The packed sequences of a forward (None: not packed). Raises where packing is not
-    whole rows of whole sequences without a cache, or where the mask and the varlen
-    keywords disagree."""
-    from_mask = _cached_mask_segments(mask, batch, tq, tk) if mask is not None else None
-    bounds = kwargs.get("cu_seq_lens_q")
+    """The packed sequences of a forward (None: not packed), read once a forward. Raises
+    where packing is not whole rows of whole sequences without a cache, or where the mask
+    and the varlen keywords disagree."""
+    tensors = (mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    key = (batch, tq, tk, *(None if t is None else t._version for t in tensors))
+    cached = _last[0]  # one read: the entry is replaced whole, never edited
+    if (
+        cached is not None
+        and cached[1] == key
+        and all((t is None) if r is None else (r() is t) for r, t in zip(cached[0], tensors))
+    ):
+        return cached[2]
+    found = _segments(*tensors, batch, tq, tk)
+    _last[0] = (tuple(None if t is None else weakref.ref(t) for t in tensors), key, found)
+    return found
+
+
+def _segments(
+    mask: torch.Tensor | None,
+    bounds: torch.Tensor | None,
+    key_bounds: torch.Tensor | None,
+    batch: int,
+    tq: int,
+    tk: int,
+) -> list[Segment] | None:
+    from_mask = mask_segments(mask, batch, tq, tk) if mask is not None else None
     if bounds is None:
         return from_mask
-    if kwargs.get("cu_seq_lens_k") is not None and not torch.equal(
-        kwargs["cu_seq_lens_k"].cpu(), bounds.cpu()
-    ):
+    if key_bounds is not None and not torch.equal(key_bounds.cpu(), bounds.cpu()):
         raise NotImplementedError(
             "bik attention: cu_seq_lens_k differs from cu_seq_lens_q (queries packed apart "
             "from their keys); bik packs whole sequences only"
@@ -54,15 +74,6 @@ def segments(
         raise NotImplementedError(
             "bik attention: the attention mask and cu_seq_lens_q pack different sequences"
         )
-    return found
-
-
-def _cached_mask_segments(mask: torch.Tensor, batch: int, tq: int, tk: int) -> list[Segment] | None:
-    cached = _last[0]  # one read: the entry is replaced whole, never edited
-    if cached is not None and cached[0]() is mask and cached[1] == mask._version:
-        return cached[2]
-    found = mask_segments(mask, batch, tq, tk)
-    _last[0] = (weakref.ref(mask), mask._version, found)
     return found
 
 
