@@ -37,7 +37,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py tests/layers/test_mamba2.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
-.PHONY: install install-vllm install-gpu-image build demo test test-fast test-gpu-image cutlass-sm90 wheel wheel-check lint format clean
+.PHONY: install install-vllm install-gpu-image install-verl build demo test test-fast test-gpu-image test-verl cutlass-sm90 wheel wheel-check lint format clean
 
 # Dependencies only (BIK_SKIP_BUILD=1): the extension is compiled once, in place, by $(BUILT),
 # for both venvs, rather than once per pip install.
@@ -113,6 +113,35 @@ install-gpu-image: $(GPU_BUILT)
 test-gpu-image: $(GPU_BUILT)
 	TRITON_INTERPRET=1 BIK_EXAMPLES=5 $(GPU_BIN)/python $(PYTEST) -m "not slow" $(GPU_TESTS)
 
+# verl (bik.verl, docs/verl.md) in a venv of its own beside .venv: verl pins transformers
+# below 5.11, where bik is tested on 5.16-5.19, so verl goes in without its pins, then its
+# requirements (the "verl-core" extra's, less wandb and the vision ones) with bik's tested
+# transformers. The extension .venv built in place serves this venv too.
+VERL_VENV := .venv-verl
+VERL_BIN := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_SPEC := verl$(shell sed -n 's/^TESTED_VERL = "\([^"]*\)".*/\1/p' bik/verl/__init__.py)
+VERL_PINS := transformers==5.19.0
+VERL_DEPS := "ray[default]>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "TransferQueue>=0.1.10" \
+	hydra-core codetiming datasets dill pandas peft "pyarrow>=19.0.0" pylatexenc torchdata \
+	accelerate tensorboard pyzmq msgspec fastapi uvicorn cachetools einops openai orjson
+$(VERL_STAMP): setup.py pyproject.toml bik/verl/__init__.py
+	$(PYTHON) -m venv $(VERL_VENV)
+	@date +%s > $(VERL_VENV)/.started
+	$(VERL_BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(VERL_BIN)/pip install --quiet $(BUILD_TOOLS)
+	$(NO_BUILD) $(VERL_BIN)/pip install --quiet --no-build-isolation -e ".[dev,models]" $(VERL_PINS)
+	$(VERL_BIN)/pip install --quiet --no-deps "$(VERL_SPEC)"
+	$(VERL_BIN)/pip install --quiet $(VERL_DEPS) $(VERL_PINS)
+	@echo "install-verl: done in $$(( $$(date +%s) - $$(cat $(VERL_VENV)/.started) )) s"
+	touch $(VERL_STAMP)
+
+install-verl: $(VERL_STAMP) $(BUILT)
+
+# tests/integrations/test_verl.py in the verl venv, with its two verl GRPO runs (slow).
+test-verl: install-verl
+	$(VERL_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
+
 # The CUTLASS sm90 GEMM (csrc/cutlass; bik/backends/cutlass_sm90.py loads it): a torch-independent
 # shared library built here with nvcc, no GPU needed, for a GPU machine to load. CUTLASS's
 # headers come from the pinned nvidia-cutlass package (its Python dependencies are not needed).
@@ -172,4 +201,4 @@ format: $(STAMP)
 	$(BIN)/clang-format -i $(CPP_SOURCES)
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) $(WHEEL_VENV) dist build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so
+	rm -rf $(VENV) $(GPU_VENV) $(VERL_VENV) $(WHEEL_VENV) dist build *.egg-info .pytest_cache .hypothesis .cache runs bik/*.so
