@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from .settings import ROLLOUT_NAME
 
@@ -37,6 +38,16 @@ def check_sampling(top_p: float, top_k: int, repetition_penalty: float = 1.0) ->
         raise ValueError(
             "repetition_penalty: expected 1.0 (the trainer does not apply it), "
             f"got {repetition_penalty}"
+        )
+
+
+def check_version(version: str, tested: str) -> None:
+    """Refuse a verl whose hooks may differ from the ones the plug-ins were written against."""
+    if version not in SpecifierSet(tested):
+        raise RuntimeError(
+            f"verl {version}: bik.verl plugs into verl{tested} (its registries, the engine's "
+            "_build_module, the trainer's old-log-prob step); install that version "
+            "(make install-verl)"
         )
 
 

@@ -4,9 +4,14 @@
 the driver and in every Ray worker (see :mod:`bik.verl` for what each plug-in does).
 """
 
+import verl
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
+from . import TESTED_VERL
+from .checks import check_version
 from .platform import CpuPlatform, use_gloo_process_groups
+
+check_version(verl.__version__, TESTED_VERL)
 
 # First: verl's engine modules read the platform when they are imported.
 PlatformRegistry.register(platform="cpu")(CpuPlatform)

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("verl", reason="verl is installed by make install-verl, in .venv-verl")
 
+import verl
 from omegaconf import OmegaConf
 from verl.utils.torch_functional import logprobs_from_logits as verl_logprobs
 
@@ -146,6 +147,12 @@ def test_bypass_without_rollout_logprobs_is_refused():
     }
     with pytest.raises(ValueError, match="calculate_log_probs"):
         checks.check_settings(_config(**bypass))
+
+
+def test_another_verl_version_is_refused():
+    checks.check_version(verl.__version__, bik.verl.TESTED_VERL)
+    with pytest.raises(RuntimeError, match=r"verl 0\.8\.5: bik\.verl plugs into verl==0\.9\.1"):
+        checks.check_version("0.8.5", "==0.9.1")
 
 
 def test_the_server_refuses_a_request_it_cannot_score():

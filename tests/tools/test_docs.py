@@ -96,20 +96,25 @@ def test_python_blocks_run(page, tmp_path, request):
     assert done.returncode == 0, f"{page.name}:\n{done.stderr[-3000:]}"
 
 
-# installed in a venv of their own (make install-verl): a module that needs one still exists
-OPTIONAL = {"verl"}
+# modules whose requirements live in a venv of their own (bik.verl: make install-verl)
+OPTIONAL = ("bik.verl.",)
 
 
 def resolves(name: str) -> bool:
-    """Whether ``bik.a.b...`` names a module or an attribute reachable from one (a whole
-    module name counts when only an :data:`OPTIONAL` package keeps it from importing)."""
+    """Whether ``bik.a.b...`` names a module or an attribute reachable from one (an
+    :data:`OPTIONAL` module that does not import here counts by its file, its attributes
+    unchecked)."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
             found = importlib.import_module(".".join(parts[:cut]))
-        except ImportError as error:
-            if cut == len(parts) and error.name in OPTIONAL:
-                return ROOT.joinpath(*parts).with_suffix(".py").is_file()
+        except ImportError:
+            module = ".".join(parts[:cut])
+            if (
+                module.startswith(OPTIONAL)
+                and ROOT.joinpath(*parts[:cut]).with_suffix(".py").is_file()
+            ):
+                return True
             continue
         try:
             for attribute in parts[cut:]:
