@@ -4,7 +4,7 @@
     python -m bik.verl.run --out runs/verl-native --native # the control: verl's own numerics
     python -m bik.verl.run --out runs/verl-bypass --bypass --audit-every 2
 
-It writes the policy (``tiny``: a 2-layer Llama with SmolLM2's tokenizer, random weights;
+It writes the policy (``tiny``: the tiny Llama preset with SmolLM2's tokenizer, random weights;
 ``smollm2``: SmolLM2-135M-Instruct), the task's parquet files and verl's metrics
 (``metrics.jsonl``, verl's file logger) under ``--out``, runs ``verl.trainer.main_ppo`` with 2
 FSDP2 workers on gloo under a local Ray, prints the mismatch metrics of every step, and exits
@@ -67,23 +67,20 @@ def prepare(out: Path, model: str) -> Path:
 
 def _tiny_policy(target: Path, tokenizer_source: Path) -> Path:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..families import FAMILIES
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
+    config = FAMILIES["llama"].tiny_config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(target)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
 
