@@ -2,9 +2,10 @@
 
 Everything that depends on a family reads it from here: which modules ``bik.patch_model``
 patches (MoE routers and experts, Gemma's ``1 + w`` RMSNorm), how a tiny random-init config of
-the family is built (the verify presets, the RL harness's policy, the tests), and the line the
-README's family table shows. Adding a family is one record below and its test in
-``tests/integrations/test_hf.py`` (the README table is checked against this registry).
+the family is built (the verify presets, the RL harness's policy, the tests), and the line
+docs/huggingface.md's family table shows. Adding a family is one record below and its test in
+``tests/integrations/test_hf.py`` (tests/tools/test_docs_tables.py checks the tables of
+docs/huggingface.md and docs/vllm.md against this registry).
 """
 
 import dataclasses

@@ -25,7 +25,7 @@ struct AttentionArgs {               // see bik/ops/attention.py for the semanti
   uintptr_t sinks = 0;  // fp32 [Hq]: attention sinks, one logit per query head (cpu); 0: off
 };
 
-struct PagedAttentionArgs {    // see bik/ops/paged_attention.py for the semantics
+struct PagedAttentionArgs {    // see bik/layers/paged_attention.py for the semantics
   uintptr_t q;                 // [T, Hq, D] packed queries of S sequences
   uintptr_t k_cache, v_cache;  // [num_blocks, Hkv, block_size, D] each
   uintptr_t block_table;       // int32 [>= S, table_stride]: each sequence's pages in order
