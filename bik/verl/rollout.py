@@ -19,7 +19,6 @@ built, naming the setting.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,8 +68,6 @@ class BikServer:
         self.stop_ids = _stop_ids(path, model_config)
         self.lock = asyncio.Lock()  # one request decodes at a time: the cores are shared
         self.global_steps: int | None = 0  # the step whose weights it holds (verl's tag)
-        self.seed = int(config.seed)
-        self.generator = torch.Generator().manual_seed(self.seed + replica_rank)
 
     async def generate(
         self,
@@ -99,25 +96,12 @@ class BikServer:
                 float(params.get("temperature", 1.0)),
                 int(limit),
                 self.stop_ids,
-                self._generator(request_id),
             )
         return TokenOutput(
             token_ids=tokens,
             log_probs=logprobs,
             stop_reason="completed",
             extra_fields={"global_steps": self.global_steps},
-        )
-
-    def _generator(self, request_id: str) -> torch.Generator:
-        """The request's random stream. Under ``rollout.full_determinism`` verl names each
-        request by its place in the batch ("det-<i>"): its stream is then a function of the
-        seed, the step and that name alone, so a rerun samples the same tokens whichever
-        server takes the request, and when. Otherwise the server's one stream."""
-        if not request_id.startswith("det-"):
-            return self.generator
-        key = f"{self.seed}/{self.global_steps}/{request_id}".encode()
-        return torch.Generator().manual_seed(
-            int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
         )
 
     def _room(self, prompt_length: int) -> int:
@@ -175,10 +159,8 @@ def _decode(
     temperature: float,
     limit: int,
     stop_ids: Iterable[int],
-    generator: torch.Generator | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Sample up to ``limit`` tokens from ``generator``'s stream; each one's log-prob as the
-    trainer computes it.
+    """Sample up to ``limit`` tokens; each one's log-prob as the trainer computes it.
 
     temperature 0 is greedy (verl's validation), its log-probs those of the unscaled logits.
     """
@@ -192,7 +174,7 @@ def _decode(
         scaled = scale(logits, temperature if temperature > 0 else 1.0)
         if temperature > 0:
             probs = torch.softmax(scaled.float(), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator)[0]
+            token = torch.multinomial(probs, 1)[0]
         else:
             token = scaled.argmax()
         tokens.append(int(token))

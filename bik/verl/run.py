@@ -109,7 +109,6 @@ def overrides(out: Path, policy: Path, steps: int, bypass: bool) -> list[str]:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
-        "actor_rollout_ref.rollout.full_determinism=True",
         f"reward.custom_reward_function.path={task.__file__}",
         f"trainer.n_gpus_per_node={WORKERS}",
         "trainer.nnodes=1",

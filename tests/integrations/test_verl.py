@@ -101,24 +101,6 @@ def test_a_greedy_request_is_the_argmax_and_stops_at_eos():
     assert stopped == tokens[:1] and len(logprobs) == 1
 
 
-def test_a_deterministic_request_samples_from_its_own_stream():
-    """Under verl's full_determinism a request's stream depends on the seed, the step and its
-    place in the batch, not on which server takes it or when."""
-    servers = []
-    for replica in (0, 1):
-        server = object.__new__(rollout.BikServer)
-        server.seed, server.global_steps = 42, 3
-        server.generator = torch.Generator().manual_seed(42 + replica)
-        servers.append(server)
-
-    def draw(server, request_id):
-        return torch.rand(4, generator=server._generator(request_id))
-
-    assert torch.equal(draw(servers[0], "det-5"), draw(servers[1], "det-5"))
-    assert not torch.equal(draw(servers[0], "det-5"), draw(servers[0], "det-6"))
-    assert servers[0]._generator("a1b2c3") is servers[0].generator
-
-
 def _config(**changes):
     config = {
         "algorithm": {"rollout_correction": {"bypass_mode": False}},
@@ -208,9 +190,6 @@ def _grpo(tmp_path, *args: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr[-3000:]
 
 
-UPDATE_METRICS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean")
-
-
 @pytest.mark.slow
 def test_a_verl_grpo_run_logs_zero_mismatch_with_bik_and_not_without(tmp_path):
     code, out = _grpo(tmp_path / "bik")
@@ -219,12 +198,11 @@ def test_a_verl_grpo_run_logs_zero_mismatch_with_bik_and_not_without(tmp_path):
     code, out = _grpo(tmp_path / "native", "--native")
     assert code == 0, out
     assert "native control: 0 non-zero" not in out
-    # bypass mode (pi_old = the rollout's log-probs, the old-log-prob forward skipped at step
-    # 1, audited at step 2) updates with the recomputing run's bits: the same loss and norm
-    code, out = _grpo(tmp_path / "bypass", "--bypass", "--audit-every", "2")
+
+
+@pytest.mark.slow
+def test_a_bypass_run_is_audited_and_exact(tmp_path):
+    code, out = _grpo(tmp_path, "--bypass", "--audit-every", "2", "--steps", "2")
     assert code == 0, out
-    bypass = run.read_metrics(tmp_path / "bypass" / "metrics.jsonl")
-    assert [row.get("bik/audit_differing_tokens") for row in bypass] == [None, 0.0]
-    recomputed = run.read_metrics(tmp_path / "bik" / "metrics.jsonl")
-    for name in UPDATE_METRICS:
-        assert [row[name] for row in bypass] == [row[name] for row in recomputed], name
+    rows = run.read_metrics(tmp_path / "metrics.jsonl")
+    assert [row.get("bik/audit_differing_tokens") for row in rows] == [None, 0.0]
