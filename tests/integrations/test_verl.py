@@ -190,11 +190,21 @@ def _grpo(tmp_path, *args: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr[-3000:]
 
 
+def _learned(out) -> list[dict[str, float]]:
+    """The run's metrics, checked to be a run that updated: a group whose samples all got
+    one reward (identical answers, say) gives no gradient, and zero mismatch means nothing
+    then."""
+    rows = run.read_metrics(out / "metrics.jsonl")
+    assert all(row["actor/grad_norm"] > 0 for row in rows), rows
+    return rows
+
+
 @pytest.mark.slow
 def test_a_verl_grpo_run_logs_zero_mismatch_with_bik_and_not_without(tmp_path):
     code, out = _grpo(tmp_path / "bik")
     assert code == 0, out
     assert "bik: 0 non-zero mismatch metric values over 2 steps" in out
+    _learned(tmp_path / "bik")
     code, out = _grpo(tmp_path / "native", "--native")
     assert code == 0, out
     assert "native control: 0 non-zero" not in out
@@ -204,5 +214,5 @@ def test_a_verl_grpo_run_logs_zero_mismatch_with_bik_and_not_without(tmp_path):
 def test_a_bypass_run_is_audited_and_exact(tmp_path):
     code, out = _grpo(tmp_path, "--bypass", "--audit-every", "2", "--steps", "2")
     assert code == 0, out
-    rows = run.read_metrics(tmp_path / "metrics.jsonl")
+    rows = _learned(tmp_path)
     assert [row.get("bik/audit_differing_tokens") for row in rows] == [None, 0.0]
