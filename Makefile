@@ -37,7 +37,7 @@ GPU_TESTS := $(wildcard tests/backends/test_triton*.py tests/backends/test_sm90*
 	tests/layers/test_paged_attention.py tests/layers/test_delta_rule.py tests/layers/test_mamba2.py \
 	$(filter-out %/test_hf_compile.py,$(wildcard tests/integrations/test_hf*.py))
 
-.PHONY: install install-vllm install-gpu-image install-verl build demo test test-fast test-gpu-image test-verl cutlass-sm90 wheel wheel-check lint format clean
+.PHONY: install install-vllm install-gpu-image install-verl build demo test test-fast test-gpu-image test-verl test-verl-fast cutlass-sm90 wheel wheel-check lint format clean
 
 # Dependencies only (BIK_SKIP_BUILD=1): the extension is compiled once, in place, by $(BUILT),
 # for both venvs, rather than once per pip install.
@@ -138,9 +138,14 @@ $(VERL_STAMP): setup.py pyproject.toml bik/verl/__init__.py
 
 install-verl: $(VERL_STAMP) $(BUILT)
 
-# tests/integrations/test_verl.py in the verl venv, with its two verl GRPO runs (slow).
+# tests/integrations/test_verl.py in the verl venv: with its verl GRPO runs (test-verl), or
+# the plug-ins' own tests only (test-verl-fast, in CI: under a minute).
+VERL_PYTEST := $(VERL_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
 test-verl: install-verl
-	$(VERL_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
+	$(VERL_PYTEST)
+
+test-verl-fast: install-verl
+	$(VERL_PYTEST) -m "not slow"
 
 # The CUTLASS sm90 GEMM (csrc/cutlass; bik/backends/cutlass_sm90.py loads it): a torch-independent
 # shared library built here with nvcc, no GPU needed, for a GPU machine to load. CUTLASS's
