@@ -6,10 +6,9 @@ sampling_params) -> TokenOutput``) and the trainer's workers push new weights to
 holding a ``bik.patch_model``-ed copy of the policy in the rollout dtype; it decodes one token
 at a time with a KV cache and returns, for each sampled token, the trainer's log-prob formula
 (:func:`bik.verl.engine.logprobs_of`) of the logits divided by the temperature exactly as
-verl's trainer divides them. bik's prefill ==
-decode contract makes those the bits the trainer's full-sequence forward computes, so verl's
-rollout-correction metrics read 0 and the rollout's log-probs can stand for pi_old
-(``algorithm.rollout_correction.bypass_mode=true``).
+verl's trainer divides them. bik's prefill == decode contract makes those the bits the
+trainer's full-sequence forward computes, so verl's rollout-correction metrics read 0 and the
+rollout's log-probs can stand for pi_old (``algorithm.rollout_correction.bypass_mode=true``).
 
 Sampling settings the trainer does not mirror (top-p, top-k, a repetition penalty) would make
 the sampled distribution differ from the scored one: they are refused when the adapter is
