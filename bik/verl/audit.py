@@ -54,7 +54,7 @@ def _audited(compute_old_log_prob: Any) -> Any:
         count, largest = differing_tokens(
             data["old_log_probs"], data["rollout_log_probs"], data["response_mask"]
         )
-        metrics["bik/audit_differing_tokens"] = count
+        metrics["audit/differing_tokens"] = count
         if count:
             raise MismatchError(
                 f"step {self.global_steps}: {count} response tokens' rollout log-probs differ from "

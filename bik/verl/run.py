@@ -36,14 +36,14 @@ ZERO_METRICS = (
     "rollout_corr/chi2_seq",
     "actor/ppo_kl",
     "actor/pg_clipfrac",
-    "bik/audit_differing_tokens",
+    "audit/differing_tokens",
 )
 SHOWN = (
     "training/rollout_probs_diff_max",
     "rollout_corr/k3_kl",
     "rollout_corr/log_ppl_abs_diff",
     "actor/ppo_kl",
-    "bik/audit_differing_tokens",
+    "audit/differing_tokens",
     "actor/grad_norm",
     "critic/score/mean",
 )

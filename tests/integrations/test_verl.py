@@ -215,4 +215,4 @@ def test_a_bypass_run_is_audited_and_exact(tmp_path):
     code, out = _grpo(tmp_path, "--bypass", "--audit-every", "2", "--steps", "2")
     assert code == 0, out
     rows = _learned(tmp_path)
-    assert [row.get("bik/audit_differing_tokens") for row in rows] == [None, 0.0]
+    assert [row.get("audit/differing_tokens") for row in rows] == [None, 0.0]
