@@ -25,6 +25,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, PreTrainedModel
 from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.engine.fsdp import transformer_impl
 from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
@@ -36,15 +37,12 @@ from .settings import ROLLOUT_NAME, native
 
 
 def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The logits divided by the temperature as verl's trainer divides them.
-
-    ``_scale_logits_by_temperature``: a float32 temperature, clamped at 1e-8 and cast to the
-    logits' dtype; a temperature of 1 leaves the logits as they are.
-    """
-    if temperature == 1.0:
-        return logits
-    divisor = torch.tensor(temperature, dtype=torch.float32).clamp(min=1e-8)
-    return logits / divisor.to(logits.dtype)
+    """The logits divided by the temperature by verl's trainer's own function (a float32
+    temperature, clamped and cast to the logits' dtype; 1 leaves them as they are)."""
+    divisor = torch.tensor(temperature, dtype=torch.float32)
+    return transformer_impl._scale_logits_by_temperature(
+        logits, divisor, is_unit_temperature=temperature == 1.0
+    )
 
 
 def server_name(replica_rank: int) -> str:
