@@ -21,7 +21,7 @@ soft-capping included) through bik's backend in vLLM's attention-backend registr
 mixture-of-experts layers through bik's routing and grouped experts (:mod:`bik.vllm.moe`),
 latent attention in the trainer's form (:mod:`bik.vllm.mla`) and the recurrent layers
 of the hybrids (:mod:`bik.vllm.gdn`, :mod:`bik.vllm.mamba2`, at TP 1). What bik cannot make
-invariant (torch.compile or CUDA graphs, sampled or draft-head speculation, quantization, TP without
+invariant (torch.compile or CUDA graphs, draft-head speculation, quantization, TP without
 ``tp_invariant``, biased experts and recurrent layers above TP 1, PP, LoRA, scaled RoPE
 variants other than YaRN...) is refused when the engine starts; docs/vllm.md's family table
 says which families run. Then vLLM's log-probs equal
@@ -181,11 +181,12 @@ def _install() -> None:
     from vllm.model_executor.model_loader import base_loader
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from . import layers, sampler
+    from . import layers, sampler, speculative
     from .config import check_model
 
     layers.install()
     sampler.install()
+    speculative.install()
     path = "bik.vllm.attention.BikAttentionBackend"
     # The CPU platform always picks CPU_ATTN: bik takes that slot; GPU platforms take it
     # through CUSTOM (attention_config={"backend": "CUSTOM"}) or the slots overridden here.

@@ -51,6 +51,8 @@ class EngineSettings:
 
     enforce_eager: bool = True
     speculative: str | None = None  # the speculative method, or None
+    rejection_sample_method: str = "standard"  # speculative_config's, vLLM's default
+    draft_sample_method: str = "greedy"  # speculative_config's, vLLM's default
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     pipeline_parallel_size: int = 1
@@ -65,7 +67,7 @@ class EngineSettings:
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         return cls(
             enforce_eager=model.enforce_eager,
-            speculative=_speculative_method(vllm_config.speculative_config),
+            **_speculative_fields(vllm_config.speculative_config),
             tensor_parallel_size=parallel.tensor_parallel_size,
             disable_custom_all_reduce=parallel.disable_custom_all_reduce,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
@@ -82,7 +84,7 @@ class EngineSettings:
         given = {name: kwargs[name] for name in names if kwargs.get(name) is not None}
         return cls(
             **given,
-            speculative=_speculative_method(kwargs.get("speculative_config")),
+            **_speculative_fields(kwargs.get("speculative_config")),
             lora=bool(kwargs.get("enable_lora")),
         )
 
@@ -103,6 +105,19 @@ def _speculative_method(speculative_config: Any) -> str | None:
     else:
         method, has_model = speculative_config.method, speculative_config.model is not None
     return str(method) if method is not None else ("draft_model" if has_model else "unknown")
+
+
+def _speculative_fields(speculative_config: Any) -> dict[str, Any]:
+    """The :class:`EngineSettings` fields of a speculative config (vLLM's object or the dict
+    ``bik.vllm.LLM`` got; vLLM's defaults for what the dict leaves out)."""
+    fields = {"speculative": _speculative_method(speculative_config)}
+    if speculative_config is not None:
+        for name in ("rejection_sample_method", "draft_sample_method"):
+            if isinstance(speculative_config, dict):
+                fields[name] = speculative_config.get(name, getattr(EngineSettings, name))
+            else:
+                fields[name] = getattr(speculative_config, name)
+    return fields
 
 
 def check_engine(vllm_config: "VllmConfig") -> None:
@@ -127,6 +142,18 @@ def check_settings(settings: EngineSettings) -> None:
             f"{' and '.join(SPECULATIVE_METHODS)} speculation (draft heads such as EAGLE and "
             "MTP run layers bik does not compute); use one of those or remove "
             "speculative_config"
+        )
+    if settings.rejection_sample_method != "standard":
+        problems.append(
+            f"speculative_config rejection_sample_method={settings.rejection_sample_method!r}: "
+            "bik.vllm runs the 'standard' rule only (a 'synthetic' one keeps drafts without "
+            "the target's probabilities; 'block' is not verified here)"
+        )
+    if settings.draft_sample_method != "greedy":
+        problems.append(
+            f"speculative_config draft_sample_method={settings.draft_sample_method!r}: "
+            "bik.vllm runs 'greedy' drafts only (a probabilistic draft's probabilities enter "
+            "the acceptance; not verified here)"
         )
     tp_problem = _tensor_parallel_problem(settings.tensor_parallel_size, tp_invariant())
     if tp_problem is not None:

