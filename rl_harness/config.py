@@ -309,13 +309,15 @@ class RolloutConfig(_Section):
     # measurement only (metrics shadow/...): what a fast engine's mismatch would have been.
     # Training reads none of it.
     shadow: str = spec("none", choices=SHADOWS)
-    # Speculative decoding in the hf sampler (rl_harness.rollout): "ngram" drafts up to
-    # speculative_tokens tokens a step by prompt lookup (the continuation of the latest
-    # earlier match of the row's last speculative_ngram tokens, down to 1) and one forward
-    # scores them; a draft stands where it equals the token the sampler draws there. The
-    # tokens, log-probs and random numbers are those of plain decoding (with bik's kernels
-    # bit for bit: the scoring forward gives each position a decode step's bits); metrics
-    # rollout/draft_tokens, rollout/draft_accepted, rollout/forwards.
+    # Speculative decoding: "ngram" drafts up to speculative_tokens tokens a step by prompt
+    # lookup (the continuation of the latest earlier match of the row's last
+    # speculative_ngram tokens, down to 1) and one forward scores them. In the hf sampler
+    # (rl_harness.rollout) a draft stands where it equals the token the sampler draws there:
+    # the tokens, log-probs and random numbers are plain decoding's (with bik's kernels bit
+    # for bit: the scoring forward gives each position a decode step's bits). In the vLLM
+    # engine, vLLM's rejection sampler keeps or replaces drafts (tokens distributed as plain
+    # sampling's, not the same draws; with bik every log-prob the trainer's). Metrics
+    # rollout/draft_tokens, rollout/draft_accepted, rollout/forwards (vLLM: engine steps).
     speculative: str = spec("none", choices=SPECULATIVE)
     speculative_tokens: int = spec(4, ge=1)
     speculative_ngram: int = spec(3, ge=1)
@@ -348,12 +350,11 @@ class RolloutConfig(_Section):
                 f"rollout.shadow={self.shadow}: the shadow meter replays the hf sampler's "
                 f"decode; expected rollout.engine=hf, got {self.engine}"
             )
-        if self.speculative != "none" and self.engine != "hf":
+        if self.speculative != "none" and self.engine == "vllm" and self.top_k:
             raise ConfigError(
-                f"rollout.speculative={self.speculative}: expected rollout.engine=hf, got "
-                f"{self.engine} (bik.vllm speculates for greedy requests only: a sampled "
-                "request's draft is accepted by vLLM's rejection sampler with its own random "
-                "numbers, so its tokens are not plain decoding's)"
+                f"rollout.top_k: expected 0 with rollout.speculative={self.speculative} on "
+                f"rollout.engine=vllm (bik.vllm speculates with a temperature alone: "
+                f"bik/vllm/speculative.py), got {self.top_k}"
             )
         if self.engine == "vllm":
             # The synthetic sources live in the hf sampler's loop; bik's vLLM attention runs

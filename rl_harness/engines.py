@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers import DynamicCache
 
-from . import policy, rollout, routing
+from . import policy, rollout
 from .batch import Rollout
 from .config import Config
 from .distributed import World
-from .errors import ConfigError
 from .vllm_rollout import VllmRollout
 
 if TYPE_CHECKING:
@@ -51,22 +49,9 @@ class HfRollout:
 
     @staticmethod
     def check(cfg: Config, world: World, master: PreTrainedModel | None = None) -> None:
-        """It runs wherever the trainer does; speculative decoding (rollout.speculative)
-        needs a KV cache it can cut back (no recurrent layer's state) and no experts (the
-        routing record takes one position a forward)."""
-        if cfg.rollout.speculative == "none" or master is None:
-            return
-        if routing.Recorder(master).routers:
-            raise ConfigError(
-                "rollout.speculative: expected a dense policy; a mixture-of-experts policy's "
-                "routing record (rl_harness.routing) takes one position a forward"
-            )
-        layers = DynamicCache(config=master.config).layers
-        if not all(layer.is_croppable for layer in layers):
-            raise ConfigError(
-                "rollout.speculative: expected a policy whose KV cache can drop rejected "
-                "drafts; this one keeps a recurrent state (linear attention or Mamba layers)"
-            )
+        """It runs wherever the trainer does, speculating where the policy allows it
+        (rollout.check_speculative)."""
+        rollout.check_speculative(cfg.rollout, master)
 
     def __init__(
         self,

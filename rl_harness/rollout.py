@@ -33,12 +33,32 @@ from bik.hf import cache_argument, generation_position_ids
 
 from . import routing
 from .batch import Rollout, Speculation
+from .errors import ConfigError
 from .logits import LogitsProcessor, perturb
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .config import RolloutConfig
+
+
+def check_speculative(cfg: RolloutConfig, master: PreTrainedModel | None) -> None:
+    """Refuse speculative decoding (rollout.speculative, either engine) for a policy whose
+    cache cannot drop rejected drafts (a recurrent layer's state) or with experts (the
+    routing record takes one position a forward)."""
+    if cfg.speculative == "none" or master is None:
+        return
+    if routing.Recorder(master).routers:
+        raise ConfigError(
+            "rollout.speculative: expected a dense policy; a mixture-of-experts policy's "
+            "routing record (rl_harness.routing) takes one position a forward"
+        )
+    layers = DynamicCache(config=master.config).layers
+    if not all(layer.is_croppable for layer in layers):
+        raise ConfigError(
+            "rollout.speculative: expected a policy whose KV cache can drop rejected "
+            "drafts; this one keeps a recurrent state (linear attention or Mamba layers)"
+        )
 
 
 @torch.no_grad()

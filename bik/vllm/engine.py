@@ -224,17 +224,33 @@ def serve(request: dict) -> dict:
         "cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
         "seconds": seconds,
         "generated_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
-        "accepted_draft_tokens": _accepted_draft_tokens(llm),
+        "accepted_draft_tokens": (speculation_counts(llm) or {}).get("accepted"),
     }
 
 
-def _accepted_draft_tokens(llm: Any) -> int | None:
-    """The draft tokens a speculative engine kept, from its metrics (logged stats only)."""
+# vLLM's counters of speculative decoding (its logged stats), and the histogram of the tokens
+# each engine step ran, whose count is the steps (model forwards) the engine took
+SPECULATION_METRICS = {
+    "proposed": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+}
+STEPS_METRIC = "vllm:iteration_tokens_total"
+
+
+def speculation_counts(llm: Any) -> dict[str, int] | None:
+    """A speculative engine's draft tokens ``proposed`` and ``accepted`` and its steps
+    (``forwards``) over all its calls so far, or None unless it has a ``speculative_config``
+    and logs stats (``disable_log_stats=False``)."""
     engine = llm.llm_engine
     if engine.vllm_config.speculative_config is None or not engine.log_stats:
         return None
-    name = "vllm:spec_decode_num_accepted_tokens"
-    return int(sum(m.value for m in engine.get_metrics() if m.name == name))
+    metrics = engine.get_metrics()
+    counts = {
+        key: int(sum(m.value for m in metrics if m.name == name))
+        for key, name in SPECULATION_METRICS.items()
+    }
+    counts["forwards"] = int(sum(m.count for m in metrics if m.name == STEPS_METRIC))
+    return counts
 
 
 def main(argv: Sequence[str]) -> int:

