@@ -282,8 +282,8 @@ class VllmRollout:
                 if self.moe:
                     records.append(bik.vllm.routing.of_sample(taken, output.request_id, c.index, n))
         batch = _batch(prompts, responses, logps, self.pad)
-        if before is not None:
-            after = speculation_counts(self.llm)
+        after = speculation_counts(self.llm)
+        if before is not None and after is not None:
             batch.speculation = Speculation(**{k: after[k] - before[k] for k in before})
         if self.moe:
             batch.routing = _routing(prompts, records, batch.sequences.shape[1], batch.prompt_width)

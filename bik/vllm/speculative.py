@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from vllm.v1.sample import rejection_sampler
 
-_UNSUPPORTED_SAMPLING = {  # SamplingParams field -> its neutral value, for sampled speculation
+# SamplingParams field -> its neutral values: the only ones sampled speculation takes
+_UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "top_k": (0, -1),
     "top_p": (1.0,),
     "min_p": (0.0,),
