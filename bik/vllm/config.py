@@ -90,8 +90,12 @@ class EngineSettings:
 
 
 # Speculation whose every returned bit is the target model's (bik.vllm.sampler): the draft
-# only proposes tokens, and the verify forward scores them as decode steps would.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+# only proposes tokens, and the verify forward scores them as decode steps would. "mtp": the
+# multi-token-prediction heads a checkpoint ships, for the families of MTP_FAMILIES.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's model type of a family's MTP head (its draft model) -> the family, whose layers the
+# head's block reuses (tested: DeepSeek-V3; another head's experts are refused by check_model)
+MTP_FAMILIES = {"deepseek_mtp": "deepseek_v3"}
 
 
 def _speculative_method(speculative_config: Any) -> str | None:
@@ -139,9 +143,8 @@ def check_settings(settings: EngineSettings) -> None:
     if settings.speculative is not None and settings.speculative not in SPECULATIVE_METHODS:
         problems.append(
             f"speculative decoding by {settings.speculative!r}: bik.vllm runs "
-            f"{' and '.join(SPECULATIVE_METHODS)} speculation (draft heads such as EAGLE and "
-            "MTP run layers bik does not compute); use one of those or remove "
-            "speculative_config"
+            f"{', '.join(SPECULATIVE_METHODS)} speculation (other draft heads, such as EAGLE's, "
+            "are not verified here); use one of those or remove speculative_config"
         )
     if settings.rejection_sample_method != "standard":
         problems.append(
@@ -295,6 +298,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
     from . import gdn, mamba2, mla, moe, tp_invariant
     from .layers import BIK_LAYERS, transformers_module_problem
 
+    model_type = MTP_FAMILIES.get(hf_config.model_type, hf_config.model_type)
     problems: list[str] = []
     bik_layers: list[str] = []
     for name, module in model.named_modules():
@@ -320,7 +324,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
         elif isinstance(module, MoERunner):
             bik_layers.append(name)
             limit = getattr(hf_config, "swiglu_limit", None)
-            problems.extend(moe.problems(name, module, hf_config.model_type, limit, tp_invariant()))
+            problems.extend(moe.problems(name, module, model_type, limit, tp_invariant()))
         elif isinstance(module, CustomOp):
             problems.append(f"{name} ({kind}): not computed by bik")
         elif isinstance(module, LinearBase) and not isinstance(
@@ -328,7 +332,7 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
         ):
             problems.append(f"{name} ({kind}): quantized ({type(module.quant_method).__name__})")
         elif type(module).__module__.startswith("transformers."):
-            problem = transformers_module_problem(name, module, hf_config.model_type)
+            problem = transformers_module_problem(name, module, model_type)
             problems.extend([] if problem is None else [problem])
         elif isinstance(module, LogitsProcessor) and (
             module.soft_cap is not None or module.scale != 1.0

@@ -100,13 +100,13 @@ def run_engine(
     environment variables for the child (such as ``OMP_NUM_THREADS``).
 
     Returns ``{"vllm", "threads", "outputs", "cached_tokens", "seconds", "generated_tokens",
-    "accepted_draft_tokens"}``:
+    "speculation"}``:
     ``outputs[i][j]`` is ``{"tokens", "logprobs"}`` of sample j of prompt i (``logprobs`` the
     sampled tokens' log-probs when ``sampling`` asks for them, else None),
     ``cached_tokens[i]`` prompt i's tokens read from the prefix cache, ``seconds`` each timed
-    run, ``generated_tokens`` the tokens one run generates and ``accepted_draft_tokens`` the
-    speculative drafts' tokens the engine kept over all its calls (None unless the engine has
-    a ``speculative_config`` and ``disable_log_stats=False``).
+    run, ``generated_tokens`` the tokens one run generates and ``speculation`` the draft
+    tokens proposed and kept and the engine steps over all its calls (:func:`speculation_counts`:
+    None unless the engine has a ``speculative_config`` and ``disable_log_stats=False``).
 
     weights_from (bik only): a model directory whose weights are pushed into the running
     engine with ``bik.vllm.update_weights`` before the first ``generate`` (an RL weight sync,
@@ -224,7 +224,7 @@ def serve(request: dict) -> dict:
         "cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
         "seconds": seconds,
         "generated_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
-        "accepted_draft_tokens": (speculation_counts(llm) or {}).get("accepted"),
+        "speculation": speculation_counts(llm),
     }
 
 

@@ -12,8 +12,9 @@ same form: vLLM still writes the cache (exact copies of the latents), then each 
 latents are read through its block table in position order, expanded by the layer's
 ``kv_b_proj`` (bik.linear: a row's bits do not depend on how many rows it is computed
 with), and its new queries attend over them with bik.attention, so a prefill and a decode
-step give the trainer's bits. vLLM's CPU platform turns chunked prefill and prefix caching
-off for MLA models and pages the latent cache in 16-token blocks.
+step give the trainer's bits. A query of several tokens after cached latents (a speculative
+verify forward; vLLM's CPU platform turns chunked prefill and prefix caching off for MLA
+models) attends as the sequence's last tokens. The latent cache is paged in 16-token blocks.
 """
 
 from typing import Any
@@ -70,25 +71,26 @@ def _forward_impl(
 def _sequences(metadata: Any) -> list[tuple[int, int, torch.Tensor, int]]:
     """(first token, end, block-table row, length) of each sequence of the step: the decodes
     (one token each, their lengths from the metadata) first, then the prefills, whose length
-    is their query's (vLLM's CPU platform turns chunked prefill and prefix caching off for
-    MLA, so a prefill has no earlier context; one that has is refused)."""
+    is their cached context's (a speculative verify forward's, a chunked or prefix-cached
+    prompt's) plus their query's: the query is the sequence's last tokens."""
     spans = []
     decode, prefill = metadata.decode, metadata.prefill
+    if metadata.num_decode_tokens != metadata.num_decodes:
+        raise NotImplementedError("bik.vllm: MLA decode steps of more than one token each")
     if metadata.num_decodes:
         lengths = decode.seq_lens.tolist()
         for i, length in enumerate(lengths):
             spans.append((i, i + 1, decode.block_table[i], length))
     if metadata.num_prefills:
-        if prefill.chunked_context is not None:
-            raise NotImplementedError(
-                "bik.vllm: an MLA prefill after cached context (chunked prefill or prefix "
-                "caching); vLLM's CPU platform turns both off for MLA models"
-            )
+        context = prefill.chunked_context
+        contexts = (
+            context.context_lens_list if context is not None else [0] * len(prefill.block_table)
+        )
         starts = prefill.query_start_loc.tolist()
         offset = metadata.num_decode_tokens - starts[0]  # the prefills follow the decodes
         for i in range(metadata.num_prefills):
             lo, hi = starts[i] + offset, starts[i + 1] + offset
-            spans.append((lo, hi, prefill.block_table[i], hi - lo))
+            spans.append((lo, hi, prefill.block_table[i], contexts[i] + hi - lo))
     return spans
 
 

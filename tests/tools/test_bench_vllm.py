@@ -108,7 +108,7 @@ def test_family_and_model_are_refused_together(capsys, no_engine, tmp_path):
 def test_the_speculative_record_refuses_other_bits_and_reads_its_counts():
     outputs = [[{"tokens": [5, 6], "logprobs": [-0.5, -0.25]}]]
     plain = {"outputs": outputs, "seconds": [2.0, 2.2], "generated_tokens": 40, "threads": 2}
-    fast = {**plain, "seconds": [1.0, 1.2], "accepted_draft_tokens": 30}  # 2 calls: 15 a call
+    fast = {**plain, "seconds": [1.0, 1.2], "speculation": {"accepted": 30}}  # 2 calls: 15 each
     r = speculative.record("copy", "float32", "cpu", fast, plain, runs=1)
     assert r["ratio"] == pytest.approx(2.1 / 1.1) and r["kept_draft_share"] == 15 / 40
     other = [[{"tokens": [5, 6], "logprobs": [-0.5, -0.2500001]}]]

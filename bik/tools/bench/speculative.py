@@ -99,7 +99,7 @@ def record(shape: str, dtype: str, backend: str, fast: dict, plain: dict, runs: 
         )
     fast_s, plain_s = statistics.median(fast["seconds"]), statistics.median(plain["seconds"])
     generated = fast["generated_tokens"]
-    kept = (fast["accepted_draft_tokens"] or 0) / (runs + 1)  # the warm-up call counts too
+    kept = (fast["speculation"] or {}).get("accepted", 0) / (runs + 1)  # and the warm-up call
     return {
         "op": OP,
         "shape": f"{shape}, {kept / generated:.0%} of tokens kept drafts",
