@@ -4,7 +4,7 @@ one decode step gives it, and the log-probs come from bik's formula (bik.vllm.sa
 every returned log-prob is the trainer's, as without speculation.
 
   greedy    the tokens and log-probs of plain decoding (no speculation) and the trainer's,
-            with drafts accepted (counted): n-gram (bf16) and a draft model (fp32)
+            with drafts accepted (counted): n-gram (bf16)
   sampled   every log-prob the trainer's, drafts accepted: n-gram (bf16, T 1) and a draft
             model (fp32, T 0.7), on a policy peaked enough to keep drafts
   expand    the rejection sampler's per-request values spread over the draft tokens, bits
@@ -90,18 +90,15 @@ def _unequal_to_trainer(path, dtype, samples, temperature=1.0):
     return unequal
 
 
-@pytest.mark.parametrize(("method", "dtype"), [("ngram", "bfloat16"), ("draft_model", "float32")])
-def test_greedy_speculation_gives_plain_decoding_and_the_trainers_logprobs(
-    model_dirs, method, dtype
-):
-    """The draft model is another family's tiny model over the same vocabulary (Llama's)."""
+def test_greedy_speculation_gives_plain_decoding_and_the_trainers_logprobs(model_dirs):
+    """n-gram drafts in bf16, some kept (a draft model's verify forward is the same, and
+    sampled below)."""
     path = model_dirs("qwen3")
-    draft = {"method": "draft_model", "model": model_dirs("llama"), "num_speculative_tokens": 3}
-    plain, _ = _generate("bik", path, dtype, None)
-    speculated, counts = _generate("bik", path, dtype, NGRAM if method == "ngram" else draft)
-    assert counts["accepted"] > 0 or method == "draft_model"
+    plain, _ = _generate("bik", path, "bfloat16", None)
+    speculated, counts = _generate("bik", path, "bfloat16", NGRAM)
+    assert counts["accepted"] > 0
     assert speculated == plain
-    assert _unequal_to_trainer(path, dtype, speculated) == 0
+    assert _unequal_to_trainer(path, "bfloat16", speculated) == 0
 
 
 @pytest.mark.parametrize(
