@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,10 @@ from bik.contract import DTYPE_NAMES, TP_CHUNKS, check_split_size
 from bik.families import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES
 from bik.models import MODELS
 
-from . import remedies, tasks
+from . import tasks
 from .errors import ConfigError
-from .remedies import IS_REMEDIES, Precision, precision
+from .remedies import IS_REMEDIES, Precision, RemedyConfig, precision
+from .sections import Section, spec
 
 __all__ = [
     "CollapseConfig",
@@ -51,7 +51,6 @@ ENGINES = ("hf", "vllm")
 SHADOWS = ("none", "native")  # rollout.shadow: off, or a native-kernel meter
 SPECULATIVE = ("none", "ngram")  # rollout.speculative: off, or n-gram (prompt lookup) drafts
 DTYPES = tuple(DTYPE_NAMES)  # bik.contract's one table of dtype names
-REMEDIES = tuple(remedies.REMEDIES)  # the records live in rl_harness.remedies
 WARMUP_KERNELS = ("bik", "torch")  # warmup.kernels; a saved config without it: torch
 MIN_TEMPERATURE = 1e-3  # below it logits / T and the 1 / T gradients overflow float32
 
@@ -64,117 +63,8 @@ VLLM_MOE_REFUSAL = (
 )
 
 
-def spec(default: Any, **check: Any) -> Any:
-    """A field with constraints (``ge``, ``gt``, ``le``, ``lt``, ``choices``, ``multiple_of``)
-    that ``_Section`` checks; a float must also be finite."""
-    return field(default=default, metadata={"check": check})
-
-
-def _expected(kind: type) -> str:
-    return {bool: "true or false", int: "an integer", float: "a finite number"}.get(
-        kind, "a string"
-    )
-
-
-def _coerce(key: str, kind: type, optional: bool, value: Any) -> Any:
-    """``value`` (a Python value, or a ``--set`` string) as ``kind``, or ConfigError."""
-    if optional and (
-        value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
-    ):
-        return None
-    if isinstance(value, str) and kind is not str:
-        text = value.strip().lower()
-        try:
-            if kind is bool:
-                if text not in ("true", "false", "1", "0"):
-                    raise ValueError
-                return text in ("true", "1")
-            return kind(text)
-        except ValueError:
-            raise ConfigError(f"{key}: expected {_expected(kind)}, got {value!r}") from None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    return value
-
-
-_KINDS = {
-    "int": (int, False),
-    "float": (float, False),
-    "bool": (bool, False),
-    "str": (str, False),
-    "str | None": (str, True),
-    "int | None": (int, True),
-}
-
-
-def _bounds(check: Mapping[str, Any]) -> str:
-    parts = []
-    for op, text in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-        if op in check:
-            parts.append(f"{text} {check[op]:g}")
-    return " and ".join(parts)
-
-
-class _Section:
-    """Coerces and checks every field of a frozen dataclass against its metadata, then runs
-    the section's own cross-field checks (``_validate``)."""
-
-    SECTION: ClassVar[str] = ""
-    # every section is a dataclass: this declares it to the type checker (no runtime effect)
-    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
-
-    def _key(self, name: str) -> str:
-        return f"{self.SECTION}.{name}" if self.SECTION else name
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.type not in _KINDS:
-                continue  # a nested section: already constructed and checked
-            kind, optional = _KINDS[f.type]
-            key = self._key(f.name)
-            value = _coerce(key, kind, optional, getattr(self, f.name))
-            object.__setattr__(self, f.name, value)
-            check = f.metadata.get("check")
-            if check is None or value is None:
-                continue
-            if "choices" in check and value not in check["choices"]:
-                raise ConfigError(f"{key}: expected one of {check['choices']}, got {value!r}")
-            if kind is float and not math.isfinite(value):
-                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-            if kind in (int, float):
-                ok = (
-                    value >= check.get("ge", -math.inf)
-                    and value > check.get("gt", -math.inf)
-                    and value <= check.get("le", math.inf)
-                    and value < check.get("lt", math.inf)
-                )
-                if not ok:
-                    noun = "an integer" if kind is int else "a number"
-                    raise ConfigError(f"{key}: expected {noun} {_bounds(check)}, got {value!r}")
-                if kind is int and value % check.get("multiple_of", 1):
-                    raise ConfigError(
-                        f"{key}: expected a multiple of {check['multiple_of']}, got {value!r}"
-                    )
-        self._validate()
-
-    def _validate(self) -> None:
-        """Checks that involve several fields of the section."""
-
-
 @dataclass(frozen=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """A tiny random-init policy of ``family``, or a local model directory (``path``), or a
     real model of bik.models by name (``path=smollm2``: prepared on first use).
 
@@ -230,7 +120,7 @@ class ModelConfig(_Section):
 
 
 @dataclass(frozen=True)
-class TaskConfig(_Section):
+class TaskConfig(Section):
     """The task (rl_harness.tasks): a shipped one by ``name``, or a plug-in ``module`` (an
     importable module whose ``TASK`` implements rl_harness.tasks.Task; it replaces ``name``),
     and its size range."""
@@ -253,7 +143,7 @@ class TaskConfig(_Section):
 
 
 @dataclass(frozen=True)
-class WarmupConfig(_Section):
+class WarmupConfig(Section):
     """Supervised warm-up on the task before RL (cached, see policy.warmup).
 
     ``seed``: the warm-up's own seed (its data order), so several RL seeds can start from one
@@ -274,7 +164,7 @@ class WarmupConfig(_Section):
 
 
 @dataclass(frozen=True)
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """Sampling, and every rollout-side mismatch source (defaults inject none)."""
 
     SECTION: ClassVar[str] = "rollout"
@@ -379,7 +269,7 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Advantages, loss, optimiser and the trainer side's kernels.
 
     PPO: each step's batch gets ``ppo_epochs`` passes; each pass updates on ``mini_batches``
@@ -439,39 +329,7 @@ class TrainConfig(_Section):
 
 
 @dataclass(frozen=True)
-class RemedyConfig(_Section):
-    """The mismatch remedy (rl_harness.remedies) and its thresholds.
-
-    ``low`` / ``high`` bound the token ratio of ``token_mis`` (IcePop) and the sequence IS
-    weight of ``seq_mis``. One-sided MIS (an upper bound only, as with verl's single-number
-    threshold): set ``low`` to a tiny positive number (e.g. 1e-9; it must be > 0), so only
-    ratios above ``high`` are dropped. ``bypass`` (pi_old := pi_rollout) is refused with an
-    importance-sampling remedy under the PPO loss (see ``Config``).
-    """
-
-    SECTION: ClassVar[str] = "remedy"
-    name: str = spec("none", choices=REMEDIES)
-    clip: float = spec(2.0, ge=1)  # C of the truncated IS remedies and the IS metrics
-    low: float = spec(0.5, gt=0)  # token_mis / seq_mis lower bound (tiny: one-sided MIS)
-    high: float = spec(2.0, gt=0)  # token_mis / seq_mis upper bound
-    geo_low: float = spec(0.999, gt=0)
-    geo_high: float = spec(1.001, gt=0)
-    k_threshold: float = spec(0.01, ge=0)
-    veto: float = spec(1e-4, ge=0)
-    self_normalize: bool = False
-    bypass: bool = False
-
-    def _validate(self) -> None:
-        for low, high in (("low", "high"), ("geo_low", "geo_high")):
-            if getattr(self, high) < getattr(self, low):
-                raise ConfigError(
-                    f"remedy.{high}: expected at least remedy.{low} ({getattr(self, low)}), "
-                    f"got {getattr(self, high)}"
-                )
-
-
-@dataclass(frozen=True)
-class LRScheduleConfig(_Section):
+class LRScheduleConfig(Section):
     """The learning-rate schedule (rl_harness.schedule)."""
 
     SECTION: ClassVar[str] = "lr_schedule"
@@ -484,7 +342,7 @@ class LRScheduleConfig(_Section):
 
 
 @dataclass(frozen=True)
-class CollapseConfig(_Section):
+class CollapseConfig(Section):
     """Thresholds of the per-step collapse flags (rl_harness.collapse).
 
     ``grad_norm_factor``: the blow-up flag (a step above factor x the median of the window
@@ -504,7 +362,7 @@ class CollapseConfig(_Section):
 
 
 @dataclass(frozen=True)
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Greedy accuracy of the trained policy (the trainer copy) on a held-out prompt set,
     every ``every`` steps (0: off) and at the last step. The ``prompts`` prompts are drawn
     once, from a stream of their own (the same set for every run seed), never from the
@@ -518,7 +376,7 @@ class EvalConfig(_Section):
     at_start: bool = spec(False)
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
     "task": TaskConfig,
     "warmup": WarmupConfig,
@@ -532,7 +390,7 @@ SECTIONS: dict[str, type[_Section]] = {
 
 
 @dataclass(frozen=True)
-class Config(_Section):
+class Config(Section):
     """A whole run. Construct it through :func:`build` or :func:`load`."""
 
     seed: int = spec(0, ge=0)

@@ -38,8 +38,10 @@ import torch
 from . import policy, rollout, tasks, vocab
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .collapse import Detector
     from .config import Config
-    from .runner import Run
 
 STREAM = "heldout"  # the held-out prompts' random stream, the same for every run seed
 
@@ -56,6 +58,7 @@ class Heldout:
 
     def __init__(self, cfg: Config) -> None:
         self.task, self.vocab = tasks.of(cfg.task), vocab.of(cfg.model)
+        self.rollout = cfg.rollout
         self.where = tasks.source(cfg.task)
         # Batches of the runner's rollout.prompts prompts, drawn one after the other from one
         # stream, until eval.prompts: the set does not depend on the rollout's batch shape.
@@ -68,15 +71,22 @@ class Heldout:
             self.examples += examples[::repeats]
         del self.prompts[cfg.eval.prompts :], self.examples[cfg.eval.prompts :]
 
-    def evaluate(self, job: Run) -> dict[str, Any]:
-        """The evaluation metrics of ``job``'s policy now (its master's weights), with the
-        collapse flag from ``job.detector``."""
-        policy.refresh(job.train_model, job.master)
+    def evaluate(
+        self,
+        model: PreTrainedModel,
+        master: torch.nn.Module,
+        drift: torch.Tensor,
+        detector: Detector,
+    ) -> dict[str, Any]:
+        """The evaluation metrics of the policy ``master`` now, decoded by its working copy
+        ``model`` (refreshed from it; ``drift``: the rollout's, unused by greedy decoding),
+        with the collapse flag from ``detector``."""
+        policy.refresh(model, master)
         batch = rollout.sample(
-            job.train_model,
+            model,
             self.prompts,
-            job.cfg.rollout,
-            job.drift,
+            self.rollout,
+            drift,
             torch.Generator(),  # never drawn from: greedy
             greedy=True,
         )
@@ -90,6 +100,6 @@ class Heldout:
             "eval/accuracy": accuracy,
             "eval/response_length": float(batch.response_mask.sum(-1).float().mean()),
         }
-        for flag, raised in job.detector.update_eval(accuracy).items():
+        for flag, raised in detector.update_eval(accuracy).items():
             metrics[f"collapse/{flag}"] = int(raised)
         return metrics

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
 from .errors import ConfigError
 from .metrics import masked_mean
-
-if TYPE_CHECKING:
-    from .config import RemedyConfig
+from .sections import Section, spec
 
 FP16_LOSS_SCALE = 1024.0  # static loss scale of a float16 trainer copy
 
@@ -266,3 +264,35 @@ def weights(
         masked_frac = dropped.sum() / n
     stats = {"remedy/masked_frac": float(masked_frac), "remedy/clipped_frac": float(clipped_frac)}
     return w, keep, stats
+
+
+@dataclass(frozen=True)
+class RemedyConfig(Section):
+    """The mismatch remedy (rl_harness.remedies) and its thresholds.
+
+    ``low`` / ``high`` bound the token ratio of ``token_mis`` (IcePop) and the sequence IS
+    weight of ``seq_mis``. One-sided MIS (an upper bound only, as with verl's single-number
+    threshold): set ``low`` to a tiny positive number (e.g. 1e-9; it must be > 0), so only
+    ratios above ``high`` are dropped. ``bypass`` (pi_old := pi_rollout) is refused with an
+    importance-sampling remedy under the PPO loss (see ``Config``).
+    """
+
+    SECTION: ClassVar[str] = "remedy"
+    name: str = spec("none", choices=tuple(REMEDIES))
+    clip: float = spec(2.0, ge=1)  # C of the truncated IS remedies and the IS metrics
+    low: float = spec(0.5, gt=0)  # token_mis / seq_mis lower bound (tiny: one-sided MIS)
+    high: float = spec(2.0, gt=0)  # token_mis / seq_mis upper bound
+    geo_low: float = spec(0.999, gt=0)
+    geo_high: float = spec(1.001, gt=0)
+    k_threshold: float = spec(0.01, ge=0)
+    veto: float = spec(1e-4, ge=0)
+    self_normalize: bool = False
+    bypass: bool = False
+
+    def _validate(self) -> None:
+        for low, high in (("low", "high"), ("geo_low", "geo_high")):
+            if getattr(self, high) < getattr(self, low):
+                raise ConfigError(
+                    f"remedy.{high}: expected at least remedy.{low} ({getattr(self, low)}), "
+                    f"got {getattr(self, high)}"
+                )

@@ -172,6 +172,10 @@ class Run:
         if engine is not None:
             engine.close()
 
+    def evaluate(self, heldout: Heldout) -> dict[str, Any]:
+        """The held-out evaluation of the policy now (rl_harness.evaluate)."""
+        return heldout.evaluate(self.train_model, self.master, self.drift, self.detector)
+
     def _phase(self, step: int, what: str) -> None:
         """The step's phase on stderr, where progress is shown (a real model's step takes a
         minute): one line, rewritten in place, as the progress line after it is."""
@@ -604,13 +608,13 @@ def _loop(
         for step in range(job.start, cfg.steps):
             # eval.at_start: the policy before the first update (evaluation changes nothing
             # training reads, so the step runs as it would without it)
-            before = heldout.evaluate(job) if heldout and step == 0 and cfg.eval.at_start else {}
+            before = job.evaluate(heldout) if heldout and step == 0 and cfg.eval.at_start else {}
             metrics = job.step(step)
             if log is None:  # not rank 0
                 continue
             metrics.update(before)
             if heldout is not None and due(cfg, step):
-                metrics.update(heldout.evaluate(job))  # before the checkpoint: its detector
+                metrics.update(job.evaluate(heldout))  # before the checkpoint: its detector
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:

@@ -124,9 +124,12 @@ def _check_model(model: nn.Module, mesh: DeviceMesh) -> list[str]:
         raise ValueError(
             f"mesh: expected a 1-D DeviceMesh (the expert-parallel ranks), got {shape}"
         )
-    from ..hf.moe import Experts  # bik.hf imports this module
-
-    names = [n for n, m in model.named_modules() if isinstance(vars(m).get("forward"), Experts)]
+    # bik.hf.moe.Experts, marked (bik.hf imports this module)
+    names = [
+        n
+        for n, m in model.named_modules()
+        if getattr(vars(m).get("forward"), "shardable_experts", False)
+    ]
     degree = mesh.size()
     for name in names:
         count = next(model.get_submodule(name).parameters()).shape[0]

@@ -21,6 +21,17 @@ from .autocast import autocast_inputs, run
 from .fused_projections import active_group
 
 
+def fusable_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a bik-patched plain linear (not tensor-parallel) over a plain
+    weight: one bik.hf.fused_projections may compute with its sibling projections."""
+    forward = module.forward
+    return (
+        isinstance(forward, PatchedForward)
+        and forward.kind == "linear"
+        and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
 class PatchedForward:
     """A Linear's or RMSNorm's forward (``kind``: 'linear', 'row_parallel_linear' (the
     tensor-parallel-invariant order, bik.distributed.chunked_linear), 'rms_norm',

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import cast
 
 import torch
 from torch import nn
@@ -89,25 +88,17 @@ class ProjectionGroup:
         return pending[1][index]
 
 
-def projection_groups(model: nn.Module) -> dict[nn.Module, ProjectionGroup]:
-    """Every member of a fusable group of ``model``: sibling bik-patched linears (plain
-    ``linear`` kind, not tensor-parallel) of one dtype, device and input width, with a bias
-    on all or none."""
-    from .forwards import PatchedForward
-
-    def fusable(m: object) -> bool:
-        return (
-            isinstance(m, nn.Linear)
-            and isinstance(m.forward, PatchedForward)
-            and m.forward.kind == "linear"
-            and type(m.weight) in (torch.Tensor, nn.Parameter)
-        )
-
+def projection_groups(
+    model: nn.Module, fusable: Callable[[nn.Module], bool]
+) -> dict[nn.Module, ProjectionGroup]:
+    """Every member of a fusable group of ``model``: sibling linears that ``fusable`` admits
+    (bik.hf.forwards.fusable_linear: bik-patched, plain ``linear`` kind) of one dtype,
+    device and input width, with a bias on all or none."""
     table: dict[nn.Module, ProjectionGroup] = {}
     for layer in model.modules():
         for names in GROUPS:
             members = [getattr(layer, name, None) for name in names]
-            if not all(fusable(m) for m in members):
+            if not all(isinstance(m, nn.Linear) and fusable(m) for m in members):
                 continue
             linears: list[nn.Linear] = members  # type: ignore[assignment]
             first = linears[0].weight
@@ -117,7 +108,7 @@ def projection_groups(model: nn.Module) -> dict[nn.Module, ProjectionGroup]:
                 for m in linears
             ):
                 continue
-            pack = cast(PatchedForward, linears[0].forward).pack_weight
+            pack = linears[0].forward.pack_weight  # type: ignore[attr-defined]  # fusable's
             group = ProjectionGroup(linears, pack)
             table.update((m, group) for m in linears)
     return table

@@ -76,6 +76,8 @@ class Experts:
     module sharded by bik.distributed.expert_parallel computes its rank's experts
     (bik.distributed.experts.expert_parallel_mlp: the same bits)."""
 
+    shardable_experts = True  # how bik.distributed.expert_parallel finds it (no import of bik.hf)
+
     def __init__(self, module: torch.nn.Module, backend: str, down_chunks: int | None = None):
         self.module, self.backend, self.down_chunks = module, backend, down_chunks
 

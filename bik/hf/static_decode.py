@@ -29,6 +29,7 @@ from ..families import MOE_FAMILIES
 from ..ops._dispatch import needs_custom_op
 from ..ops.attention import fp32_sinks, validate_options
 from .cache_keyword import cache_argument
+from .forwards import fusable_linear
 from .fused_projections import fused, projection_groups
 
 STEP_TAG = "_bik_static_step"  # set on a static cache's key pages: the step they belong to
@@ -231,7 +232,7 @@ class StaticDecoder:
             raise ValueError(f"max_len: expected a positive int, got {max_len!r}")
         if not isinstance(fuse_projections, bool):
             raise TypeError(f"fuse_projections: expected a bool, got {fuse_projections!r}")
-        self._groups = projection_groups(model) if fuse_projections else {}
+        self._groups = projection_groups(model, fusable_linear) if fuse_projections else {}
         self._distinct_groups = list(dict.fromkeys(self._groups.values()))  # refreshed a step
         self.model, self.max_len = model, max_len
         self.graph_requested = graph

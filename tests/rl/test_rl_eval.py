@@ -186,7 +186,7 @@ def test_evaluation_at_start_scores_the_warm_up_policy_in_step_0s_row(tmp_path, 
     # before the update: the warm-up's policy, as an evaluation of a run of 0 updates sees it
     cfg = config.build({}, [*RUN, "eval.at_start=true"])
     job = runner.Run(cfg, cache, None)
-    assert evaluated[0][EVAL] == evaluate.Heldout(cfg).evaluate(job)[EVAL]
+    assert evaluated[0][EVAL] == job.evaluate(evaluate.Heldout(cfg))[EVAL]
 
 
 def test_the_held_out_set_is_fixed_and_apart_from_the_seed():
@@ -241,13 +241,13 @@ def _rank(rank, tmp, cache):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     calls = []
-    original = evaluate.Heldout.evaluate
+    original = runner.Run.evaluate
 
-    def count(self, job):
+    def count(job, heldout):
         calls.append(job.world.rank)
-        return original(self, job)
+        return original(job, heldout)
 
-    evaluate.Heldout.evaluate = count
+    runner.Run.evaluate = count
     try:
         cfg = config.build({}, [*TINY, "steps=2", "eval.every=1", "eval.prompts=3"])
         runner.run(cfg, f"{tmp}/run", cache_dir=cache, progress=False)

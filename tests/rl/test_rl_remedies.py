@@ -10,8 +10,8 @@ import torch
 
 from rl_harness import config, remedies
 from rl_harness.__main__ import main
-from rl_harness.config import REMEDIES, RemedyConfig
 from rl_harness.errors import ConfigError
+from rl_harness.remedies import REMEDIES, RemedyConfig
 
 
 def _weights(name, old, rollout, mask, **extra):
