@@ -107,7 +107,6 @@ class Run:
         engine.check(cfg, self.world, self.master)  # before the warm-up: what cannot run here
         self.progress = progress and self.world.main
         self.batch: Batch | None = None  # the last step's whole batch, for inspection
-        self.updates: list[dict[str, Any]] = []  # the last step's per-update stats
         if state is None:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir, progress))
             self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
@@ -369,8 +368,7 @@ class Run:
         stats averaged over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them),
         ``grad_norm`` (mean), ``grad_norm_max``, ``update_applied`` (how many were applied),
         ``update_skipped`` (how many a non-finite gradient skipped: :meth:`_update`)
-        and the optional terms' metrics (:meth:`_terms`); the per-update stats are kept in
-        ``self.updates``."""
+        and the optional terms' metrics (:meth:`_terms`)."""
         t = self.cfg.train
         batch, terms = self._terms(share, batch, rewards)
         self.batch = batch
@@ -381,14 +379,14 @@ class Run:
             if t.mini_batches == 1
             else [slice(k * size, (k + 1) * size) for k in range(t.mini_batches)]
         )
-        self.updates = []
+        updates: list[dict[str, Any]] = []  # each update's stats
         stale = False  # the trainer copy lags the master
         for epoch in range(t.ppo_epochs):
             for select in parts:
                 rows_of = select or slice(None)
                 if not bool(prepared.kept[rows_of].any()):
                     part = prepared.take(select)
-                    self.updates.append(self._filtered_out(part, batch.entropy[rows_of]))
+                    updates.append(self._filtered_out(part, batch.entropy[rows_of]))
                     continue
                 if epoch == 0 and select is None:
                     (logp, entropy), part, here = forward, prepared, rows
@@ -406,18 +404,8 @@ class Run:
                 stats["grad_norm"], stats["update_applied"] = self._update(loss)
                 stats["update_skipped"] = 1 - stats["update_applied"]
                 stale = stale or bool(stats["update_applied"])
-                self.updates.append(stats)
-        n = len(self.updates)
-        out = {**prepared.remedy_stats, **self.updates[0]}  # the remedy's: the whole batch's
-        for key in ("loss", "ppo/clip_frac", "grad_norm"):  # one update: its value, bit for bit
-            first, *rest = (u[key] for u in self.updates)
-            out[key] = sum(rest, first) / n
-        out["grad_norm_max"] = max(u["grad_norm"] for u in self.updates)
-        out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in self.updates)
-        out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in self.updates)
-        out["update_applied"] = sum(u["update_applied"] for u in self.updates)
-        out["update_skipped"] = sum(u["update_skipped"] for u in self.updates)
-        return {**out, **terms}
+                updates.append(stats)
+        return {**prepared.remedy_stats, **_summarise(updates), **terms}
 
     def _filtered_out(self, part: trainer.Prepared, entropy: torch.Tensor) -> dict[str, Any]:
         """The stats of an update whose mini-batch ``part`` train.filter_groups emptied:
@@ -504,6 +492,22 @@ def _progress(step: int, total: int, metrics: dict[str, Any], started: float, fi
         f"| {rate:.2f} s/step, eta {rate * (total - step - 1):.0f} s "
     )
     sys.stderr.flush()
+
+
+def _summarise(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """A step's stats from its updates' (Run._ppo): the first update's, then the loss, clip
+    fraction and grad norm averaged (one update: its value, bit for bit), the grad norm's
+    maximum, the ratio's extremes, and the updates applied and skipped counted."""
+    out = dict(updates[0])
+    for key in ("loss", "ppo/clip_frac", "grad_norm"):
+        first, *rest = (u[key] for u in updates)
+        out[key] = sum(rest, first) / len(updates)
+    out["grad_norm_max"] = max(u["grad_norm"] for u in updates)
+    out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in updates)
+    out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in updates)
+    out["update_applied"] = sum(u["update_applied"] for u in updates)
+    out["update_skipped"] = sum(u["update_skipped"] for u in updates)
+    return out
 
 
 def run(

@@ -10,7 +10,12 @@ import sys
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
-from rl_helpers import resumed_equals_uninterrupted, run_metrics, tiny_model_dir
+from rl_helpers import (
+    resumed_equals_uninterrupted,
+    run_metrics,
+    tiny_model_dir,
+    updates_of_each_step,
+)
 
 from rl_harness import config, policy, rundir, runner
 from rl_harness.logits import round_mantissa
@@ -207,10 +212,9 @@ def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
         out = original(self, *args)
         size = self.batch.sequences.shape[0] // 2
         assert torch.equal(seen[0], self.batch.train_logp[:size])  # mini-batch 0, epoch 0
-        updates.append(list(self.updates))
         return out
 
-    updates = []
+    updates = updates_of_each_step(monkeypatch)
     monkeypatch.setattr(runner.trainer, "token_logprobs_and_entropy", spy_forward)
     monkeypatch.setattr(runner.Run, "_ppo", spy_ppo)
     sets = PPO + ["steps=2", "train.ppo_epochs=2", "train.mini_batches=2"]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from rl_helpers import TINY as RL_TINY
-from rl_helpers import loss_batch, resumed_equals_uninterrupted, run_metrics
+from rl_helpers import loss_batch, resumed_equals_uninterrupted, run_metrics, updates_of_each_step
 
 import bik
 from rl_harness import config, policy, runner, trainer
@@ -121,11 +121,11 @@ def test_an_emptied_mini_batch_is_skipped_the_other_updates(cache, monkeypatch):
     kept = torch.tensor([0.0] * 4 + [1.0] * 4)  # TINY: 4 prompts x 2 samples
     monkeypatch.setattr(runner.trainer, "kept_rows", lambda rewards, size: kept)
     sets = ["train.filter_groups=true", "train.mini_batches=2", "train.entropy_coef=0.1"]
-    job = _job(cache, sets)
+    job, updates = _job(cache, sets), updates_of_each_step(monkeypatch)
     metrics = job.step(0)
-    assert [u["update_applied"] for u in job.updates] == [0, 1]
+    assert [u["update_applied"] for u in updates[0]] == [0, 1]
     assert metrics["update_applied"] == 1 and metrics["train/groups_kept_frac"] == 0.5
-    assert job.updates[0]["grad_norm"] == 0.0 and job.updates[1]["grad_norm"] > 0
+    assert updates[0][0]["grad_norm"] == 0.0 and updates[0][1]["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("estimator", config.KL_ESTIMATORS)
@@ -224,7 +224,7 @@ def test_bik_ops_run_in_bfloat16_under_autocast():
     assert not torch.equal(plain, cast.float())
 
 
-def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
+def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache, monkeypatch):
     """The rollout does not autocast: both runs sample the same tokens with the same
     log-probs, but the autocast trainer's log-probs differ, so the mismatch is non-zero.
     Invariance holds under autocast: the reference (autocast too) equals the trainer at the
@@ -232,6 +232,7 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
     forward (ratio exactly 1)."""
     sets = ["train.mini_batches=2", "train.kl_coef=0.1"]
     plain, cast = _job(cache, sets), _job(cache, [*sets, "train.autocast=bfloat16"])
+    updates = updates_of_each_step(monkeypatch)
     metrics = [plain.step(0), cast.step(0)]
     assert torch.equal(plain.batch.rollout_logp, cast.batch.rollout_logp)
     assert not torch.equal(plain.batch.train_logp, cast.batch.train_logp)
@@ -239,7 +240,7 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache):
     assert metrics[1]["mismatch/logprob_abs_diff_max"] > 0
     assert metrics[1]["mismatch/tokens_unequal_frac"] > 0 and metrics[1]["mismatch/k3_kl"] > 0
     assert metrics[1]["train/kl"] == 0.0
-    first = cast.updates[0]
+    first = updates[1][0]  # the autocast job's first update
     assert first["ppo/ratio_max"] == first["ppo/ratio_min"] == 1.0
 
 

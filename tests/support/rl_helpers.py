@@ -19,6 +19,22 @@ TINY = [
 ]
 
 
+def updates_of_each_step(monkeypatch):
+    """A list that gains each step's per-update stats (the list Run._ppo summarises) as the
+    steps run."""
+    from rl_harness import runner
+
+    seen = []
+    summarise = runner._summarise
+
+    def spy(updates):
+        seen.append(list(updates))
+        return summarise(updates)
+
+    monkeypatch.setattr(runner, "_summarise", spy)
+    return seen
+
+
 def run_metrics(tmp_path, cache, name, sets):
     """The metrics of a run of the defaults + ``sets`` into ``tmp_path / name``."""
     cfg = config.build({}, list(sets))

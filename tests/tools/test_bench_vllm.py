@@ -5,7 +5,6 @@ argument cases stop before any engine starts.
 """
 
 import json
-import os
 
 import pytest
 from test_cli import _never, usage_error
@@ -43,18 +42,29 @@ def test_quick_vllm_bench_reports_both_engines_and_the_ratio(tmp_path, capsys):
     assert "| vllm_generate |" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # two TP 2 engines
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP 2 needs a core per rank")
-def test_quick_vllm_bench_of_a_sharded_mixture_of_experts(tmp_path):
+def test_quick_vllm_bench_of_a_sharded_mixture_of_experts(tmp_path, monkeypatch):
     """--tp 2 --family qwen3_moe: both engines shard the experts over two worker processes,
-    bik's in the TP-invariant order (issue 65)."""
+    bik's in the TP-invariant order, each rank bound to its core (the engines themselves:
+    test_vllm_moe_parallel.py and test_verify_vllm.py run them at TP 2)."""
+    asked = []
+
+    def engine(name, model_dir, prompts, **options):
+        asked.append((name, options))
+        tokens = len(prompts) * options["sampling"]["max_tokens"]
+        return {"vllm": "0.32.0", "seconds": [1.0], "generated_tokens": tokens, "threads": 1}
+
+    monkeypatch.setattr(vllm_engine, "run_engine", engine)
     out = tmp_path / "out.json"
     argv = ["bench", "--vllm", "--quick", "--family", "qwen3_moe", "--dtypes", "bfloat16"]
     assert main([*argv, "--tp", "2", "--tokens", "4", "--json", str(out)]) == 0
     (record,) = json.loads(out.read_text())["records"]
     assert record["shape"].startswith("qwen3_moe hidden=128 layers=2")
-    assert "TP 2, 1 thread" in record["shape"]
-    assert record["generated_tokens"] == 8 * 4 and record["ratio"] > 0
+    assert "TP 2, 1 thread" in record["shape"] and record["ratio"] == 1.0
+    assert sorted(name for name, _ in asked) == ["bik", "native"]
+    for _, options in asked:
+        assert options["tp_invariant"] and options["env"] == vllm_engine.cpu_binding(2)
+        assert options["engine_args"]["tensor_parallel_size"] == 2
+        assert options["engine_args"]["disable_custom_all_reduce"]
 
 
 @pytest.fixture
