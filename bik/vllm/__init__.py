@@ -21,7 +21,7 @@ soft-capping included) through bik's backend in vLLM's attention-backend registr
 mixture-of-experts layers through bik's routing and grouped experts (:mod:`bik.vllm.moe`),
 latent attention in the trainer's form (:mod:`bik.vllm.mla`) and the recurrent layers
 of the hybrids (:mod:`bik.vllm.gdn`, :mod:`bik.vllm.mamba2`, at TP 1). What bik cannot make
-invariant (torch.compile or CUDA graphs, draft-head speculation, quantization, TP without
+invariant (torch.compile or CUDA graphs, EAGLE draft heads, quantization, TP without
 ``tp_invariant``, biased experts and recurrent layers above TP 1, PP, LoRA, scaled RoPE
 variants other than YaRN...) is refused when the engine starts; docs/vllm.md's family table
 says which families run. Then vLLM's log-probs equal
