@@ -17,7 +17,8 @@ export BIK_REQUIRE_CPU := 1
 # of the suite's time is start-up and waiting (engines, process groups), which a third worker
 # fills (21.8 min against 27.3 with two, the same day).
 TEST_WORKERS ?= 3
-PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# --durations: the slowest tests in the log, where the suite's minutes go
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 # Fewer hypothesis examples and no `slow` cases: every axis is still checked, in ~2 minutes.
 FAST := BIK_EXAMPLES=5 $(BIN)/python $(PYTEST) -m "not slow" tests
 
