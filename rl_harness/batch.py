@@ -30,8 +30,9 @@ class Tokens:
 
 @dataclass
 class Speculation:
-    """A sample's speculative decoding, counted per step of the whole batch (its rows draw
-    in lockstep): draft positions scored, drafts that stood, and model forwards."""
+    """A sample's speculative decoding: draft positions scored, drafts that stood, and model
+    forwards (the hf sampler counts per step of the whole batch, whose rows draw in
+    lockstep; the vLLM engine counts its own steps, from its stats)."""
 
     proposed: int = 0
     accepted: int = 0

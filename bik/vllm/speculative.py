@@ -31,7 +31,7 @@ import torch
 from vllm.v1.sample import rejection_sampler
 
 # SamplingParams field -> its neutral values: the only ones sampled speculation takes
-_UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+_NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
     "top_k": (0, -1),
     "top_p": (1.0,),
     "min_p": (0.0,),
@@ -62,7 +62,7 @@ def check_request(params: Any) -> None:
     engine sets that bik cannot keep exact (the module doc says why)."""
     unsupported = [
         f"{name}={getattr(params, name)!r}"
-        for name, neutral in _UNSUPPORTED_SAMPLING.items()
+        for name, neutral in _NEUTRAL_SAMPLING.items()
         if getattr(params, name) not in neutral
     ]
     if unsupported:

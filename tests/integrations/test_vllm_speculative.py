@@ -55,7 +55,7 @@ def model_dirs(tmp_path_factory):
 
 def _generate(engine, path, dtype, speculative_config, temperature=0.0, n=1):
     """The samples ``[(prompt, tokens, log-probs)]`` of PROMPTS (``n`` a prompt) from an
-    engine in a child process, and the draft tokens it accepted."""
+    engine in a child process, and its draft counts (bik.vllm.engine.speculation_counts)."""
     args = {"max_model_len": 128, "seed": 0, "logprobs_mode": "processed_logprobs"}
     if speculative_config is not None:
         args.update(speculative_config=speculative_config, disable_log_stats=False)
