@@ -148,7 +148,7 @@ test-verl: install-verl
 test-verl-fast: install-verl
 	$(VERL_PYTEST) -m "not slow"
 
-# The CUTLASS sm90 GEMM (csrc/cutlass; bik/backends/cutlass_sm90.py loads it): a torch-independent
+# The CUTLASS sm90 GEMM (csrc/cutlass; bik/testing/cutlass_sm90.py loads it): a torch-independent
 # shared library built here with nvcc, no GPU needed, for a GPU machine to load. CUTLASS's
 # headers come from the pinned nvidia-cutlass package (its Python dependencies are not needed).
 # Written under another name and renamed, so two builds at once never leave half a library.

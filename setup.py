@@ -186,7 +186,7 @@ setup(
         # rl_harness's plots (metrics.png, compare.png, sweep.png); without it a run still
         # writes its metrics and summary, and warns that the plots are missing.
         "rl": ["matplotlib"],
-        # bik.models: preparing the real model (SmolLM2) from the GGUF file its registry
+        # bik.testing.models: preparing the real model (SmolLM2) from the GGUF file its registry
         # package ships needs transformers' GGUF loader, which needs both.
         "models": ["gguf>=0.10", "accelerate>=1.0"],
         # vLLM's CPU build on machines without CUDA, its GPU build elsewhere (see README).

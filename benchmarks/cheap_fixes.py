@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 
-import bik
 from bik import testing
-from bik.tools import demo
+from bik.testing import models, rollouts
 
 PPO_CLIP = (0.8, 1.2)  # PPO's default clip range (epsilon 0.2)
 IS_CAP = 2.0  # truncated token importance sampling's cap (TRL's default)
@@ -56,7 +55,9 @@ def measure(rollout_logp: torch.Tensor, train_logp: torch.Tensor) -> dict[str, f
     ratio = delta.exp()
     return {
         "unequal": float((delta != 0).double().mean()),
-        "outside_band": float(((ratio < demo.BAND[0]) | (ratio > demo.BAND[1])).double().mean()),
+        "outside_band": float(
+            ((ratio < rollouts.BAND[0]) | (ratio > rollouts.BAND[1])).double().mean()
+        ),
         "max_abs": float(delta.abs().max()),
         "ppo_clipped": float(((ratio < PPO_CLIP[0]) | (ratio > PPO_CLIP[1])).double().mean()),
         "is_truncated": float((ratio > IS_CAP).double().mean()),
@@ -72,19 +73,19 @@ def run(model_name: str, rows: int, tokens: int, seed: int) -> dict[str, Any]:
         prompts = [torch.randint(3, 256, (n,), generator=gen) for n in range(4, 4 + rows)]
         pad = 0
     else:
-        tokenizer = AutoTokenizer.from_pretrained(bik.models.path(model_name))
-        texts = (demo.PROMPTS * rows)[:rows]
-        prompts, pad = demo.chat_prompts(tokenizer, texts), tokenizer.pad_token_id
-    rollout = demo.sample(fp32, prompts, tokens, seed, pad)  # the tokens every setup scores
+        tokenizer = AutoTokenizer.from_pretrained(models.path(model_name))
+        texts = (rollouts.PROMPTS * rows)[:rows]
+        prompts, pad = rollouts.chat_prompts(tokenizer, texts), tokenizer.pad_token_id
+    rollout = rollouts.sample(fp32, prompts, tokens, seed, pad)  # the tokens every setup scores
     results: dict[str, Any] = {}
     for name, (dtype, head32, patched) in SETUPS.items():
         model = testing.load_model(model_name, dtype=dtype)
-        with demo.fp32_head(model, head32), demo.patched(model, patched):
+        with rollouts.fp32_head(model, head32), rollouts.patched(model, patched):
             seconds = math.inf
             for _ in range(REPEATS):  # the fastest of the repeats: one-time costs drop out
                 start = time.perf_counter()
-                rollout_logp = demo.decode_logprobs(model, rollout)
-                train_logp = demo.score(model, rollout)
+                rollout_logp = rollouts.decode_logprobs(model, rollout)
+                train_logp = rollouts.score(model, rollout)
                 seconds = min(seconds, time.perf_counter() - start)
         results[name] = {**measure(rollout_logp, train_logp), "seconds": seconds}
         print(f"  {name}: {results[name]}", file=sys.stderr, flush=True)
@@ -100,7 +101,7 @@ def run(model_name: str, rows: int, tokens: int, seed: int) -> dict[str, Any]:
 
 
 def demo_machine() -> str:
-    from bik.machine import device_name
+    from bik.testing.machine import device_name
 
     load = os.getloadavg()[0]
     return f"{device_name(torch.device('cpu'))}, {platform.system()}, load {load:.2f}"

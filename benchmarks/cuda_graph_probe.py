@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import bik
-from bik.tools.bench.cases import paged_decode
+from bik.testing.cases import paged_decode
 
 # (label, rows M, K, N): decode batches through SmolLM2-135M's and Llama-3.1-8B's projections
 LINEARS = [

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import bik
-from bik.machine import cpu_numerics
-from bik.tools.bench import cases
+from bik.testing import cases
+from bik.testing.machine import cpu_numerics
 
 
 def _timed(fn) -> float:

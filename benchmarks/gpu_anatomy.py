@@ -43,12 +43,10 @@ from typing import Any
 import torch
 
 import bik
-from bik import models
-from bik.testing import sample_prompts
-from bik.tools import demo
-from bik.tools.cli import positive_int
+from bik.testing import models, rollouts, sample_prompts
+from bik.testing.arguments import positive_int
 
-BAND = demo.BAND
+BAND = rollouts.BAND
 TEMPERATURE = 1.0  # sampling and both sides' log-probs (the demo's own is 0.7)
 ENTROPY_BIN = 0.5  # nats
 
@@ -101,8 +99,8 @@ def nucleus_log_mass(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.log((probs * (before < top_p)).sum(-1))
 
 
-def rows_of(rollout: demo.Rollout, rows: slice) -> demo.Rollout:
-    return demo.Rollout(
+def rows_of(rollout: rollouts.Rollout, rows: slice) -> rollouts.Rollout:
+    return rollouts.Rollout(
         rollout.sequences[rows],
         rollout.mask[rows],
         rollout.response[rows],
@@ -111,14 +109,14 @@ def rows_of(rollout: demo.Rollout, rows: slice) -> demo.Rollout:
     )
 
 
-def engine_side(model: Any, rollout: demo.Rollout, config: Config, top_p: float) -> dict:
+def engine_side(model: Any, rollout: rollouts.Rollout, config: Config, top_p: float) -> dict:
     """The engine's log-probs of the fixed tokens (``config.batch`` rows at a time), each
     renormalised over its top-p nucleus where the config says so, and the entropy at each."""
     blocks = []
     for start in range(0, rollout.sequences.shape[0], config.batch):
         part = rows_of(rollout, slice(start, start + config.batch))
         tokens = part.sequences[:, part.prompt_width :]
-        logits = demo.decode_logits(model, part)
+        logits = rollouts.decode_logits(model, part)
         # 64 positions at a time: the fp32 logits of 64 rows x 512 tokens are 6 GiB
         pieces = [
             token_measures(piece.float(), chosen, config.renormalised, top_p)
@@ -140,19 +138,19 @@ def token_measures(
 
 
 def measure(
-    directory: str, config: Config, rollout: demo.Rollout, args: argparse.Namespace
+    directory: str, config: Config, rollout: rollouts.Rollout, args: argparse.Namespace
 ) -> dict:
     """One configuration's deltas (trainer minus the compared side) on its first
     ``config.rows`` rows, timed. The trainer's side is always one forward of every row."""
     start = time.perf_counter()
-    model: Any = demo.load(directory, demo.DTYPES[config.dtype]).to(args.device)
+    model: Any = rollouts.load(directory, rollouts.DTYPES[config.dtype]).to(args.device)
     entropy = None
     measured = rows_of(rollout, slice(0, config.rows))
-    with demo.fp32_head(model, config.head32), demo.patched(model, config.bik):
-        reference = demo.score(model, rollout, temperature=TEMPERATURE)[: config.rows]
+    with rollouts.fp32_head(model, config.head32), rollouts.patched(model, config.bik):
+        reference = rollouts.score(model, rollout, temperature=TEMPERATURE)[: config.rows]
         if config.kind == "trainer":
             each_alone = list(range(measured.sequences.shape[0]))
-            compared = demo.score(model, measured, each_alone, TEMPERATURE)
+            compared = rollouts.score(model, measured, each_alone, TEMPERATURE)
         else:
             engine = engine_side(model, measured, config, args.top_p)
             compared, entropy = engine["logp"], engine["entropy"].cpu()
@@ -225,24 +223,26 @@ def prompts_of(directory: str, count: int, seed: int) -> tuple[list[torch.Tensor
 
     if Path(directory, "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        texts = (demo.PROMPTS * count)[:count]
-        return demo.chat_prompts(tokenizer, texts), tokenizer.pad_token_id
+        texts = (rollouts.PROMPTS * count)[:count]
+        return rollouts.chat_prompts(tokenizer, texts), tokenizer.pad_token_id
     config = AutoConfig.from_pretrained(directory)
     return [torch.tensor(p) for p in sample_prompts(seed, count, config.vocab_size)], 0
 
 
-def sample_rollout(directory: str, args: argparse.Namespace) -> demo.Rollout:
+def sample_rollout(directory: str, args: argparse.Namespace) -> rollouts.Rollout:
     """The fixed tokens: sampled once by bik-patched fp32 ``generate`` (top-p ``--top-p``)."""
     prompts, pad = prompts_of(directory, args.prompts, args.seed)
-    model: Any = demo.load(directory, torch.float32).to(args.device)
-    with demo.patched(model, True):
+    model: Any = rollouts.load(directory, torch.float32).to(args.device)
+    with rollouts.patched(model, True):
         rows = prompts * args.samples
-        return demo.sample(model, rows, args.tokens, args.seed, pad, TEMPERATURE, args.top_p)
+        return rollouts.sample(model, rows, args.tokens, args.seed, pad, TEMPERATURE, args.top_p)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="a bik.models name or a directory")
+    parser.add_argument(
+        "--model", default="smollm2", help="a bik.testing.models name or a directory"
+    )
     parser.add_argument("--device", type=torch.device, default=torch.device("cuda"))
     parser.add_argument("--prompts", type=positive_int, default=16)
     parser.add_argument("--samples", type=positive_int, default=4, help="samples per prompt")

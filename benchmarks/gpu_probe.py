@@ -82,12 +82,11 @@ import torch
 import torch.nn.functional as F
 
 import bik
-from bik.backends import cutlass_sm90
 from bik.backends.triton import _common
 from bik.contract import KEY_BLOCK, TP_CHUNKS
 from bik.distributed import chunked_linear, combine_partials, rank_partial
-from bik.tools.bench import cases, graphs
-from bik.tools.bench.plain_static import PlainStaticDecode
+from bik.testing import cases, cutlass_sm90, graphs
+from bik.testing.plain_static import PlainStaticDecode
 
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
@@ -334,7 +333,7 @@ SAME_INSTRUCTION = TokenBucket(None, 256, 8, 3, 128)
 
 
 def part_cutlass(record: Recorder, device, dtype, deadline: float, tiny: bool) -> None:
-    """The CUTLASS sm90 GEMM (bik.backends.cutlass_sm90; its library carried from a machine
+    """The CUTLASS sm90 GEMM (bik.testing.cutlass_sm90; its library carried from a machine
     with nvcc) against cuBLAS, each replayed from a CUDA graph; its rows against the same rows
     alone (its own invariance) and against the Triton bucket of the same instruction (equal:
     an accelerator of that backend; else a backend of its own). Under --rehearse: the library
@@ -749,7 +748,7 @@ PARTS = {
 
 def rehearse_sm90(record: Recorder) -> None:
     """Every GEMM candidate compiled for sm_90a: its wgmma, registers, shared memory, spills."""
-    from bik.tools import sm90
+    from bik.testing import sm90
 
     seen = set()
     for candidates in GEMM_CANDIDATES.values():

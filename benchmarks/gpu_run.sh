@@ -79,7 +79,7 @@ REHEARSE=0 # 1: the `rehearse` step, on a machine that may have no GPU
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # this tree's bik, in every subprocess too
 unset TRITON_INTERPRET # the Triton kernels must compile for the GPU, not run interpreted
-export BIK_OFFLINE=${BIK_OFFLINE:-1} # bik.models: no registry download (see above)
+export BIK_OFFLINE=${BIK_OFFLINE:-1} # bik.testing.models: no registry download (see above)
 
 die() {
   echo "gpu_run.sh: $*" >&2

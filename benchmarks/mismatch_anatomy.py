@@ -43,18 +43,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bik import hf, models
-from bik.machine import cpu_model
-from bik.testing import sample_prompts
-from bik.tools import demo
-from bik.tools.cli import positive_int
+from bik import hf
+from bik.testing import models, progress, rollouts, sample_prompts
+from bik.testing.arguments import positive_int
+from bik.testing.machine import cpu_model
 from bik.vllm import engine as vllm_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 TEMPERATURE = 1.0
-BAND = demo.BAND
+BAND = rollouts.BAND
 MARKS = (128, 256, 512, 1024, 2048, 4096)  # response lengths the cumulative sums are read at
 POSITION_BINS = 16  # bins over a response's length (64 tokens each at 1024)
 PAPER_DRIFT = math.log(1.0047)  # the 0.47 % per-token biased drift of VeXact's worked example
@@ -103,7 +102,9 @@ class Setup:
 # -- sampling and scoring ------------------------------------------------------------------
 
 
-def reference(model: PreTrainedModel, rollout: demo.Rollout, micro: int) -> dict[str, torch.Tensor]:
+def reference(
+    model: PreTrainedModel, rollout: rollouts.Rollout, micro: int
+) -> dict[str, torch.Tensor]:
     """The trainer's log-probs of the sampled tokens and the policy's entropy at each (both
     ``[B, N]``, temperature 1), ``micro`` rows per forward; ``model`` as it is (patched or not)."""
     head = model.get_output_embeddings()
@@ -134,7 +135,7 @@ def reference(model: PreTrainedModel, rollout: demo.Rollout, micro: int) -> dict
     return {"logp": torch.cat(logps), "entropy": torch.cat(entropies)}
 
 
-def vllm_rollout(setup: Setup, dtype: str, engine: str, tokens: int) -> demo.Rollout:
+def vllm_rollout(setup: Setup, dtype: str, engine: str, tokens: int) -> rollouts.Rollout:
     """``--samples`` samples of every prompt from a vLLM engine ('native' or 'bik', in a
     process of its own), as a left-padded batch with vLLM's log-probs of the sampled tokens."""
     prompts = [p.tolist() for p in setup.prompts]
@@ -167,11 +168,11 @@ def vllm_rollout(setup: Setup, dtype: str, engine: str, tokens: int) -> demo.Rol
     response = torch.zeros_like(mask)
     response[:, width:] = 1
     logprobs = torch.tensor([s["logprobs"] for s in samples], dtype=torch.float32)
-    return demo.Rollout(ids, mask, response, logprobs, width)
+    return rollouts.Rollout(ids, mask, response, logprobs, width)
 
 
-def as_rollout(record: dict[str, Any]) -> demo.Rollout:
-    return demo.Rollout(
+def as_rollout(record: dict[str, Any]) -> rollouts.Rollout:
+    return rollouts.Rollout(
         record["sequences"],
         record["mask"],
         record["response"],
@@ -184,35 +185,37 @@ def run_path(name: str, setup: Setup, done: dict[str, dict[str, Any]]) -> dict[s
     """One path's record: its sequences, the compared log-probs (``rollout``: the path's;
     ``trainer``: what it is compared with) and the fp32 reference's entropy."""
     path, args = PATHS[name], setup.args
-    dtype = demo.DTYPES[path.dtype]
+    dtype = rollouts.DTYPES[path.dtype]
     if path.kind == "trainer":
         sequences = done[args.trainer_sequences]
         rollout = as_rollout(sequences)
-        model = demo.load(setup.directory, dtype)
-        with demo.patched(model, path.bik):
-            demo.note(f"{path.label}: all {rollout.sequences.shape[0]} rows in one forward")
-            batch = demo.score(model, rollout, temperature=TEMPERATURE)
-            demo.note(f"{path.label}: each row alone")
-            alone = demo.score(model, rollout, list(range(len(batch))), TEMPERATURE)
+        model = rollouts.load(setup.directory, dtype)
+        with rollouts.patched(model, path.bik):
+            progress.note(f"{path.label}: all {rollout.sequences.shape[0]} rows in one forward")
+            batch = rollouts.score(model, rollout, temperature=TEMPERATURE)
+            progress.note(f"{path.label}: each row alone")
+            alone = rollouts.score(model, rollout, list(range(len(batch))), TEMPERATURE)
         record = {"rollout": batch, "trainer": alone, "entropy": sequences["entropy"]}
         return {**record, "probability": sequences["reference"].exp()}
     tokens = args.bik_tokens if path.bik else args.hf_tokens if path.kind == "hf" else args.tokens
-    demo.note(f"{path.label}: sampling {len(setup.rows())} x {tokens} tokens")
+    progress.note(f"{path.label}: sampling {len(setup.rows())} x {tokens} tokens")
     if path.kind == "hf":
-        model = demo.load(setup.directory, dtype)
-        with demo.patched(model, path.bik):
-            rollout = demo.sample(model, setup.rows(), tokens, args.seed, setup.pad, TEMPERATURE)
+        model = rollouts.load(setup.directory, dtype)
+        with rollouts.patched(model, path.bik):
+            rollout = rollouts.sample(
+                model, setup.rows(), tokens, args.seed, setup.pad, TEMPERATURE
+            )
     else:
         rollout = vllm_rollout(setup, path.dtype, "bik" if path.bik else "native", tokens)
-    fp32 = demo.load(setup.directory, torch.float32)
-    demo.note("the fp32 trainer (bik) scores them")
-    with demo.patched(fp32, True):
+    fp32 = rollouts.load(setup.directory, torch.float32)
+    progress.note("the fp32 trainer (bik) scores them")
+    with rollouts.patched(fp32, True):
         ref = reference(fp32, rollout, args.micro)
     trainer = ref["logp"]
     if path.bik and dtype != torch.float32:  # bik against bik's trainer in the same dtype
-        demo.note(f"bik's {path.dtype} trainer scores them")
-        model = demo.load(setup.directory, dtype)
-        with demo.patched(model, True):
+        progress.note(f"bik's {path.dtype} trainer scores them")
+        model = rollouts.load(setup.directory, dtype)
+        with rollouts.patched(model, True):
             trainer = reference(model, rollout, args.micro)["logp"]
     return {
         "sequences": rollout.sequences,
@@ -260,7 +263,7 @@ def cached(name: str, setup: Setup, done: dict[str, dict[str, Any]]) -> dict[str
                 f"{file} was made with {record['settings']}, not {settings}: "
                 "remove the cache folder or choose another --out"
             )
-        demo.note(f"{name}: cached ({record['cpu_s']:.0f} s of CPU when made)")
+        progress.note(f"{name}: cached ({record['cpu_s']:.0f} s of CPU when made)")
         return record
     start, wall = cpu_seconds(), time.perf_counter()
     record = run_path(name, setup, done)
@@ -353,7 +356,11 @@ def bins(record: dict[str, Any], axis: str) -> list[dict[str, Any]]:
 
 
 def display_key(path: Source) -> tuple[bool, int, int]:
-    return path.bik, ["hf", "vllm", "trainer"].index(path.kind), list(demo.DTYPES).index(path.dtype)
+    return (
+        path.bik,
+        ["hf", "vllm", "trainer"].index(path.kind),
+        list(rollouts.DTYPES).index(path.dtype),
+    )
 
 
 def markdown(rows: list[dict[str, Any]], machine: str) -> str:
@@ -534,8 +541,10 @@ def build_setup(args: argparse.Namespace) -> Setup:
         directory = str(with_policy(directory, args.policy, args.out / "policy_model"))
     if Path(directory, "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        texts = (demo.PROMPTS * args.prompts)[: args.prompts]
-        return Setup(directory, demo.chat_prompts(tokenizer, texts), tokenizer.pad_token_id, args)
+        texts = (rollouts.PROMPTS * args.prompts)[: args.prompts]
+        return Setup(
+            directory, rollouts.chat_prompts(tokenizer, texts), tokenizer.pad_token_id, args
+        )
     config = AutoConfig.from_pretrained(directory)
     prompts = [torch.tensor(p) for p in sample_prompts(args.seed, args.prompts, config.vocab_size)]
     return Setup(directory, prompts, config.pad_token_id or 0, args)
@@ -547,7 +556,9 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="a bik.models name or a directory")
+    parser.add_argument(
+        "--model", default="smollm2", help="a bik.testing.models name or a directory"
+    )
     parser.add_argument("--prompts", type=positive_int, default=4)
     parser.add_argument("--samples", type=positive_int, default=2, help="samples per prompt")
     parser.add_argument(
@@ -588,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(PATHS[n].kind == "trainer" for n in wanted):  # they score these sequences
         wanted = [args.trainer_sequences, *(n for n in wanted if n != args.trainer_sequences)]
     setup = build_setup(args)
-    steps = demo.Steps(len(wanted))
+    steps = progress.Steps(len(wanted))
     records: dict[str, dict[str, Any]] = {}
     for name in wanted:
         with steps.step(f"{name}: {PATHS[name].label}"):

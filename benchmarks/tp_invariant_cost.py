@@ -35,10 +35,10 @@ import torch
 import bik
 from bik.contract import TP_CHUNKS
 from bik.distributed import chunked_linear, per_chunk_partial
-from bik.machine import device_name
 from bik.testing import sample_prompts
-from bik.tools.bench.cases import qwen3_config
-from bik.tools.bench.vllm_throughput import save_model
+from bik.testing.cases import qwen3_config
+from bik.testing.machine import device_name
+from bik.testing.presets import save_model
 from bik.vllm import engine as vllm_engine
 
 LINEARS = {"o_proj 576->576": (576, 576), "down_proj 1536->576": (1536, 576)}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bik.machine import cpu_model
+from bik.testing.machine import cpu_model
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
 PROMPTS = ["the cat", "a", "hello there, friend", "so.", "an apple a day", "why not"]

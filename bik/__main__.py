@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from . import models
+from .testing import models
 from .tools import backends, bench, demo, model, verify
 from .tools.cli import HelpFormatter, UsageError, help_text
 

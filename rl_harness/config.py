@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from bik.contract import DTYPE_NAMES, TP_CHUNKS, check_split_size
 from bik.families import FAMILIES, MOE_FAMILIES, SUPPORTED_FAMILIES
-from bik.models import MODELS
+from bik.testing.models import MODELS
 
 from . import tasks
 from .errors import ConfigError
@@ -66,7 +66,7 @@ VLLM_MOE_REFUSAL = (
 @dataclass(frozen=True)
 class ModelConfig(Section):
     """A tiny random-init policy of ``family``, or a local model directory (``path``), or a
-    real model of bik.models by name (``path=smollm2``: prepared on first use).
+    real model of bik.testing.models by name (``path=smollm2``: prepared on first use).
 
     ``chat_template``: prompts are the user turn of the tokenizer's chat template, ready for
     the assistant's answer (a ``path`` model whose tokenizer has one).
@@ -175,7 +175,7 @@ class RolloutConfig(Section):
     top_k: int = spec(0, ge=0)  # 0: off
     top_p: float = spec(1.0, gt=0, le=1)
     # hf: the harness's KV-cache sampler (rl_harness.rollout); vllm: an in-process vLLM
-    # engine (rl_harness.vllm_rollout)
+    # engine (rl_harness.engines.vllm)
     engine: str = spec("hf", choices=ENGINES)
     kernels: str = spec("bik", choices=KERNELS)
     dtype: str = spec("float32", choices=DTYPES)
@@ -192,7 +192,8 @@ class RolloutConfig(Section):
     # trainer bit for bit.
     tensor_parallel: int = spec(1, ge=1)
     # Log a 16-bit digest of every response each step (metric rollout/response_digests), so a
-    # paired analysis can say which rows an arm and its twin sampled alike (rl_harness.edge).
+    # paired analysis can say which rows an arm and its twin sampled alike
+    # (rl_harness.studies.edge).
     digests: bool = spec(False)
     # The shadow meter: "native" computes, each step, the log-probs of the sampled tokens with
     # native torch kernels the rollout's way (decode over the KV cache, in rollout.dtype), for

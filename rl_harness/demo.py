@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bik.machine import device_name
+from bik.testing.machine import device_name
 
 from . import config, recipes, report, rundir, runner
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import bik
-import bik.models
 from bik.contract import DTYPE_NAMES
 from bik.families import FAMILIES
 from bik.hf import generation_position_ids
-from bik.machine import cpu_numerics
+from bik.testing.machine import cpu_numerics
+from bik.testing.models import MODELS
 
 from . import tasks, vocab
 from .errors import ConfigError
@@ -284,8 +284,8 @@ def warmup_cache_path(config: Config, cache_dir: str | Path) -> Path:
         del key["numerics"]["threads"]
     if not config.model.chat_template:  # the keys of runs without it stay what they were
         del key["model"]["chat_template"]
-    if config.model.path in bik.models.MODELS:  # its weights are checked against this digest
-        key["model_files"] = bik.models.MODELS[config.model.path].weights_sha256
+    if config.model.path in MODELS:  # its weights are checked against this digest
+        key["model_files"] = MODELS[config.model.path].weights_sha256
     elif config.model.path:
         key["model_files"] = model_files_digest(config.model.path)
     text = json.dumps(key, sort_keys=True)

@@ -184,7 +184,7 @@ def machine() -> str:
     import torch
     import transformers
 
-    from bik.machine import cpu_numerics
+    from bik.testing.machine import cpu_numerics
 
     return f"{cpu_numerics()}, torch {torch.__version__}, transformers {transformers.__version__}"
 

@@ -14,7 +14,7 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import bik.models
+from bik.testing import models
 
 from .errors import ConfigError
 
@@ -124,12 +124,13 @@ def of(model_cfg: ModelConfig) -> Vocab:
 
 
 def model_directory(path: str) -> str:
-    """The local directory of ``model.path``: a real model of bik.models by name (prepared
+    """The local directory of ``model.path``: a real model of bik.testing.models by name
+    (prepared
     on first use), or the directory itself."""
-    if path in bik.models.MODELS:
+    if path in models.MODELS:
         try:
-            return str(bik.models.path(path))
-        except bik.models.ModelUnavailableError as error:
+            return str(models.path(path))
+        except models.ModelUnavailableError as error:
             raise ConfigError(f"model.path: {error}") from None
     return path
 

@@ -171,9 +171,9 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real model's local directory (bik.models; prepared on first use, then cached).
+    """The real model's local directory (bik.testing.models; prepared on first use, then cached).
     Skips only where BIK_OFFLINE=1 forbids preparing it (a GPU image without network)."""
-    from bik import models
+    from bik.testing import models
 
     try:
         return str(models.path("smollm2"))

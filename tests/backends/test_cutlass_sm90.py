@@ -1,4 +1,4 @@
-"""The CUTLASS sm90 GEMM (csrc/cutlass/gemm_sm90.cu, bik/backends/cutlass_sm90.py): built here
+"""The CUTLASS sm90 GEMM (csrc/cutlass/gemm_sm90.cu, bik/testing/cutlass_sm90.py): built here
 with nvcc and no GPU, its SASS read with the Triton wheel's cuobjdump (the instruction, TMA,
 no spills), its host-only entry points called through ctypes; its bits on a Hopper GPU."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bik.backends import cutlass_sm90
+from bik.testing import cutlass_sm90
 
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -31,7 +31,7 @@ def library():
 
 
 def test_both_kernels_are_the_one_instruction_with_tma_and_no_spill(library):
-    from bik.tools import sm90
+    from bik.testing import sm90
 
     sass, usage = sm90.dump(library)
     mma = sm90.mma_instructions(sass)

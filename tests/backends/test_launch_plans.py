@@ -179,7 +179,7 @@ def _site_keys_decide_the_binary(launches):
 
 
 def test_the_linear_launchers_plan_key_decides_its_binary():
-    sm90 = pytest.importorskip("bik.tools.sm90")
+    sm90 = pytest.importorskip("bik.testing.sm90")
     matmul = importlib.import_module("bik.backends.triton.matmul")
     launches = []
     for dtype in (torch.bfloat16, torch.float16):

@@ -13,7 +13,7 @@ candidate prefill tiles (128 rows over two warpgroups) and the conditional resca
 prefill's instructions and spill nothing. Checked with the Triton of .venv (3.9) and of `make
 test-gpu-image` (3.6).
 
-The launches are described here with meta tensors and compiled by ``bik.tools.sm90``.
+The launches are described here with meta tensors and compiled by ``bik.testing.sm90``.
 """
 
 import pytest
@@ -21,7 +21,7 @@ import torch
 
 from bik.backends.base import AttentionOptions
 
-sm90 = pytest.importorskip("bik.tools.sm90")
+sm90 = pytest.importorskip("bik.testing.sm90")
 
 from bik.backends.triton.attention import PREFILL_CANDIDATES  # noqa: E402 (needs triton)
 

@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-sm90 = pytest.importorskip("bik.tools.sm90")
+sm90 = pytest.importorskip("bik.testing.sm90")
 if not (sm90.TOOLS / "ptxas").exists():
     pytest.skip("the triton wheel ships no ptxas", allow_module_level=True)
 

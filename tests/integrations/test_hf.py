@@ -11,7 +11,7 @@ import bik
 from bik import testing
 from bik.__main__ import main
 from bik.families import FAMILIES
-from bik.tools import verify
+from bik.testing.checks import first_divergent_module, run_checks
 
 pytest.importorskip("transformers")
 PRESETS = [f"tiny-{family}" for family in FAMILIES]  # verify's presets
@@ -37,10 +37,10 @@ def _sampled(model, seed, **kwargs):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_patched_model_passes_every_check_and_plain_torch_fails_one(preset):
     model = tiny(preset)
-    plain = verify.run_checks(model)
+    plain = run_checks(model)
     assert not all(ok for ok, _ in plain.values()), "negative control: plain torch should differ"
     bik.patch_model(model)
-    patched = verify.run_checks(model)
+    patched = run_checks(model)
     assert all(ok for ok, _ in patched.values()), patched
 
 
@@ -300,7 +300,7 @@ def test_generate_stopping_at_eos_equals_the_trainer_with_zeros_after_eos():
 
 
 def test_first_divergent_module_is_named_for_plain_torch():
-    culprit = verify.first_divergent_module(tiny("tiny-mistral"))
+    culprit = first_divergent_module(tiny("tiny-mistral"))
     assert culprit is not None and "model.layers.0" in culprit
 
 
@@ -358,7 +358,7 @@ def test_nemotron_h_with_biased_projections_is_padding_invariant():
         if name.endswith("in_proj.bias"):
             torch.nn.init.normal_(parameter)  # transformers initialises biases at 0
     bik.patch_model(model.eval())
-    checks = verify.run_checks(model)
+    checks = run_checks(model)
     assert all(ok for ok, _ in checks.values()), checks
 
 

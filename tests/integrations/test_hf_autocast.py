@@ -8,7 +8,7 @@ import bik
 
 pytest.importorskip("transformers")
 from bik import testing
-from bik.tools import verify
+from bik.testing.checks import run_checks
 
 
 def _output_dtypes(model, ids):
@@ -49,10 +49,10 @@ def test_autocast_dtypes_match_the_unpatched_model(preset, dtype):
 def test_autocast_outputs_stay_batch_invariant():
     model = testing.load_model("tiny-qwen3")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain = verify.run_checks(model)
+        plain = run_checks(model)
         assert not all(ok for ok, _ in plain.values()), "negative control: plain torch differs"
         bik.patch_model(model)
-        patched = verify.run_checks(model)
+        patched = run_checks(model)
     assert all(ok for ok, _ in patched.values()), patched
 
 

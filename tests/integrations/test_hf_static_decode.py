@@ -9,7 +9,7 @@ from host_reads import host_reads
 import bik
 from bik import testing
 from bik.hf import fused_projections
-from bik.tools import demo
+from bik.testing import rollouts
 
 pytest.importorskip("transformers")
 
@@ -34,8 +34,8 @@ def _eager_decode_logits(model, ids, mask, tokens):
     sequences = torch.cat([ids, tokens], 1)
     full = torch.cat([mask, torch.ones_like(tokens)], 1)
     response = torch.cat([torch.zeros_like(mask), torch.ones_like(tokens)], 1)
-    rollout = demo.Rollout(sequences, full, response, torch.empty(0), ids.shape[1])
-    return demo.decode_logits(model, rollout)
+    rollout = rollouts.Rollout(sequences, full, response, torch.empty(0), ids.shape[1])
+    return rollouts.decode_logits(model, rollout)
 
 
 def _trainer_logprobs(model, ids, mask, tokens):

@@ -23,13 +23,13 @@ SCRIPT = textwrap.dedent(
 
     import bik
     from bik import testing
-    from bik.tools import verify
+    from bik.testing.checks import run_checks
     from rl_harness import config, runner
 
     model = testing.load_model("tiny-llama")
     model.save_pretrained(DIRECTORY)
     bik.patch_model(model)
-    verify.run_checks(model)  # generate, chunked prefill over a DynamicCache, full forwards
+    run_checks(model)  # generate, chunked prefill over a DynamicCache, full forwards
     sets = [
         "model.path=" + DIRECTORY, "warmup.steps=1", "steps=1", "rollout.prompts=2",
         "rollout.samples_per_prompt=2", "rollout.max_new_tokens=3",

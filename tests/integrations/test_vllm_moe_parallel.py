@@ -20,7 +20,7 @@ from test_vllm_tp import _assert_equals_trainer, _request, _run_tp2, restore_bik
 import bik  # noqa: E402
 import bik.vllm  # noqa: E402
 from bik import testing  # noqa: E402
-from bik.tools import verify_vllm  # noqa: E402
+from bik.testing import vllm_compare  # noqa: E402
 from bik.vllm import engine as vllm_engine  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_the_engine_records_the_experts_it_routed_each_request_to(moe_dirs):
     )
     taken = bik.vllm.routing.take(llm)
     assert len(taken) == 2 * len(prompts) and bik.vllm.routing.take(llm) == {}
-    model = verify_vllm.load_trainer(path, "cpu", torch.float32)
+    model = vllm_compare.load_trainer(path, "cpu", torch.float32)
     bik.patch_model(model, backend="cpu")  # the engine's order: tp_invariant off
     starts = []
     for prompt, output in zip(prompts, outputs):

@@ -35,7 +35,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make install-v
 import bik  # noqa: E402
 import bik.vllm  # noqa: E402
 from bik.contract import DTYPE_NAMES  # noqa: E402
-from bik.tools import verify_vllm  # noqa: E402
+from bik.testing import vllm_compare  # noqa: E402
 from bik.vllm import engine as vllm_engine  # noqa: E402
 from bik.vllm import sampler, speculative  # noqa: E402
 from bik.vllm.config import EngineSettings, check_settings  # noqa: E402
@@ -80,7 +80,7 @@ def _generate(engine, path, dtype, speculative_config, temperature=0.0, n=1):
 def _unequal_to_trainer(path, dtype, samples, temperature=1.0):
     """How many of the samples' log-probs differ from the trainer's (one full forward a
     sequence, its logits divided by ``temperature``)."""
-    model = verify_vllm.load_trainer(path, "cpu", DTYPE_NAMES[dtype])
+    model = vllm_compare.load_trainer(path, "cpu", DTYPE_NAMES[dtype])
     bik.patch_model(model, backend="cpu")
     unequal = 0
     for prompt, tokens, logprobs in samples:

@@ -27,7 +27,7 @@ import bik  # noqa: E402
 import bik.vllm  # noqa: E402
 from bik import testing  # noqa: E402
 from bik.contract import DTYPE_NAMES  # noqa: E402
-from bik.tools import verify_vllm  # noqa: E402
+from bik.testing import vllm_compare  # noqa: E402
 from bik.vllm import engine as vllm_engine  # noqa: E402
 from bik.vllm.config import check_engine  # noqa: E402
 
@@ -58,7 +58,7 @@ def model_dir(tmp_path_factory):
 
 def _request(model_dir: str, dtype: str, tensor_parallel: int) -> dict:
     prompts = testing.sample_prompts(0, PROMPTS, 512)
-    settings = verify_vllm.engine_settings(PROMPTS * SAMPLES, max(map(len, prompts)) + TOKENS)
+    settings = vllm_compare.engine_settings(PROMPTS * SAMPLES, max(map(len, prompts)) + TOKENS)
     settings.update(tensor_parallel_size=tensor_parallel, disable_custom_all_reduce=True)
     return {
         "engine": "bik",
@@ -74,11 +74,11 @@ def _request(model_dir: str, dtype: str, tensor_parallel: int) -> dict:
 
 
 def _assert_equals_trainer(model_dir: str, dtype: str, request: dict, result: dict) -> None:
-    model = verify_vllm.load_trainer(model_dir, "cpu", DTYPE_NAMES[dtype])
+    model = vllm_compare.load_trainer(model_dir, "cpu", DTYPE_NAMES[dtype])
     bik.patch_model(model, backend="cpu", tp_invariant=True)
     outputs = result["outputs"]
-    comparison = verify_vllm.compare(
-        outputs, verify_vllm.trainer_logprobs(model, request["prompts"], outputs)
+    comparison = vllm_compare.compare(
+        outputs, vllm_compare.trainer_logprobs(model, request["prompts"], outputs)
     )
     assert comparison.total == PROMPTS * SAMPLES * TOKENS
     assert comparison.identical, f"{comparison.unequal} of {comparison.total} log-probs differ"

@@ -13,8 +13,8 @@ import torch
 from test_cli import usage_error
 
 from bik.__main__ import main
+from bik.testing import cases, graphs
 from bik.tools import bench
-from bik.tools.bench import cases
 
 
 @pytest.mark.skipif(
@@ -321,11 +321,11 @@ def test_a_gpu_case_is_recorded_eager_with_host_costs_and_replayed_from_graphs(m
     with each side's host cost, then the graph record, per call of the captured calls."""
     seen: list[str] = []
     case = _gpu_case_on_the_cpu(seen)
-    calls = bench.graphs.GRAPH_CALLS
+    calls = graphs.GRAPH_CALLS
     fake_pair = lambda b, base, device, t: (b(), base(), bench.Timing(2.0, 1.0, 0.01))[-1]
     monkeypatch.setattr(bench, "time_pair", fake_pair)
-    monkeypatch.setattr(bench.graphs, "graphed", lambda fn: lambda: [fn() for _ in range(calls)])
-    monkeypatch.setattr(bench.graphs, "host_us", lambda fn, device: 42.0)
+    monkeypatch.setattr(graphs, "graphed", lambda fn: lambda: [fn() for _ in range(calls)])
+    monkeypatch.setattr(graphs, "host_us", lambda fn, device: 42.0)
     eager, graph = bench._case_records(
         case, torch.device("cuda"), "float32", l2=100, min_time=0.1, backend="triton"
     )
@@ -339,12 +339,12 @@ def test_a_gpu_case_is_recorded_eager_with_host_costs_and_replayed_from_graphs(m
 
 def test_a_failed_capture_keeps_the_eager_record(monkeypatch):
     monkeypatch.setattr(bench, "time_pair", lambda b, base, device, t: bench.Timing(1, 1, 0))
-    monkeypatch.setattr(bench.graphs, "host_us", lambda fn, device: 1.0)
+    monkeypatch.setattr(graphs, "host_us", lambda fn, device: 1.0)
 
     def no_graph(fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(bench.graphs, "graphed", no_graph)
+    monkeypatch.setattr(graphs, "graphed", no_graph)
     eager, graph = bench._case_records(
         _gpu_case_on_the_cpu([]), torch.device("cuda"), "float32", 100, 0.1, "triton"
     )
@@ -389,7 +389,7 @@ def test_markdown_says_the_cuda_backend_is_the_portable_reference():
 
 
 def test_offline_a_real_model_case_is_skipped_not_failed(tmp_path, monkeypatch, capsys):
-    from bik import models
+    from bik.testing import models
 
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))  # nothing prepared there
     monkeypatch.setenv(models.OFFLINE_ENV, "1")

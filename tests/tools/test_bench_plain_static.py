@@ -1,5 +1,5 @@
 """The GPU probe's baseline for a captured bik decode: the unpatched model over transformers'
-StaticCache (bik/tools/bench/plain_static.py). On the CPU its step runs eagerly: checked here
+StaticCache (bik/testing/plain_static.py). On the CPU its step runs eagerly: checked here
 are its tokens and logits against the unpatched model's own generate, and that a step reads
 nothing on the host, so a plain CUDA graph can capture it."""
 
@@ -9,7 +9,7 @@ from host_reads import host_reads
 
 import bik
 from bik import testing
-from bik.tools.bench.plain_static import PlainStaticDecode
+from bik.testing.plain_static import PlainStaticDecode
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bik import testing
-from bik.tools import demo
+from bik.testing import rollouts
 
 
 def _script():
@@ -16,14 +16,14 @@ def _script():
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_next", "tiny-nemotron_h"])
 def test_the_decode_pass_is_the_samplers_own_computation(preset):
-    """demo.decode_logprobs feeds the sampled tokens back as generate did: on a patched model its
-    log-probs equal the sampler's bit for bit (so every setup's rollout side is the engine's).
+    """rollouts.decode_logprobs feeds the sampled tokens back as generate did: on a patched model
+    its log-probs equal the sampler's bit for bit (so every setup's rollout side is the engine's).
     The hybrids' recurrent layers need a cache built for them (issue 72, item 8: a crash)."""
     model = testing.load_model(preset)
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10, 11, 12])]
-    with demo.patched(model, True):
-        rollout = demo.sample(model, prompts, 6, seed=0, pad=0)
-        assert torch.equal(demo.decode_logprobs(model, rollout), rollout.logprobs)
+    with rollouts.patched(model, True):
+        rollout = rollouts.sample(model, prompts, 6, seed=0, pad=0)
+        assert torch.equal(rollouts.decode_logprobs(model, rollout), rollout.logprobs)
 
 
 def test_every_setup_is_measured_and_bik_is_exact(tmp_path, capsys):
@@ -51,7 +51,7 @@ def test_the_fp32_head_leaves_a_tied_embedding_in_the_models_dtype():
     config = FAMILIES["llama"].tiny_config(tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with demo.fp32_head(model, True), torch.no_grad():
+    with rollouts.fp32_head(model, True), torch.no_grad():
         logits = model(torch.tensor([[3, 4, 5]])).logits
         assert logits.dtype == torch.float32
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -1,5 +1,5 @@
-"""A registry model carried to a machine without the registry: bik.gguf reads the GGUF file as
-transformers' loader does (bit for bit), and a pack (`python -m bik model NAME --pack DIR`)
+"""A registry model carried to a machine without the registry: bik.testing.gguf reads the GGUF
+file as transformers' loader does (bit for bit), and a pack (`python -m bik model NAME --pack DIR`)
 rebuilds the prepared model offline, without the gguf package, every piece checked."""
 
 import json
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from bik import gguf, models
 from bik.__main__ import main
+from bik.testing import gguf, models
 
 
 def _write_gguf(path, tensors, heads, kv_heads):

@@ -1,4 +1,4 @@
-"""bik.models: the real pretrained model, prepared from its registry package and cached."""
+"""bik.testing.models: the real pretrained model, prepared from its registry package and cached."""
 
 import os
 import pathlib
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from bik import models
 from bik.__main__ import main
+from bik.testing import models
 
 
 def test_smollm2_is_the_pretrained_llama_and_continues_a_fact(smollm2):
@@ -140,7 +140,7 @@ def test_verify_passes_on_the_real_model_and_plain_torch_differs(smollm2, capsys
 
 @pytest.mark.slow  # loads the real model twice (plain and patched)
 def test_bench_times_the_real_model_end_to_end(smollm2):
-    from bik.tools.bench import cases
+    from bik.testing import cases
 
     assert {"e2e_smollm2_forward", "e2e_smollm2_decode"} <= {c.op for c in cases.cpu_cases(False)}
     case = cases.real_model("forward", 1, 8)

@@ -24,7 +24,7 @@ launcher from the few facts that decide it (``Launch.plan_key``, tested to decid
 argument key over a grid of shapes; on a 2-core AMD EPYC a linear's launch side took 12.2 ->
 9.1 us with it, a decode attention's 37.4 -> 26.7 us, token_logprobs' 14.9 -> 10.2 us).
 
-``bik.tools.sm90`` compiles the same :class:`Launch` descriptions for Hopper with no GPU and
+``bik.testing.sm90`` compiles the same :class:`Launch` descriptions for Hopper with no GPU and
 reads the instructions they became.
 """
 

@@ -729,7 +729,7 @@ def attention_launches(
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``split_parallel`` None: chosen by
     :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
-    allocated here, on q's device (meta tensors give meta launches for bik.tools.sm90).
+    allocated here, on q's device (meta tensors give meta launches for bik.testing.sm90).
 
     ``pages`` = (block_table, query_start, seq_lens): a step over a paged cache (see
     :func:`paged_attention`): k and v are the caches ``[num_blocks, Hkv, block_size, D]``;

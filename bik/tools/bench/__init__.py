@@ -40,23 +40,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ... import backends, models
+from ... import backends
 from ...contract import DTYPE_NAMES, TP_CHUNKS
-from ...machine import device_name, loaded, machine_load
-from ...testing import PRESETS
+from ...testing import PRESETS, graphs, models
+from ...testing import cases as case_lib
+from ...testing.arguments import positive_float, positive_int
+from ...testing.machine import device_name, loaded, machine_load
+from ...testing.presets import ENGINE_FAMILIES
 from ...vllm import engine as vllm_engine
 from .. import verify
-from ..cli import (
-    AllOf,
-    UsageError,
-    check_device,
-    output_file,
-    output_problem,
-    positive_float,
-    positive_int,
-)
-from . import cases as case_lib
-from . import graphs, speculative, vllm_throughput
+from ..cli import AllOf, UsageError, check_device, output_file, output_problem
+from . import speculative, vllm_throughput
 
 MIN_TIME = 0.2  # seconds per timed sample set
 TIMERS = {"cpu": "wall clock", "cuda": "CUDA events"}
@@ -569,11 +563,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     vllm.add_argument(
         "--family",
-        choices=vllm_throughput.ENGINE_FAMILIES,
+        choices=ENGINE_FAMILIES,
         metavar="FAMILY",
         help="the random-init model's family instead of Qwen3: its tiny preset (bik.families) "
         "at that size, e.g. nemotron_h for a Mamba2 hybrid, qwen3_next for Gated DeltaNet "
-        f"(one of: {', '.join(vllm_throughput.ENGINE_FAMILIES)})",
+        f"(one of: {', '.join(ENGINE_FAMILIES)})",
     )
     vllm.add_argument(
         "--speculative",

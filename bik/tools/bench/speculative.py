@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ...testing import sample_prompts
 from ...vllm import engine as vllm_engine
-from ..verify_vllm import sample_prompts
 from .vllm_throughput import MODEL, QUICK_MODEL, describe, result, save_model, time_engine
 
 OP = "vllm_speculative"

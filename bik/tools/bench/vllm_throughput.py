@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...contract import DTYPE_NAMES
-from ...families import FAMILIES
-from ...machine import device_name
+from ...testing import sample_prompts
+from ...testing.machine import device_name
+from ...testing.presets import save_model
 from ...vllm import engine as vllm_engine
-from ..verify_vllm import sample_prompts
-from .cases import family_config, qwen3_config
 
 OP = "vllm_generate"
 # The default model (random init, saved to a temporary directory): a small Qwen3 (or, with
@@ -32,30 +31,6 @@ MODEL = {"hidden": 512, "layers": 4, "vocab": 8192}
 QUICK_MODEL = {"hidden": 128, "layers": 2, "vocab": 1024}
 DEFAULTS = {"prompts": 32, "tokens": 64, "runs": 3}
 QUICK = {"prompts": 8, "tokens": 16, "runs": 1}
-
-
-# The families bik's engine runs exactly (bik.families' vLLM column), which --family takes.
-ENGINE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.vllm.startswith("exact"))
-
-
-def save_model(
-    directory: str, hidden: int, layers: int, vocab: int, seed: int = 0, family: str = "qwen3"
-) -> str:
-    """Save a random-init model into ``directory``: Qwen3 (head_dim 64, GQA, MLP 3 x hidden)
-    or another of ENGINE_FAMILIES' tiny preset (cases.family_config) at this size."""
-    from transformers import AutoModelForCausalLM
-
-    if family not in ENGINE_FAMILIES:
-        raise ValueError(f"family: expected one of {', '.join(ENGINE_FAMILIES)}, got {family!r}")
-    if hidden % 64:
-        raise ValueError(f"hidden: expected a multiple of 64, got {hidden}")
-    if family == "qwen3":
-        config = qwen3_config(hidden, layers, vocab, 1024)
-    else:
-        config = family_config(family, hidden, layers, vocab, 1024, engine=True)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
 
 
 def describe(config) -> str:

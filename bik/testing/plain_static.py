@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ...hf.cache_keyword import cache_argument
-from ...hf.logprobs import generation_position_ids
-from ...hf.static_decode import capture_step, decode_loop
+from ..hf.cache_keyword import cache_argument
+from ..hf.logprobs import generation_position_ids
+from ..hf.static_decode import capture_step, decode_loop
 
 
 def _refuse_windows(config: Any) -> None:

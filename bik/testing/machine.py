@@ -67,3 +67,16 @@ def machine_load() -> dict[str, float]:
 def loaded(load: dict[str, float]) -> bool:
     """Whether a :func:`machine_load` says the machine was busy with other work."""
     return load["load_1min"] > LOADED * load["cpus"]
+
+
+def machine_line() -> str:
+    """The CPU the figures below come from (its vector capability decides which kernels run,
+    and so the times), the threads, and the load average, with a warning on a busy machine."""
+    load = machine_load()
+    line = (
+        f"machine: {cpu_model()} ({cpu_capability()}), {torch.get_num_threads()} torch threads; "
+        f"load average {load['load_1min']:.2f} on {load['cpus']} CPUs"
+    )
+    if loaded(load):
+        line += "\n  warning: other work is running here; the times below are not this CPU's"
+    return line

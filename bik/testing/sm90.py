@@ -159,7 +159,7 @@ def compile_launches(launches: list) -> list[Binary]:
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "bik.tools.sm90"],
+        [sys.executable, "-m", "bik.testing.sm90"],
         input=pickle.dumps(described),
         env=env,
         capture_output=True,

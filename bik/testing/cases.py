@@ -420,7 +420,7 @@ def generate_or_forward(
 
 
 def real_model(kind: str, batch: int, length: int, new_tokens: int = 16) -> Case:
-    """The real model (SmolLM2-135M-Instruct, bik.models: prepared on first use), patched
+    """The real model (SmolLM2-135M-Instruct, bik.testing.models: prepared on first use), patched
     with bik vs unpatched, on random token ids: one forward over ``batch x length`` tokens,
     or greedy decode of ``new_tokens`` tokens after them."""
 
@@ -429,7 +429,7 @@ def real_model(kind: str, batch: int, length: int, new_tokens: int = 16) -> Case
 
         from transformers import AutoModelForCausalLM
 
-        from ... import models
+        from . import models
 
         path = models.path("smollm2")
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

@@ -6,8 +6,9 @@ NAME --pack``). This module reads that file and gives the Hugging Face state dic
 transformers' loader gives, bit for bit: the same dequantization formulas in float32, in the same
 order of operations as ``gguf.quants`` (``d * q + m`` for Q4_1, ``q * d`` for Q8_0, no fused
 multiply-add), and the same un-permutation of the query and key rows (llama.cpp's converter
-interleaves each head's rotary halves; transformers puts them back). ``bik.models`` checks the
-result against the digest it recorded from transformers' own conversion, so any drift fails.
+interleaves each head's rotary halves; transformers puts them back). ``bik.testing.models``
+checks the result against the digest it recorded from transformers' own conversion, so any
+drift fails.
 
 Only what the registry models use is read: the llama architecture and the tensor types F32,
 F16, Q4_1 and Q8_0. Anything else is refused, naming what was found.
