@@ -13,25 +13,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import (
-    alarms,
-    bias,
-    demo,
-    distributed,
-    dose_response,
-    edge,
-    edge_remedies,
-    recipes,
-    remedies,
-    report,
-    rundir,
-    runner,
-    same,
-    sweep,
-    world_size,
-)
 from . import config as config_lib
+from . import demo, distributed, recipes, remedies, report, rundir, runner, same, sweep, world_size
 from .errors import HarnessError, RunDirError
+from .studies import alarms, bias, dose_response, edge, edge_remedies
 
 DESCRIPTION = (
     "The RL harness: runs, sweeps and studies of training-inference mismatch (manual: "

@@ -41,7 +41,7 @@ class Speculation:
 
 @dataclass
 class Rollout(Tokens):
-    """A sampler's rows (rl_harness.rollout.sample, rl_harness.vllm_rollout)."""
+    """A sampler's rows (rl_harness.rollout.sample, rl_harness.engines.vllm)."""
 
     rollout_logp: torch.Tensor  # [B, L] fp32: the sampler's log-prob of each response token
     prompt_width: int  # the column of the first response token

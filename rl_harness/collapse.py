@@ -28,7 +28,7 @@ without evaluation keeps the training-signal criterion: the first ``reward_drop`
 ``grad_norm_blowup`` or ``grad_norm_drop``.
 
 Read back after a run (:func:`persistent_collapse_step`, :func:`signature`, :func:`endpoint`;
-the stability-edge experiment, rl_harness.edge, registers these): a *persistent* collapse
+the stability-edge experiment, rl_harness.studies.edge, registers these): a *persistent* collapse
 needs the drop to last, so that a dip the policy climbs out of is not counted: the held-out
 accuracy below half its running peak on :data:`PERSIST_EVALS` consecutive evaluations, or the
 training reward's ``reward_drop`` flag raised on :data:`PERSIST_STEPS` consecutive steps.

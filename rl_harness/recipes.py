@@ -15,8 +15,8 @@ _MOE = {"model.family": "qwen3_moe"}
 # A tiny Qwen3.5 policy: Gated DeltaNet layers beside a gated full-attention one.
 _HYBRID = {"model.family": "qwen3_5_text"}
 
-# The real model (bik.models, SmolLM2-135M-Instruct) on a task it can partly do, asked through
-# its chat template; no warm-up (it is pretrained); bf16 on both sides, as trainers run it.
+# The real model (bik.testing.models, SmolLM2-135M-Instruct) on a task it can partly do, asked
+# through its chat template; no warm-up (it is pretrained); bf16 on both sides, as trainers run it.
 # remedy.bypass takes the rollout's log-probs as pi_old (one forward less, as verl's bypass
 # mode), so the PPO ratio at the first update is pi_train / pi_rollout: exactly 1 under bik,
 # and where the kernels make it differ PPO clips tokens whose policy has not moved (clip 0.1).
@@ -71,10 +71,11 @@ _COLLAPSE_LONG = {
     "train.lr": 1.5e-3,
     "eval.at_start": True,
 }
-# The stability-edge experiment (RESULTS.md section 13; rl_harness.edge): section 9's task,
+# The stability-edge experiment (RESULTS.md section 13; rl_harness.studies.edge): section 9's task,
 # 150 steps, 128 held-out prompts, the trainer in bf16 so that a dose and its zero-mismatch
 # twin both sample at bf16 precision, and response digests for the pair's agreement. This is
-# the grid's "bf16" dose (native kernels in the rollout); rl_harness.edge.DOSES adds the others.
+# the grid's "bf16" dose (native kernels in the rollout); rl_harness.studies.edge.DOSES adds the
+# others.
 _EDGE = {
     **_COLLAPSE_LONG,
     "steps": 150,
@@ -211,7 +212,8 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         _COLLAPSE_LONG,
     ),
     "edge": (
-        "stability edge (rl_harness.edge): native bf16 rollout vs bik bf16 trainer, 150 steps",
+        "stability edge (rl_harness.studies.edge): native bf16 rollout vs bik bf16 trainer, "
+        "150 steps",
         _EDGE,
     ),
 }

@@ -14,7 +14,7 @@ same seed (an arm and its zero-mismatch twin) therefore draw the same token wher
 distributions agree closely enough for the same entry to win the race: they part only where
 the mismatch (or a different policy) changes the winner, and a row that has parted goes on
 with another prefix. ``rollout.digests`` logs a digest of every response
-(:func:`response_digests`), from which rl_harness.edge measures the pair's agreement. A
+(:func:`response_digests`), from which rl_harness.studies.edge measures the pair's agreement. A
 synthetic perturbation draws its own numbers from the same generator first, which shifts the
 race's noise: runs with ``rollout.logit_noise_*`` are not coupled to their twins.
 """

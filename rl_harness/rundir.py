@@ -324,3 +324,18 @@ def _check_checkpoint(state: Any) -> None:
                 raise ValueError(f"{part} {name} is not a tensor")
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"{part} {name} holds NaN or infinite values")
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the run's config (resume names the files)."""
+
+
+def restore(load: Callable[[Any], Any], state: dict[str, Any], part: str) -> None:
+    """``load(state[part])``, any failure a :class:`CheckpointMismatch` naming ``part``."""
+    if part not in state:
+        raise CheckpointMismatch(f"it has no {part} state")
+    try:
+        load(state[part])
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise CheckpointMismatch(f"its {part} state does not fit ({reason})") from None

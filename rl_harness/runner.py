@@ -9,42 +9,29 @@ alone touches the run directory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
-import math
 import random
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import (
-    collapse,
-    policy,
-    report,
-    rollout,
-    routing,
-    rundir,
-    tasks,
-    trainer,
-    vllm_rollout,
-    vocab,
-)
-from .batch import Batch, Rollout, Tokens
+from . import collapse, policy, report, rollout, routing, rundir, tasks, trainer, vocab
+from .batch import Batch, Rollout
 from .config import Config
 from .distributed import World
 from .engines import ENGINES, Engine
+from .engines.vllm import MODEL_DIR as VLLM_MODEL_DIR
 from .errors import ConfigError, RunDirError
 from .evaluate import Heldout, due
-from .logits import LogitsProcessor
 from .metrics import mismatch_metrics
-from .schedule import LRSchedule
 from .tasks.base import Example
+from .trainer import Update
 
 read_metrics = rundir.read_metrics
 
@@ -81,9 +68,19 @@ SHADOW_METRICS = (
 )
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What :meth:`Run.step` returns: the step's metrics (its row of metrics.jsonl, before
+    any evaluation) and its whole batch as the loss read it (trainer.Update.batch)."""
+
+    metrics: dict[str, Any]
+    batch: Batch
+
+
 class Run:
-    """The state of one run: fp32 master, the trainer's working copy, the rollout engine
-    (rl_harness.engines: rollout.engine's), optimiser, LR schedule and collapse detector;
+    """The state of one run, its director: the fp32 master, the trainer (trainer.Learner: its
+    working copy, KL reference, optimiser and LR schedule), the rollout engine
+    (rl_harness.engines: rollout.engine's), the collapse detector and the shadow meter;
     ``state`` is a checkpoint to continue from (None: warm up, step 0). ``world``: the
     data-parallel processes (default: the current process group, if any). ``model_dir``:
     where a vLLM engine's policy is saved (default: a temporary directory); :meth:`close`
@@ -106,64 +103,27 @@ class Run:
         engine = ENGINES[cfg.rollout.engine]
         engine.check(cfg, self.world, self.master)  # before the warm-up: what cannot run here
         self.progress = progress and self.world.main
-        self.batch: Batch | None = None  # the last step's whole batch, for inspection
         if state is None:
             self.world.on_main(lambda: policy.warmup(self.master, cfg, cache_dir, progress))
             self.world.broadcast_parameters(self.master)  # rank 0's warm-up (or cache)
         else:
-            _restore(self.master.load_state_dict, state, "master")
-        self.precision = cfg.precision
-        self.train_model = policy.working_copy(
-            self.master,
-            self.precision.train_dtype,
-            cfg.train.kernels,
-            tp_invariant=cfg.tp_invariant,
-        )
-        self.reference = self._reference(state)
-        # A mixture-of-experts policy: both sides record their routing (rl_harness.routing)
-        self.moe = bool(routing.routers(self.train_model))
-        self.processor = LogitsProcessor.of(cfg.rollout)
-        self.optimizer = torch.optim.AdamW(
-            self.master.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
-        )
-        self.schedule = LRSchedule(cfg.lr_schedule, cfg.train.lr)
+            rundir.restore(self.master.load_state_dict, state, "master")
+        self.learner = trainer.Learner(self.master, cfg, self.world, state)
         self.detector = collapse.Detector(cfg.collapse)
         self.start = 0
         if state is not None:
-            for part, target in (
-                ("optimizer", self.optimizer),
-                ("schedule", self.schedule),
-                ("detector", self.detector),
-            ):
-                _restore(target.load_state_dict, state, part)
+            rundir.restore(self.detector.load_state_dict, state, "detector")
             self.start = state["step"] + 1
         # rollout.shadow: a measurement-only copy with native kernels in the rollout's dtype
         self.shadow = (
             None
             if cfg.rollout.shadow == "none"
-            else policy.working_copy(self.master, self.precision.rollout_dtype, "native")
+            else policy.working_copy(self.master, cfg.precision.rollout_dtype, "native")
         )
         drift_gen = torch.Generator().manual_seed(cfg.seed + 7919)
         self.drift = torch.randn(self.master.config.vocab_size, generator=drift_gen)
         # built from the warmed-up or restored weights
         self.rollout: Engine = engine(self.master, cfg, self.drift, model_dir)
-
-    def _reference(self, state: dict[str, Any] | None) -> torch.nn.Module | None:
-        """The KL reference of train.kl_coef > 0 (None otherwise: no cost): the warmed-up
-        policy, frozen, run as a working copy like the trainer's (its dtype and kernels), so
-        under bik its log-probs equal the trainer's bit for bit at the first update. A
-        resumed run restores it from the checkpoint (:meth:`state_dict` saves it)."""
-        if not self.cfg.train.kl_coef:
-            return None
-        reference = policy.working_copy(
-            self.master,
-            self.precision.train_dtype,
-            self.cfg.train.kernels,
-            tp_invariant=self.cfg.tp_invariant,
-        )
-        if state is not None:
-            _restore(reference.load_state_dict, state, "reference")
-        return reference.requires_grad_(False)
 
     def close(self) -> None:
         """Release the rollout engine (a vLLM engine and its saved policy); idempotent."""
@@ -173,7 +133,7 @@ class Run:
 
     def evaluate(self, heldout: Heldout) -> dict[str, Any]:
         """The held-out evaluation of the policy now (rl_harness.evaluate)."""
-        return heldout.evaluate(self.train_model, self.master, self.drift, self.detector)
+        return heldout.evaluate(self.learner.model, self.master, self.drift, self.detector)
 
     def _phase(self, step: int, what: str) -> None:
         """The step's phase on stderr, where progress is shown (a real model's step takes a
@@ -182,93 +142,46 @@ class Run:
             sys.stderr.write(f"\r{f'[{step + 1}/{self.cfg.steps}] {what} ...':<{PHASE_WIDTH}}")
             sys.stderr.flush()
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One RL step: sample, score the trainer's side, measure the mismatch, update
-        (rl_harness.trainer.prepare, then :meth:`_ppo`), log; returns the step's metrics."""
-        cfg, world = self.cfg, self.world
+    def step(self, step: int) -> StepRecord:
+        """One RL step: sample, score (the trainer's forward), rewards, advantages, the
+        mismatch, update (trainer.Learner), log; returns the step's record."""
+        cfg = self.cfg
         prompts, examples = tasks.prompt_batch(cfg, random.Random(f"{cfg.seed}-{step}"))
-        rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
-        policy.refresh(self.train_model, self.master)
-        self._phase(step, "rollout")
-        share = self.rollout.sample(prompts, cfg.seed * 1_000_003 + step, rows)
-        share = rollout.pad_responses(share, world.max(share.sequences.shape[1]))
+        share, rows = self._sample(prompts, step)
         self._phase(step, "scoring")
-        forward, batch = self._score(share)
-        self.batch = batch
-        rewards = self._rewards(batch, examples, share.prompt_width)
+        scored = self.learner.score(share, rows)
+        rewards = self.rewards(scored.batch, examples, share.prompt_width)
         adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-        metrics = self._mismatch(batch, step)
+        metrics = self._mismatch(scored.batch, step)
         if self.shadow is not None:
-            metrics.update(self._shadow(prompts, share, batch))
+            metrics.update(self._shadow(prompts, share, scored.batch))
         self._phase(step, "update")
-        stats = self._ppo(share, forward, batch, adv, rewards, rows)
-        counts = ("grad_norm", "grad_norm_max", "update_applied", "update_skipped")
-        updates = {k: stats.pop(k) for k in counts}
-        batch_loss = stats.pop("loss")
-        if updates["update_skipped"] and world.main:
+        update = self.learner.update(scored, adv, rewards, self.rollout.update)
+        if update.update_skipped and self.world.main:
             warnings.warn(
-                f"step {step}: {updates['update_skipped']} update(s) skipped, weights unchanged: "
-                f"non-finite gradient norm (max {updates['grad_norm_max']}; metric update_skipped)",
+                f"step {step}: {update.update_skipped} update(s) skipped, weights unchanged: "
+                f"non-finite gradient norm (max {update.grad_norm_max}; metric update_skipped)",
                 RuntimeWarning,
                 2,
             )
-        mask = batch.response_mask
-        lengths = mask.sum(-1).float()
-        metrics.update(stats)
-        if share.speculation is not None:  # this rank's rows (each rank drafts its own)
-            metrics.update(
-                {
-                    "rollout/draft_tokens": share.speculation.proposed,
-                    "rollout/draft_accepted": share.speculation.accepted,
-                    "rollout/forwards": share.speculation.forwards,
-                }
-            )
-        if cfg.rollout.digests:
-            metrics["rollout/response_digests"] = rollout.response_digests(
-                batch.sequences[:, share.prompt_width :], mask[:, share.prompt_width :]
-            )
-        metrics.update(
-            {
-                "step": step,
-                "reward/mean": float(rewards.mean()),
-                "response_length/mean": float(lengths.mean()),
-                "response_length/max": float(lengths.max()),
-                **updates,
-                "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
-                "loss": batch_loss,
-                "lr": self.optimizer.param_groups[0]["lr"],
-            }
-        )
-        next_lr = self.schedule.step(step, metrics["response_length/mean"])
-        for group in self.optimizer.param_groups:
-            group["lr"] = next_lr
+        metrics.update(update.stats)
+        metrics.update(self._rollout_metrics(share, update.batch))
+        metrics.update(self._step_metrics(step, rewards, update))
+        self.learner.schedule_lr(step, metrics["response_length/mean"])
         for flag, raised in self.detector.update(metrics).items():
             metrics[f"collapse/{flag}"] = int(raised)
-        return metrics
+        return StepRecord(metrics, update.batch)
 
-    def _score(self, share: Rollout) -> tuple[tuple[torch.Tensor, torch.Tensor], Batch]:
-        """The trainer's forward of this rank's rows ``share`` (log-probs and entropy, with
-        grad where the loss needs it) and the step's whole :class:`Batch`: every rank's rows
-        in order, the single-process batch. Everything after but the backward of this rank's
-        share is computed from it, identically on every rank."""
-        recorder = routing.Recorder(self.train_model)
-        with recorder if self.moe else contextlib.nullcontext():
-            train_logp, entropy = self._forward(self.train_model, share)
-        gathered = Batch(
-            share.sequences,
-            share.attention_mask,
-            share.response_mask,
-            share.rollout_logp,
-            train_logp=train_logp.detach(),
-            entropy=entropy.detach(),
-        )
-        if self.moe:
-            gathered.rollout_routing = share.routing
-            rows_here = share.sequences.shape[0]
-            gathered.train_routing = recorder.pop(rows_here, calls_along="rows")
-        return (train_logp, entropy), Batch(**self.world.gather_rows(gathered.tensors()))
+    def _sample(self, prompts: list[list[int]], step: int) -> tuple[Rollout, slice]:
+        """This rank's rows of the step's batch, right-padded to the batch's longest
+        response, and their place in the batch."""
+        cfg, world = self.cfg, self.world
+        rows = world.rows(cfg.rollout.prompts, cfg.rollout.samples_per_prompt)
+        self._phase(step, "rollout")
+        share = self.rollout.sample(prompts, cfg.seed * 1_000_003 + step, rows)
+        return rollout.pad_responses(share, world.max(share.sequences.shape[1])), rows
 
-    def _rewards(self, batch: Batch, examples: list[Example], width: int) -> torch.Tensor:
+    def rewards(self, batch: Batch, examples: list[Example], width: int) -> torch.Tensor:
         """The task's reward of each row's response (the tokens from column ``width``)."""
         cfg = self.cfg
         responses = batch.sequences[:, width:].tolist()
@@ -282,7 +195,7 @@ class Run:
         measures any mismatch stops here (config.assert_zero_mismatch)."""
         cfg, mask = self.cfg, batch.response_mask
         metrics = mismatch_metrics(batch.train_logp, batch.rollout_logp, mask, cfg.remedy.clip)
-        if self.moe:
+        if self.learner.moe:
             assert batch.rollout_routing is not None and batch.train_routing is not None
             metrics.update(
                 routing.routing_metrics(batch.rollout_routing, batch.train_routing, mask)
@@ -318,139 +231,48 @@ class Run:
         )
         return {f"shadow/{name}": measured[f"mismatch/{name}"] for name in SHADOW_METRICS}
 
-    def _forward(self, model: torch.nn.Module, rows: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trainer's forward of ``model`` (the trainer copy or the reference) over the
-        batch rows ``rows``: log-probs and entropy (trainer.token_logprobs_and_entropy) with
-        train.micro_batch_size and train.autocast, the entropy with grad when it is in the
-        loss (train.entropy_coef > 0; default runs keep the no-grad path)."""
-        t = self.cfg.train
-        return trainer.token_logprobs_and_entropy(
-            model, rows, self.processor, t.micro_batch_size, t.autocast, t.entropy_coef > 0
-        )
+    def _rollout_metrics(self, share: Rollout, batch: Batch) -> dict[str, Any]:
+        """The sampler's counts of this rank's rows (rollout.speculative: each rank drafts its
+        own) and, with rollout.digests, every response's digest."""
+        metrics: dict[str, Any] = {}
+        if share.speculation is not None:
+            metrics["rollout/draft_tokens"] = share.speculation.proposed
+            metrics["rollout/draft_accepted"] = share.speculation.accepted
+            metrics["rollout/forwards"] = share.speculation.forwards
+        if self.cfg.rollout.digests:
+            width, mask = share.prompt_width, batch.response_mask
+            metrics["rollout/response_digests"] = rollout.response_digests(
+                batch.sequences[:, width:], mask[:, width:]
+            )
+        return metrics
 
-    def _terms(
-        self, share: Rollout, batch: Batch, rewards: torch.Tensor
-    ) -> tuple[Batch, dict[str, float]]:
-        """``batch`` with what the loss's optional terms need (trainer.prepare), and their
-        step metrics: with train.filter_groups, ``kept`` (trainer.kept_rows) and
-        ``train/groups_kept_frac``; with train.kl_coef > 0, ``ref_logp`` (the reference's
-        forward of this rank's rows ``share``, gathered) and ``train/kl`` (trainer.mean_kl,
-        at pi_old)."""
-        t, stats, terms = self.cfg.train, {}, {}
-        if t.filter_groups:
-            terms["kept"] = trainer.kept_rows(rewards, self.cfg.rollout.samples_per_prompt)
-            stats["train/groups_kept_frac"] = float(terms["kept"].mean())
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp, _ = self._forward(self.reference, share)
-            terms["ref_logp"] = self.world.gather_rows({"ref": ref_logp})["ref"]
-        batch = dataclasses.replace(batch, **terms)
-        if self.reference is not None:
-            stats["train/kl"] = trainer.mean_kl(batch, t.kl_estimator)
-        return batch, stats
-
-    def _ppo(
-        self,
-        share: Rollout,
-        forward: tuple[torch.Tensor, torch.Tensor],
-        batch: Batch,
-        adv: torch.Tensor,
-        rewards: torch.Tensor,
-        rows: slice,
-    ) -> dict[str, Any]:
-        """train.ppo_epochs passes over train.mini_batches mini-batches (whole prompt groups, a
-        fixed order), one update each, against pi_old = ``batch.train_logp``. The first
-        update of a single mini-batch reuses the batch forward ``forward`` (this rank's
-        rows' log-probs and entropy, with grad); every other update refreshes the trainer
-        copy if the master changed and runs its own forward. A mini-batch whose groups
-        train.filter_groups all dropped (by the whole batch's ``rewards``) gets no forward
-        and no update (grad norm 0, not applied). Returns the step's stats: the policy_loss
-        stats averaged over the updates (``ppo/ratio_max`` / ``ppo/ratio_min``: over them),
-        ``grad_norm`` (mean), ``grad_norm_max``, ``update_applied`` (how many were applied),
-        ``update_skipped`` (how many a non-finite gradient skipped: :meth:`_update`)
-        and the optional terms' metrics (:meth:`_terms`)."""
-        t = self.cfg.train
-        batch, terms = self._terms(share, batch, rewards)
-        self.batch = batch
-        prepared = trainer.prepare(batch, adv, self.cfg)
-        size = batch.sequences.shape[0] // t.mini_batches
-        parts = (
-            [None]
-            if t.mini_batches == 1
-            else [slice(k * size, (k + 1) * size) for k in range(t.mini_batches)]
-        )
-        updates: list[dict[str, Any]] = []  # each update's stats
-        stale = False  # the trainer copy lags the master
-        for epoch in range(t.ppo_epochs):
-            for select in parts:
-                rows_of = select or slice(None)
-                if not bool(prepared.kept[rows_of].any()):
-                    part = prepared.take(select)
-                    updates.append(self._filtered_out(part, batch.entropy[rows_of]))
-                    continue
-                if epoch == 0 and select is None:
-                    (logp, entropy), part, here = forward, prepared, rows
-                else:
-                    if stale:
-                        policy.refresh(self.train_model, self.master)
-                        stale = False
-                    # one process holds the whole batch whenever a mini-batch is not all of it
-                    sub: Tokens = share if select is None else batch.take(select)
-                    logp, entropy = self._forward(self.train_model, sub)
-                    current = self.world.gather_rows({"logp": logp.detach()})["logp"]
-                    part = prepared.take(select, current)
-                    here = rows if select is None else slice(None)
-                loss, stats = trainer.policy_loss(logp, part, self.cfg, here, entropy)
-                stats["grad_norm"], stats["update_applied"] = self._update(loss)
-                stats["update_skipped"] = 1 - stats["update_applied"]
-                stale = stale or bool(stats["update_applied"])
-                updates.append(stats)
-        return {**prepared.remedy_stats, **_summarise(updates), **terms}
-
-    def _filtered_out(self, part: trainer.Prepared, entropy: torch.Tensor) -> dict[str, Any]:
-        """The stats of an update whose mini-batch ``part`` train.filter_groups emptied:
-        policy_loss's at pi_old over no token (loss 0, ratio 1, no clipping), grad norm 0,
-        not applied (an AdamW step on zero gradients would still move the weights)."""
-        with torch.no_grad():
-            _, stats = trainer.policy_loss(part.current, part, self.cfg, entropy=entropy)
-        return {**stats, "grad_norm": 0.0, "update_applied": 0, "update_skipped": 0}
-
-    def _update(self, loss: torch.Tensor) -> tuple[float, int]:
-        """Backward on the trainer copy, fp32 grads into the master, summed over the ranks,
-        clip, AdamW step (every rank steps on the same gradients); returns the gradient norm
-        and 1 (applied) or 0.
-
-        A non-finite gradient norm (an fp16 overflow, a NaN loss) is never applied: the
-        update is skipped (weights and optimiser state unchanged); :meth:`step` counts it
-        in ``update_skipped`` and warns (train.grad_clip's docs)."""
-        scale = self.precision.loss_scale
-        self.train_model.zero_grad(set_to_none=True)
-        (loss * scale).backward()
-        for m, w in zip(self.master.parameters(), self.train_model.parameters()):
-            m.grad = None if w.grad is None else w.grad.float() / scale
-        self.world.sum_gradients(self.master.parameters())
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.cfg.train.grad_clip)
-        )
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm, 0
-        self.optimizer.step()
-        self.rollout.update(self.master)
-        return grad_norm, 1
+    def _step_metrics(self, step: int, rewards: torch.Tensor, update: Update) -> dict[str, Any]:
+        """The step's rewards, response lengths and entropy, and what its update measured."""
+        batch = update.batch
+        mask = batch.response_mask
+        lengths = mask.sum(-1).float()
+        return {
+            "step": step,
+            "reward/mean": float(rewards.mean()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "grad_norm": update.grad_norm,
+            "grad_norm_max": update.grad_norm_max,
+            "update_applied": update.update_applied,
+            "update_skipped": update.update_skipped,
+            "entropy": float((batch.entropy * mask).sum() / mask.sum().clamp(min=1)),
+            "loss": update.loss,
+            "lr": self.learner.lr,
+        }
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        """The checkpoint after ``step``; with train.kl_coef > 0 it holds the reference too."""
-        state = {
+        """The checkpoint after ``step``: the master, the learner's parts, the detector."""
+        return {
             "step": step,
             "master": self.master.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict(),
+            **self.learner.state_dict(),
             "detector": self.detector.state_dict(),
         }
-        if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
-        return state
 
 
 def _keep_policy(job: Run, out: Path, step: int) -> None:
@@ -459,21 +281,6 @@ def _keep_policy(job: Run, out: Path, step: int) -> None:
     path.parent.mkdir(exist_ok=True)
     state = {"step": step, "master": job.master.state_dict()}
     rundir.write_atomic(path, functools.partial(torch.save, state))
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint that does not fit the run's config (resume names the files)."""
-
-
-def _restore(load: Callable[[Any], Any], state: dict[str, Any], part: str) -> None:
-    """``load(state[part])``, any failure a :class:`CheckpointMismatch` naming ``part``."""
-    if part not in state:
-        raise CheckpointMismatch(f"it has no {part} state")
-    try:
-        load(state[part])
-    except Exception as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise CheckpointMismatch(f"its {part} state does not fit ({reason})") from None
 
 
 PHASE_WIDTH = 110  # a phase line covers the progress line it replaces
@@ -492,22 +299,6 @@ def _progress(step: int, total: int, metrics: dict[str, Any], started: float, fi
         f"| {rate:.2f} s/step, eta {rate * (total - step - 1):.0f} s "
     )
     sys.stderr.flush()
-
-
-def _summarise(updates: list[dict[str, Any]]) -> dict[str, Any]:
-    """A step's stats from its updates' (Run._ppo): the first update's, then the loss, clip
-    fraction and grad norm averaged (one update: its value, bit for bit), the grad norm's
-    maximum, the ratio's extremes, and the updates applied and skipped counted."""
-    out = dict(updates[0])
-    for key in ("loss", "ppo/clip_frac", "grad_norm"):
-        first, *rest = (u[key] for u in updates)
-        out[key] = sum(rest, first) / len(updates)
-    out["grad_norm_max"] = max(u["grad_norm"] for u in updates)
-    out["ppo/ratio_max"] = max(u["ppo/ratio_max"] for u in updates)
-    out["ppo/ratio_min"] = min(u["ppo/ratio_min"] for u in updates)
-    out["update_applied"] = sum(u["update_applied"] for u in updates)
-    out["update_skipped"] = sum(u["update_skipped"] for u in updates)
-    return out
 
 
 def run(
@@ -589,8 +380,8 @@ def _loop(
     keep_policies: bool,
 ) -> dict[str, Any]:
     try:
-        job = Run(cfg, cache_dir, state, model_dir=out / vllm_rollout.MODEL_DIR, progress=progress)
-    except CheckpointMismatch as error:
+        job = Run(cfg, cache_dir, state, model_dir=out / VLLM_MODEL_DIR, progress=progress)
+    except rundir.CheckpointMismatch as error:
         raise RunDirError(
             f"--resume: {out / rundir.CHECKPOINT} does not fit {out / rundir.CONFIG}: {error}; "
             f"delete the checkpoint to rerun {out} from step 0"
@@ -613,7 +404,7 @@ def _loop(
             # eval.at_start: the policy before the first update (evaluation changes nothing
             # training reads, so the step runs as it would without it)
             before = job.evaluate(heldout) if heldout and step == 0 and cfg.eval.at_start else {}
-            metrics = job.step(step)
+            metrics = job.step(step).metrics
             if log is None:  # not rank 0
                 continue
             metrics.update(before)

@@ -53,11 +53,11 @@ def trace(cfg: Config, cache_dir: str | Path, world: World | None = None) -> dic
     out: dict[str, Any] = {"metrics": [], "sequences": [], "weights": {}}
     with contextlib.closing(job):
         for step in range(cfg.steps):
-            out["metrics"].append(job.step(step))
-            assert job.batch is not None  # set by every step
-            out["sequences"].append(job.batch.sequences.clone())
+            record = job.step(step)
+            out["metrics"].append(record.metrics)
+            out["sequences"].append(record.batch.sequences.clone())
             if step == 0:
-                out["batch0"] = {k: v.detach().clone() for k, v in job.batch.tensors().items()}
+                out["batch0"] = {k: v.detach().clone() for k, v in record.batch.tensors().items()}
                 out["grad0"] = _flat([_grad(p) for p in job.master.parameters()])
             if step + 1 in WEIGHT_STEPS or step + 1 == cfg.steps:
                 out["weights"][step + 1] = _flat(list(job.master.parameters()))

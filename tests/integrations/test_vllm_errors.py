@@ -10,7 +10,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
 import bik
 import bik.vllm
 from bik.vllm import plugin
-from rl_harness import config, vllm_rollout
+from rl_harness import config
+from rl_harness.engines import vllm as vllm_rollout
 from rl_harness.errors import ConfigError
 
 

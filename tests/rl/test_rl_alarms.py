@@ -1,13 +1,14 @@
-"""The practitioners' read-back of the edge grid (rl_harness.alarms): when an alarm is raised,
-how its lead is scored, and the paired test of the budget."""
+"""The practitioners' read-back of the edge grid (rl_harness.studies.alarms): when an alarm is
+raised, how its lead is scored, and the paired test of the budget."""
 
 import math
 
 import pytest
 
-from rl_harness import alarms, collapse
+from rl_harness import collapse
 from rl_harness.__main__ import main
-from rl_harness.alarms import Signal
+from rl_harness.studies import alarms
+from rl_harness.studies.alarms import Signal
 
 RISE = Signal("k3", "mismatch/k3_kl", "bulk")
 FALL = Signal("reward", "reward/mean", "policy", falls=True)

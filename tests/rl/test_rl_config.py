@@ -45,9 +45,9 @@ REMEDY_DECAY_PERIOD = 17  # fp8w_fixed's P, registered in RESULTS.md section 17 
 
 def grid_runs(name: str) -> list[tuple[Path, Config]]:
     """The runs of a stability-edge grid of recipe ``name`` (results/rl/<name>/lr<LR>/<arm>/
-    seed<k>: a dose of rl_harness.edge or a remedy arm of rl_harness.edge_remedies) and the
-    config each builds today."""
-    from rl_harness import edge, edge_remedies
+    seed<k>: a dose of rl_harness.studies.edge or a remedy arm of
+    rl_harness.studies.edge_remedies) and the config each builds today."""
+    from rl_harness.studies import edge, edge_remedies
 
     runs = []
     for path in sorted(RESULTS.glob(f"{name}/lr*/*/seed*")):

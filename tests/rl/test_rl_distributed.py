@@ -60,11 +60,11 @@ def _run(name, out, cache):
     step = runner.Run.step
 
     def capture(self, i):
-        metrics = step(self, i)
+        record = step(self, i)
         if i == 0:
-            captured["batch0"] = self.batch.tensors()
+            captured["batch0"] = record.batch.tensors()
         captured["weights"].append({k: v.clone() for k, v in self.master.state_dict().items()})
-        return metrics
+        return record
 
     runner.Run.step = capture
     try:

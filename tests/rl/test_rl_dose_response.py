@@ -10,9 +10,10 @@ import torch
 from PIL import Image
 from rl_helpers import TINY
 
-from rl_harness import dose_response, edge, policy, report, rundir
+from rl_harness import policy, report, rundir
 from rl_harness.__main__ import main
-from rl_harness.edge import Cell
+from rl_harness.studies import dose_response, edge
+from rl_harness.studies.edge import Cell
 
 
 def test_the_weight_rounding_doses_are_native_bf16_rollouts_rounded_to_their_bits():

@@ -9,20 +9,10 @@ import torch
 from PIL import Image
 from rl_helpers import TINY
 
-from rl_harness import (
-    bias,
-    collapse,
-    config,
-    edge,
-    engines,
-    metrics_pack,
-    policy,
-    rollout,
-    rundir,
-    runner,
-)
+from rl_harness import collapse, config, engines, metrics_pack, policy, rollout, rundir, runner
 from rl_harness.__main__ import main
 from rl_harness.rollout import response_digests
+from rl_harness.studies import bias, edge
 
 
 def _history(accuracies=None, rewards=None, steps=30, **extra):
@@ -304,8 +294,6 @@ def test_the_shadow_meter_needs_the_hf_sampler():
 
 
 def test_a_batch_gradient_at_fixed_weights_is_repeatable_and_moves_no_weight(tmp_path):
-    from rl_harness import bias
-
     sets = [*TINY, "rollout.samples_per_prompt=4", "train.entropy_coef=0.01"]  # a gradient always
     cfg = bias.arm_config("zero_mismatch", "fp8w", sets)
     job = runner.Run(cfg, tmp_path / "c")
@@ -318,8 +306,6 @@ def test_a_batch_gradient_at_fixed_weights_is_repeatable_and_moves_no_weight(tmp
 def test_the_stale_arm_samples_one_update_behind_every_other_arm(tmp_path):
     """With the stale control every arm's master is the on-policy job's after one update;
     the stale arm's sampler alone still refreshes from the weights before it."""
-    from rl_harness import bias
-
     sets = [*TINY, "rollout.samples_per_prompt=4", "train.entropy_coef=0.01"]  # a gradient always
     arms = ["on_policy", "fp8w", "stale"]
     jobs = {a: runner.Run(bias.arm_config("zero_mismatch", a, sets), tmp_path / "c") for a in arms}

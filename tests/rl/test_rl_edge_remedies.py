@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from rl_helpers import TINY
 
-from rl_harness import edge, edge_remedies, rundir
+from rl_harness import rundir
 from rl_harness.__main__ import main
-from rl_harness.edge_remedies import Phase, first_decay, holm, restricted_time, sign_flip_p
 from rl_harness.errors import HarnessError
+from rl_harness.studies import edge, edge_remedies
+from rl_harness.studies.edge_remedies import Phase, first_decay, holm, restricted_time, sign_flip_p
 
 
 @pytest.mark.parametrize("arm", ["zero", "fp8w"])

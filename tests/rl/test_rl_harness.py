@@ -17,7 +17,7 @@ from rl_helpers import (
     updates_of_each_step,
 )
 
-from rl_harness import config, policy, rundir, runner
+from rl_harness import config, policy, rundir, runner, trainer
 from rl_harness.logits import round_mantissa
 
 TINY = [*RL_TINY, "steps=3"]
@@ -199,7 +199,7 @@ PPO = ["warmup.steps=150", "rollout.samples_per_prompt=4", "train.lr=1e-2"]
 def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
     """2 epochs x 2 mini-batches: the first update's forward of its rows equals the batch
     forward bit for bit (batch invariance), so its ratio is exactly 1; later ones move."""
-    forward, original = runner.trainer.token_logprobs_and_entropy, runner.Run._ppo
+    forward, original = runner.trainer.token_logprobs_and_entropy, trainer.Learner.update
     seen = []
 
     def spy_forward(model, batch, *args):
@@ -207,16 +207,16 @@ def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
         seen.append(logp.detach().clone())
         return logp, entropy
 
-    def spy_ppo(self, *args):
+    def spy_update(self, *args):
         seen.clear()
         out = original(self, *args)
-        size = self.batch.sequences.shape[0] // 2
-        assert torch.equal(seen[0], self.batch.train_logp[:size])  # mini-batch 0, epoch 0
+        size = out.batch.sequences.shape[0] // 2
+        assert torch.equal(seen[0], out.batch.train_logp[:size])  # mini-batch 0, epoch 0
         return out
 
     updates = updates_of_each_step(monkeypatch)
     monkeypatch.setattr(runner.trainer, "token_logprobs_and_entropy", spy_forward)
-    monkeypatch.setattr(runner.Run, "_ppo", spy_ppo)
+    monkeypatch.setattr(trainer.Learner, "update", spy_update)
     sets = PPO + ["steps=2", "train.ppo_epochs=2", "train.mini_batches=2"]
     history = _run(tmp_path, cache, "ppo", sets)
     assert [len(u) for u in updates] == [4, 4]

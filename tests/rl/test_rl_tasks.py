@@ -257,11 +257,12 @@ def test_a_local_tokenizer_is_the_runs_vocabulary(tmp_path):
     job = runner.Run(cfg, tmp_path / "cache")  # the zero-mismatch assertion stays on
     assert job.master.config.eos_token_id == 41
     for step in range(2):
-        metrics = job.step(step)
-        assert metrics["mismatch/tokens_unequal_count"] == 0
-    width = int(job.batch.response_mask.any(0).nonzero()[0])  # the first response column
+        record = job.step(step)
+        assert record.metrics["mismatch/tokens_unequal_count"] == 0
+    batch = record.batch
+    width = int(batch.response_mask.any(0).nonzero()[0])  # the first response column
     for ids, length in zip(
-        job.batch.sequences[:, width:].tolist(), job.batch.response_mask.sum(-1).tolist()
+        batch.sequences[:, width:].tolist(), batch.response_mask.sum(-1).tolist()
     ):
         # the policy's 48 ids: the characters, <unk> (dropped), EOS, PAD, 5 beyond the tokenizer
         text = "".join(CHARS[i] if i < 40 else vocab.UNKNOWN * (i >= 43) for i in ids[:length])

@@ -1,4 +1,4 @@
-"""The trainer (rl_harness.trainer, rl_harness.runner.Run._ppo): advantages, the loss
+"""The trainer (rl_harness.trainer, its Learner): advantages, the loss
 aggregations and a mini-batch's policy loss against pi_old (hand-computed), the one logits
 formula rollout and trainer share, and the optional terms: group filtering, KL to a
 reference, entropy bonus, the bf16-autocast trainer."""
@@ -54,7 +54,7 @@ def test_defaults_build_no_reference_and_log_no_new_metric(tmp_path, cache, monk
     assert _run(tmp_path, cache, "explicit", DEFAULTS) == history
     assert grads and not any(grads)
     assert not any(key.startswith("train/") for m in history for key in m)
-    assert _job(cache).reference is None
+    assert _job(cache).learner.reference is None
 
 
 def _batch(rows: int, width: int = 3) -> Batch:
@@ -105,15 +105,16 @@ def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
     equal, so every group is dropped: no update, finite metrics."""
     job = _job(cache, ["warmup.steps=0", "train.filter_groups=true", "train.kl_coef=0.1"])
     before = [p.detach().clone() for p in job.master.parameters()]
-    state = job.optimizer.state_dict()
-    metrics = job.step(0)
+    state = job.learner.optimizer.state_dict()
+    record = job.step(0)
+    metrics = record.metrics
     assert metrics["reward/mean"] == 0.0 and metrics["train/groups_kept_frac"] == 0.0
     assert metrics["update_applied"] == 0 and metrics["grad_norm"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
     assert metrics["loss"] == 0.0 and metrics["ppo/ratio_max"] == 1.0
     assert all(torch.equal(b, p) for b, p in zip(before, job.master.parameters()))
-    assert job.optimizer.state_dict() == state  # no AdamW step either
-    assert job.batch.kept.sum() == 0
+    assert job.learner.optimizer.state_dict() == state  # no AdamW step either
+    assert record.batch.kept.sum() == 0
 
 
 def test_an_emptied_mini_batch_is_skipped_the_other_updates(cache, monkeypatch):
@@ -122,7 +123,7 @@ def test_an_emptied_mini_batch_is_skipped_the_other_updates(cache, monkeypatch):
     monkeypatch.setattr(runner.trainer, "kept_rows", lambda rewards, size: kept)
     sets = ["train.filter_groups=true", "train.mini_batches=2", "train.entropy_coef=0.1"]
     job, updates = _job(cache, sets), updates_of_each_step(monkeypatch)
-    metrics = job.step(0)
+    metrics = job.step(0).metrics
     assert [u["update_applied"] for u in updates[0]] == [0, 1]
     assert metrics["update_applied"] == 1 and metrics["train/groups_kept_frac"] == 0.5
     assert updates[0][0]["grad_norm"] == 0.0 and updates[0][1]["grad_norm"] > 0
@@ -233,9 +234,10 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache, monkeypatch
     sets = ["train.mini_batches=2", "train.kl_coef=0.1"]
     plain, cast = _job(cache, sets), _job(cache, [*sets, "train.autocast=bfloat16"])
     updates = updates_of_each_step(monkeypatch)
-    metrics = [plain.step(0), cast.step(0)]
-    assert torch.equal(plain.batch.rollout_logp, cast.batch.rollout_logp)
-    assert not torch.equal(plain.batch.train_logp, cast.batch.train_logp)
+    records = [plain.step(0), cast.step(0)]
+    metrics = [r.metrics for r in records]
+    assert torch.equal(records[0].batch.rollout_logp, records[1].batch.rollout_logp)
+    assert not torch.equal(records[0].batch.train_logp, records[1].batch.train_logp)
     assert metrics[0]["mismatch/logprob_abs_diff_max"] == 0.0
     assert metrics[1]["mismatch/logprob_abs_diff_max"] > 0
     assert metrics[1]["mismatch/tokens_unequal_frac"] > 0 and metrics[1]["mismatch/k3_kl"] > 0

@@ -22,7 +22,8 @@ from rl_helpers import TINY, cut_and_resume
 
 import bik
 import bik.vllm
-from rl_harness import config, runner, vllm_rollout, vocab
+from rl_harness import config, runner, vocab
+from rl_harness.engines import vllm as vllm_rollout
 from rl_harness.errors import ConfigError
 from rl_harness.metrics import PROB_BUCKETS, mismatch_metrics
 from rl_harness.routing import routing_metrics

@@ -101,12 +101,12 @@ def test_a_non_finite_gradient_is_skipped_counted_and_reported(cache, monkeypatc
 
     monkeypatch.setattr(trainer, "policy_loss", poisoned)
     with pytest.warns(RuntimeWarning, match="step 0: 1 update.s. skipped, weights unchanged"):
-        metrics = job.step(0)
+        metrics = job.step(0).metrics
     assert metrics["update_skipped"] == 1 and metrics["update_applied"] == 0
     assert math.isnan(metrics["grad_norm"])
     after = job.master.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert not job.optimizer.state  # AdamW never stepped
+    assert not job.learner.optimizer.state  # AdamW never stepped
     monkeypatch.setattr(trainer, "policy_loss", policy_loss)
-    metrics = job.step(1)
+    metrics = job.step(1).metrics
     assert metrics["update_skipped"] == 0 and metrics["update_applied"] == 1

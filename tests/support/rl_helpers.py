@@ -20,18 +20,18 @@ TINY = [
 
 
 def updates_of_each_step(monkeypatch):
-    """A list that gains each step's per-update stats (the list Run._ppo summarises) as the
-    steps run."""
-    from rl_harness import runner
+    """A list that gains each step's per-update stats (the list Learner.update summarises) as
+    the steps run."""
+    from rl_harness import trainer
 
     seen = []
-    summarise = runner._summarise
+    summarise = trainer._summarise
 
     def spy(updates):
         seen.append(list(updates))
         return summarise(updates)
 
-    monkeypatch.setattr(runner, "_summarise", spy)
+    monkeypatch.setattr(trainer, "_summarise", spy)
     return seen
 
 

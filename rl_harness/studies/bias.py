@@ -14,7 +14,7 @@ compared with the on-policy arm's, paired batch by batch:
   the mean difference (about 1 with no bias, growing as sqrt(batches) with a real one);
 - ``cosine``: between the arm's and the on-policy mean gradients.
 
-The arms (:data:`ARMS`) are the recipe with the stability-edge doses (rl_harness.edge) and
+The arms (:data:`ARMS`) are the recipe with the stability-edge doses (rl_harness.studies.edge) and
 remedies, and a stale-sampler control: with ``stale`` among them every arm is measured after
 one on-policy update and ``stale`` samples with the weights before it (:func:`advance`). The
 running sums are saved to ``DIR/state.pt`` every :data:`SAVE_EVERY` batches, so a cut run
@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
-from . import config as config_lib
-from . import edge, engines, policy, recipes, rundir, runner, sweep, tasks, trainer
-from .errors import HarnessError
+from .. import config as config_lib
+from .. import engines, recipes, rundir, runner, sweep, tasks, trainer
+from ..errors import HarnessError
+from . import edge
 
-# arm -> (its dose of rl_harness.edge.DOSES, extra overrides)
+# arm -> (its dose of rl_harness.studies.edge.DOSES, extra overrides)
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "on_policy": ("zero", {}),
     "bf16": ("bf16", {}),
@@ -66,18 +67,19 @@ def batch_gradient(job: runner.Run, batch_index: int) -> torch.Tensor:
     cfg = job.cfg
     prompts, examples = tasks.prompt_batch(cfg, random.Random(f"bias-{batch_index}"))
     rows = slice(0, len(prompts))
-    policy.refresh(job.train_model, job.master)
     share = job.rollout.sample(prompts, 7_000_003 + batch_index, rows)
-    (logp, entropy), scored = job._score(share)
-    rewards = job._rewards(scored, examples, share.prompt_width)
+    scored = job.learner.score(share, rows)
+    rewards = job.rewards(scored.batch, examples, share.prompt_width)
     adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-    loss, _ = trainer.policy_loss(logp, trainer.prepare(scored, adv, cfg), cfg, rows, entropy)
-    job.train_model.zero_grad(set_to_none=True)
+    prepared = trainer.prepare(scored.batch, adv, cfg)
+    loss, _ = trainer.policy_loss(scored.logp, prepared, cfg, rows, scored.entropy)
+    model = job.learner.model
+    model.zero_grad(set_to_none=True)
     loss.backward()
     return torch.cat(
         [
             torch.zeros(p.numel()) if p.grad is None else p.grad.float().flatten()
-            for p in job.train_model.parameters()
+            for p in model.parameters()
         ]
     )
 
@@ -157,7 +159,7 @@ def run(
     }
     if STALE in arms:
         advance(jobs)
-    size = sum(p.numel() for p in jobs[arms[0]].train_model.parameters())
+    size = sum(p.numel() for p in jobs[arms[0]].learner.model.parameters())
     path = out / STATE
     sums = {a: Sums(size) for a in arms}
     diffs = {a: Sums(size) for a in arms[1:]}

@@ -1,4 +1,4 @@
-"""For practitioners, read back from the stability-edge grid (rl_harness.edge): which signal
+"""For practitioners, read back from the stability-edge grid (rl_harness.studies.edge): which signal
 warns of a collapse and how early, which mismatch metric to alarm on, and the mismatch budget.
 
 ``python -m rl_harness alarms --lrs ... --doses zero,bf16,fp8w --seeds 0-9 --out DIR`` (the
@@ -36,10 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import collapse, edge, report, rundir
+from .. import collapse, report, rundir
+from ..errors import HarnessError
+from ..rollout import DIGEST_HEX
+from . import edge
 from .edge import Cell
-from .errors import HarnessError
-from .rollout import DIGEST_HEX
 
 History = list[dict[str, Any]]
 
@@ -365,7 +366,7 @@ def report_markdown(
         "# Early warning, the metric to alarm on, and the mismatch budget",
         "",
         f"From {len(results)} complete runs ({len(seeds)} seeds), {fell} collapsed "
-        "persistently. Exploratory (rl_harness/alarms.py).",
+        "persistently. Exploratory (rl_harness/studies/alarms.py).",
         "",
         *warning_lines(results, doses[0]),
         *bulk_tail_lines(results, doses),

@@ -4,7 +4,7 @@ collapses runs more often than no mismatch does, which remedy delays the collaps
 
 ``python -m rl_harness edge-remedies --lr 1e-3 --arms zero,fp8w,fp8w_tis --seeds 0-11
 --out DIR --jobs 2`` runs each arm (:data:`ARMS`) on each seed of the recipe ``edge`` into
-``DIR/lr<LR>/<arm>/seed<k>``, the layout of the edge grid (rl_harness.edge): pointed at the
+``DIR/lr<LR>/<arm>/seed<k>``, the layout of the edge grid (rl_harness.studies.edge): pointed at the
 grid's directory, the arms ``zero`` and ``fp8w`` reuse its runs of the same LR and seed
 (their configs are checked equal). Every arm of a seed shares the prompts and the sampling
 noise (coupled sampling), so the arms pair by seed. ``--report`` writes the report of the
@@ -35,11 +35,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import alarms, collapse, edge, recipes, report, rundir, sweep
-from . import config as config_lib
-from .config import Config
-from .errors import HarnessError
-from .rundir import write_atomic
+from .. import collapse, recipes, report, rundir, sweep
+from .. import config as config_lib
+from ..config import Config
+from ..errors import HarnessError
+from ..rundir import write_atomic
+from . import alarms, edge
 
 History = list[dict[str, Any]]
 CONTROL = "fp8w"  # the dose whose collapses the remedies are to delay
@@ -47,7 +48,7 @@ CONTROL = "fp8w"  # the dose whose collapses the remedies are to delay
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """A dose of rl_harness.edge plus a remedy: config overrides on the recipe, a factor on
+    """A dose of rl_harness.studies.edge plus a remedy: config overrides on the recipe, a factor on
     the learning rate, and whether it decays the LR at the fixed period ``--decay-period``."""
 
     description: str

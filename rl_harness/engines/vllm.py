@@ -47,15 +47,15 @@ import bik.vllm
 import bik.vllm.routing
 from bik.vllm.engine import cpu_binding, speculation_counts
 
-from . import config, rollout, routing
-from .batch import Rollout, Speculation
-from .errors import ConfigError
+from .. import config, rollout, routing
+from ..batch import Rollout, Speculation
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .config import Config, RolloutConfig
-    from .distributed import World
+    from ..config import Config, RolloutConfig
+    from ..distributed import World
 
 MODEL_DIR = "vllm_model"
 """The run directory's subdirectory holding the policy vLLM loads (removed at the end)."""

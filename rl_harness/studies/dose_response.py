@@ -1,7 +1,7 @@
 """The confirmatory dose-response at the stability edge (registered in results/rl/RESULTS.md
 section 18): does a run collapse more often the larger the rollout's mismatch, measured?
 
-The runs are an edge grid (rl_harness.edge) at one learning rate, LR*, with the doses
+The runs are an edge grid (rl_harness.studies.edge) at one learning rate, LR*, with the doses
 ``zero,bf16,w5,w4,w3,w2`` (the bik bf16 twin, the native bf16 rollout, and the native bf16
 rollout with its linear weights rounded to 5, 4, 3 and 2 mantissa bits), all against one bik
 bf16 trainer and one warm-up. This module reads them back; it runs nothing.
@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from . import collapse, edge, report, rundir
+from .. import collapse, report, rundir
+from ..errors import HarnessError
+from ..rundir import resolved, write_atomic
+from . import edge
 from .edge import Cell
-from .errors import HarnessError
-from .rundir import resolved, write_atomic
 
 History = list[dict[str, Any]]
 

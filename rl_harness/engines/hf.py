@@ -1,44 +1,20 @@
-"""The rollout engines: one interface, two implementations, chosen by ``rollout.engine``.
-
-An engine samples each step's responses from the policy and keeps its own copy of the
-policy's weights:
-
-  check(cfg, world, master=None)   refuse, before any work, what it cannot run (``master``:
-                                   the policy once built, for refusals that need its shape)
-  Engine(master, cfg, drift, model_dir)
-  sample(prompts, seed, rows)      the rows ``rows`` of the step's batch (rollout.Rollout)
-  update(master)                   after every optimiser step: take the new weights
-  close()                          release what it holds
-
-``hf`` (:class:`HfRollout`) samples with transformers on the rollout working copy;
-``vllm`` (:class:`~rl_harness.vllm_rollout.VllmRollout`) with an in-process vLLM engine.
-"""
+"""The ``hf`` rollout engine: transformers' KV-cache sampling on the rollout working copy."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import policy, rollout
-from .batch import Rollout
-from .config import Config
-from .distributed import World
-from .vllm_rollout import VllmRollout
+from .. import policy, rollout
+from ..batch import Rollout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-
-class Engine(Protocol):
-    """What the runner asks of a rollout engine (module doc)."""
-
-    def sample(self, prompts: list[list[int]], seed: int, rows: slice) -> Rollout: ...
-
-    def update(self, master: torch.nn.Module) -> None: ...
-
-    def close(self) -> None: ...
+    from ..config import Config
+    from ..distributed import World
 
 
 class HfRollout:
@@ -76,6 +52,3 @@ class HfRollout:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-ENGINES: dict[str, type[HfRollout] | type[VllmRollout]] = {"hf": HfRollout, "vllm": VllmRollout}

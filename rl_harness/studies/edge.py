@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from bik.tools.cli import positive_int
+from bik.testing.arguments import positive_int
 
-from . import collapse, policy, recipes, report, rundir, sweep
-from . import config as config_lib
-from .config import Config
-from .errors import HarnessError
-from .rollout import DIGEST_HEX
-from .rundir import write_atomic
+from .. import collapse, policy, recipes, report, rundir, sweep
+from .. import config as config_lib
+from ..config import Config
+from ..errors import HarnessError
+from ..rollout import DIGEST_HEX
+from ..rundir import write_atomic
 
 History = list[dict[str, Any]]
 
@@ -63,7 +63,7 @@ DOSES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 # The dose ladder of the registered dose-response (RESULTS.md section 18,
-# rl_harness.dose_response): the native bf16 rollout with its linear weights rounded to
+# rl_harness.studies.dose_response): the native bf16 rollout with its linear weights rounded to
 # 5, 4, 3 (= fp8w) and 2 mantissa bits.
 for _bits in (5, 4, 3, 2):
     DOSES[f"w{_bits}"] = (
