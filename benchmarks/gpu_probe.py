@@ -90,7 +90,8 @@ from bik.testing.plain_static import PlainStaticDecode
 
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
-triton_attention = importlib.import_module("bik.backends.triton.attention")
+triton_grouped = importlib.import_module("bik.backends.triton.grouped")
+triton_attention = importlib.import_module("bik.backends.triton.attention_launch")
 PREFILL_CANDIDATES = triton_attention.PREFILL_CANDIDATES
 
 TokenBucket = triton_matmul.TokenBucket
@@ -442,11 +443,11 @@ def moe_row(x: torch.Tensor, weight: torch.Tensor, chosen: torch.Tensor) -> dict
     counts = torch.bincount(chosen, minlength=weight.shape[0])
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     packed, b = x[order], weight.transpose(1, 2)
-    out = triton_matmul.grouped_matmul(packed, b, offsets)
+    out = triton_grouped.grouped_matmul(packed, b, offsets)
 
     def tile():
         result = torch.empty_like(out)
-        triton_matmul.grouped_matmul_launch(packed, b, offsets, result)()
+        triton_grouped.grouped_matmul_launch(packed, b, offsets, result)()
         return result
 
     mine = chosen[order] == chosen[order][-1]
@@ -462,7 +463,7 @@ def moe_row(x: torch.Tensor, weight: torch.Tensor, chosen: torch.Tensor) -> dict
         row["grouped_mm"] = f"{type(error).__name__}: {error}"[:200]
     if x.device.type != "cuda":
         return row
-    row["us"], _ = graph_us(lambda: triton_matmul.grouped_matmul(packed, b, offsets), calls=10)
+    row["us"], _ = graph_us(lambda: triton_grouped.grouped_matmul(packed, b, offsets), calls=10)
     row["tile_us"], _ = graph_us(tile, calls=10)
     row["vs_tile"] = row["tile_us"] / row["us"]
     if "max_diff_grouped_mm" in row:
@@ -502,7 +503,7 @@ def part_table(record: Recorder, device, dtype, deadline: float, tiny: bool) -> 
 
 def bucket_of(rows: int, weight: torch.Tensor) -> TokenBucket:
     return triton_matmul.token_bucket(
-        rows, weight.shape[0], triton_matmul._multiprocessors(weight.device)
+        rows, weight.shape[0], triton_matmul.multiprocessors(weight.device)
     )
 
 

@@ -228,7 +228,7 @@ def _attention_cases():
 
 
 def test_the_attention_launchers_plan_key_decides_its_binaries():
-    attention = importlib.import_module("bik.backends.triton.attention")
+    attention = importlib.import_module("bik.backends.triton.attention_launch")
     launches = []
     for dtype, hq, hkv, d, tq, tk, option, sinks in _attention_cases():
         meta = dict(dtype=dtype, device="meta")

@@ -21,6 +21,8 @@ if not (sm90.TOOLS / "ptxas").exists():
     pytest.skip("the triton wheel ships no ptxas", allow_module_level=True)
 
 matmul = importlib.import_module("bik.backends.triton.matmul")
+triton_chunked = importlib.import_module("bik.backends.triton.chunked")
+triton_grouped = importlib.import_module("bik.backends.triton.grouped")
 HOPPER_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use on sm_90
 
 
@@ -38,14 +40,14 @@ def tile_matmul(rows, n, k, dtype):
 
 def chunked(rows, chunks, planes=False):
     a, out = sm90.meta(rows, 4096), sm90.meta(rows, 4096, dtype=torch.float32)
-    return matmul.chunked_launches(a, sm90.meta(4096, 4096).t(), chunks, out, planes)
+    return triton_chunked.chunked_launches(a, sm90.meta(4096, 4096).t(), chunks, out, planes)
 
 
 def grouped():
     a, out = sm90.meta(512, 4096), sm90.meta(512, 1024)
     b = sm90.meta(8, 1024, 4096).transpose(1, 2)
     offsets = torch.zeros(9, dtype=torch.int64, device="meta")
-    return matmul.grouped_matmul_launch(a, b, offsets, out)
+    return triton_grouped.grouped_matmul_launch(a, b, offsets, out)
 
 
 def grouped_linear(bucket):
@@ -53,7 +55,7 @@ def grouped_linear(bucket):
     x, out = sm90.meta(4096, 2048), sm90.meta(4096, 1536)
     offsets = torch.zeros(129, dtype=torch.int64, device="meta")
     weight = sm90.meta(128, 1536, 2048)
-    return matmul.grouped_linear_launch(x, weight, offsets, out, bucket)
+    return triton_grouped.grouped_linear_launch(x, weight, offsets, out, bucket)
 
 
 LAUNCHES = {

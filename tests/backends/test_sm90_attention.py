@@ -23,7 +23,7 @@ from bik.backends.base import AttentionOptions
 
 sm90 = pytest.importorskip("bik.testing.sm90")
 
-from bik.backends.triton.attention import PREFILL_CANDIDATES  # noqa: E402 (needs triton)
+from bik.backends.triton.attention_launch import PREFILL_CANDIDATES  # noqa: E402 (needs triton)
 
 pytestmark = pytest.mark.skipif(
     not all((sm90.TOOLS / tool).exists() for tool in ("ptxas", "cuobjdump")),
@@ -57,7 +57,7 @@ PAGE, BLOCKS = 16, 8192
 
 
 def launches(tq, tk, dtype, **choices):
-    from bik.backends.triton.attention import attention_launches
+    from bik.backends.triton.attention_launch import attention_launches
 
     dtype = getattr(torch, dtype)
     q, out = sm90.meta(1, HQ, tq, DIM, dtype=dtype), sm90.meta(1, HQ, tq, DIM, dtype=dtype)
@@ -69,7 +69,7 @@ def launches(tq, tk, dtype, **choices):
 
 def paged_launches(tokens, sequences, dtype):
     """As bik's triton paged_attention launches it: q and out views of packed [T, Hq, D]."""
-    from bik.backends.triton.attention import attention_launches
+    from bik.backends.triton.attention_launch import attention_launches
 
     dtype = getattr(torch, dtype)
     decode = tokens == sequences

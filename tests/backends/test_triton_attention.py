@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from bik.backends import reference
 from bik.backends.base import AttentionOptions
-from bik.backends.triton.attention import (
-    BLOCK_M,
+from bik.backends.triton.attention import BLOCK_M
+from bik.backends.triton.attention_launch import (
     PREFILL_CANDIDATES,
     _use_split_parallel,
     attention,
@@ -26,7 +26,7 @@ from bik.backends.triton.attention import (
 pytestmark = pytest.mark.skipif(
     "triton" not in invariant_backends(), reason="the triton backend cannot run here"
 )
-attention_module = importlib.import_module("bik.backends.triton.attention")
+launcher = importlib.import_module("bik.backends.triton.attention_launch")
 common = importlib.import_module("bik.backends.triton._common")
 
 SOFTCAPS = st.sampled_from([None, 1.5, 30.0])
@@ -191,7 +191,7 @@ def test_tma_reads_keys_and_values_where_their_layout_allows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_fast_choices_check_passes_here(dtype):  # the interpreter, or the GPU's binaries
-    assert attention_module.fast_choices_agree(dtype, 64, DEVICE)
+    assert launcher.fast_choices_agree(dtype, 64, DEVICE)
 
 
 def _fast_choices(q, k, v) -> tuple[bool, bool]:
@@ -204,11 +204,9 @@ def _fast_choices(q, k, v) -> tuple[bool, bool]:
 
 def test_a_failed_fast_choices_check_keeps_the_plain_launch(monkeypatch):
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(attention_module.FAST_CHOICES_CHECK, "results", {})
+    monkeypatch.setattr(launcher.FAST_CHOICES_CHECK, "results", {})
     calls = []
-    monkeypatch.setattr(
-        attention_module, "fast_choices_agree", lambda *key: calls.append(key) or False
-    )
+    monkeypatch.setattr(launcher, "fast_choices_agree", lambda *key: calls.append(key) or False)
     q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
     with pytest.warns(UserWarning, match="keys and values by TMA .* changed bits"):
         first = _fast_choices(q, k, v)
@@ -218,11 +216,11 @@ def test_a_failed_fast_choices_check_keeps_the_plain_launch(monkeypatch):
 
 def test_unchecked_fast_choices_take_the_plain_launch_while_a_graph_records(monkeypatch):
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(attention_module.FAST_CHOICES_CHECK, "results", {})
+    monkeypatch.setattr(launcher.FAST_CHOICES_CHECK, "results", {})
     monkeypatch.setattr(common, "capturing", lambda device: True)
     q, k, v = inputs(1, 1, 2, 3, 40, 64, torch.bfloat16, seed=8)
     assert _fast_choices(q, k, v) == (False, False)
-    assert attention_module.FAST_CHOICES_CHECK.results == {}
+    assert launcher.FAST_CHOICES_CHECK.results == {}
 
 
 def test_the_fast_choices_where_nothing_is_checked():

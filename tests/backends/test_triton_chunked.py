@@ -27,7 +27,7 @@ from bik.distributed import per_chunk_partial, rank_partial
 if "triton" not in invariant_backends():
     pytest.skip("the triton backend cannot run here", allow_module_level=True)
 
-matmul = importlib.import_module("bik.backends.triton.matmul")
+chunked = importlib.import_module("bik.backends.triton.chunked")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -101,8 +101,8 @@ def test_decode_planes_give_the_in_register_trees_bits(dtype, m, n, k_per_chunk,
     run each tile's chunks in turn: the same bits, so the row count may pick either."""
     k = chunks * k_per_chunk
     a, weight = randn((m, k), dtype, seed=1), randn((n, k), dtype, seed=2)
-    planes = matmul.chunked_matmul(a, weight.t(), chunks, planes=True)
-    assert_bitwise(planes, matmul.chunked_matmul(a, weight.t(), chunks, planes=False))
+    planes = chunked.chunked_matmul(a, weight.t(), chunks, planes=True)
+    assert_bitwise(planes, chunked.chunked_matmul(a, weight.t(), chunks, planes=False))
 
 
 def test_another_chunk_count_is_another_order():
@@ -113,5 +113,5 @@ def test_another_chunk_count_is_another_order():
 
 def test_more_chunks_than_the_kernel_takes_are_refused():
     x, weight = randn((2, 64), torch.bfloat16, seed=1), randn((8, 64), torch.bfloat16, seed=2)
-    with pytest.raises(ValueError, match=f"^chunks: .* up to {matmul.MAX_CHUNKS}, got 16"):
+    with pytest.raises(ValueError, match=f"^chunks: .* up to {chunked.MAX_CHUNKS}, got 16"):
         rank_partial(x, weight, 16)

@@ -202,7 +202,7 @@ def test_a_decode_step_over_several_splits_equals_contiguous_attention(
     )
     launches = []
     if paged_backend == "triton":
-        triton_attention = importlib.import_module("bik.backends.triton.attention")
+        triton_attention = importlib.import_module("bik.backends.triton.attention_launch")
         plan = triton_attention.attention_launches
         monkeypatch.setattr(
             triton_attention,

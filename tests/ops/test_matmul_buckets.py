@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 matmul = importlib.import_module("bik.backends.triton.matmul")
+grouped = importlib.import_module("bik.backends.triton.grouped")
 common = importlib.import_module("bik.backends.triton._common")
 HALF = [torch.bfloat16, torch.float16]
 PROBE_ROWS = 300  # two tiles of the widest bucket, the second one a tail
@@ -41,13 +42,13 @@ def _triton():
 def bucket_spy(monkeypatch):
     """The token bucket of every linear launch, in order."""
     seen = []
-    run = matmul._run_linear
+    run = matmul.run_linear
 
     def spy(x, weight, bias, bucket):
         seen.append(bucket)
         return run(x, weight, bias, bucket)
 
-    monkeypatch.setattr(matmul, "_run_linear", spy)
+    monkeypatch.setattr(matmul, "run_linear", spy)
     return seen
 
 
@@ -61,10 +62,10 @@ def bucket_spy(monkeypatch):
 def test_every_bucket_gives_the_single_row_bucket_bits(dtype, n, k, bias):
     weight, x = randn((n, k), dtype, seed=1), randn((PROBE_ROWS, k), dtype, seed=2)
     b = randn((n,), dtype, seed=3) if bias else None
-    single = matmul._run_linear(x, weight, b, matmul.TOKEN_BUCKETS[0])
+    single = matmul.run_linear(x, weight, b, matmul.TOKEN_BUCKETS[0])
     for bucket in matmul.ALL_BUCKETS[1:]:
         rows = bucket.max_rows or x.shape[0]
-        got = matmul._run_linear(x[:rows], weight, b, bucket)
+        got = matmul.run_linear(x[:rows], weight, b, bucket)
         assert_bitwise(got, single[:rows], f"bucket {bucket} vs the first, n={n} k={k}")
     reference = x.double() @ weight.double().t() + (b.double() if bias else 0)
     assert_close_to_reference(single, reference, dtype, "linear vs float64")
@@ -88,7 +89,7 @@ def test_a_wide_weight_takes_the_wide_buckets_with_the_same_bits(bucket_spy, mon
     decode rows get the deeper pipeline, 100 rows the 128-feature tile; each row's bits are
     its bits alone."""
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", ())  # its runs would show in the spy
-    monkeypatch.setattr(matmul, "_multiprocessors", lambda device: 4)
+    monkeypatch.setattr(matmul, "multiprocessors", lambda device: 4)
     weight = randn((5 * matmul.WIDE_TILE_FEATURES, 64), torch.bfloat16, 13)
     x = randn((100, 64), torch.bfloat16, 14)
     alone = bik.linear(x[99:], weight)
@@ -169,13 +170,13 @@ def test_a_fused_projection_gives_the_separate_projections_bits(rows):
 def grouped_spy(monkeypatch):
     """The token bucket of every grouped TMA launch, in order."""
     seen = []
-    launch = matmul.grouped_linear_launch
+    launch = grouped.grouped_linear_launch
 
     def spy(x, weight, offsets, out, bucket):
         seen.append(bucket)
         return launch(x, weight, offsets, out, bucket)
 
-    monkeypatch.setattr(matmul, "grouped_linear_launch", spy)
+    monkeypatch.setattr(grouped, "grouped_linear_launch", spy)
     return seen
 
 
@@ -200,7 +201,7 @@ def test_an_expert_gets_the_bits_of_its_own_linear(grouped_spy, dtype, rows, gro
         mine = (chosen == group).to(DEVICE)
         if mine.any():
             assert_bitwise(out[mine], bik.linear(x[mine], weight[group]), f"group {group}")
-    assert grouped_spy == [matmul._bucket(-(-rows // groups), weight[0], None)]
+    assert grouped_spy == [matmul.bucket_for(-(-rows // groups), weight[0], None)]
 
 
 def test_the_grouped_bucket_follows_the_mean_rows_per_group(grouped_spy, monkeypatch):
@@ -226,13 +227,13 @@ def test_other_expert_layouts_and_fp32_take_the_tile_kernel(grouped_spy):
 
 
 def test_the_grouped_check_passes_here():  # the interpreter, or the GPU's own binaries
-    assert matmul.grouped_agrees(randn((4, 24, 32), torch.bfloat16, 20))
+    assert grouped.grouped_agrees(randn((4, 24, 32), torch.bfloat16, 20))
 
 
 def test_a_failed_grouped_check_runs_one_linear_per_group(monkeypatch, grouped_spy):
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(matmul.GROUPED_CHECK, "results", {})
-    monkeypatch.setattr(matmul, "grouped_agrees", lambda weight: False)
+    monkeypatch.setattr(grouped.GROUPED_CHECK, "results", {})
+    monkeypatch.setattr(grouped, "grouped_agrees", lambda weight: False)
     weight, x = randn((3, 24, 32), torch.bfloat16, 21), randn((50, 32), torch.bfloat16, 22)
     chosen = (torch.arange(50) % 3).to(DEVICE)
     with pytest.warns(UserWarning, match="grouped linear kernel changed bits for"):
@@ -245,7 +246,7 @@ def test_a_failed_grouped_check_runs_one_linear_per_group(monkeypatch, grouped_s
 
 def test_an_unchecked_grouped_shape_is_refused_while_a_graph_records(monkeypatch):
     monkeypatch.setattr(common, "SELF_CHECK_DEVICES", (DEVICE.type,))
-    monkeypatch.setattr(matmul.GROUPED_CHECK, "results", {})
+    monkeypatch.setattr(grouped.GROUPED_CHECK, "results", {})
     monkeypatch.setattr(common, "capturing", lambda device: True)
     weight, x = randn((3, 24, 32), torch.bfloat16, 21), randn((5, 32), torch.bfloat16, 22)
     with pytest.raises(RuntimeError, match="run one eager call first"):

@@ -10,10 +10,12 @@ import torch
 from ...contract import KEY_BLOCK, MATMUL_BLOCK_K
 from ..base import Backend
 from ._common import INTERPRET
-from .attention import attention, paged_attention
+from .attention_launch import attention, paged_attention
+from .chunked import chunked_matmul
 from .delta_rule import delta_rule
+from .grouped import grouped_matmul
 from .log_softmax import log_softmax, token_logprobs
-from .matmul import chunked_matmul, grouped_matmul, matmul
+from .matmul import matmul
 from .rms_norm import rms_norm
 from .selective_scan import selective_scan
 

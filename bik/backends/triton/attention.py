@@ -24,17 +24,18 @@ Two paths, the same bits (tests force each one):
     tile's splits in ascending order and merges each split state into registers at once; no
     workspace at all.
   * split-parallel (decode, short chunks: one tile per batch x kv head, see
-    :func:`_use_split_parallel`): a program per (tile, batch x kv head, split) writes its split
-    state to an fp32 workspace ``[B * Hkv, splits, Tq * G, D]`` (small because Tq is small),
-    and ``_combine_kernel`` merges the splits in ascending order with the same :func:`_merge`.
+    :func:`~.attention_launch._use_split_parallel`): a program per (tile, batch x kv head,
+    split) writes its split state to an fp32 workspace ``[B * Hkv, splits, Tq * G, D]``
+    (small because Tq is small), and ``_combine_kernel`` merges the splits in ascending
+    order with the same :func:`_merge`.
 Both compute a split state with the same code, tile shape and warps (so the same dot
 instructions and reduction trees), store it in fp32 exactly, and merge it with the same
 elementwise formula (no FMA contraction), so a row's bits do not depend on the path.
 
 Loads: 16-bit keys and values whose strides TMA can take (not a paged cache) arrive by TMA
-boxes of one head's BLOCK_N keys (:func:`_kv_takes_tma`), the others by masked pointer loads;
-both give the dots the same values (zeros past the keys and the head dim), so the same bits,
-and TMA leaves more registers to the two fp32 accumulators.
+boxes of one head's BLOCK_N keys (:func:`~.attention_launch._kv_takes_tma`), the others by
+masked pointer loads; both give the dots the same values (zeros past the keys and the head
+dim), so the same bits, and TMA leaves more registers to the two fp32 accumulators.
 
 Work a row does not need is exact identity, which is why a row's bits do not depend on the
 other rows of its tile nor on the tile's bounds. A tile visits the union of its rows' key
@@ -50,8 +51,8 @@ diagonal of its first row, inside the window of its last, before Tk: :func:`_til
 ``[all_lo, all_hi)``) skips the mask, which would keep every score: the same bits, and on
 sm_90a 65 of the block loop's 420-440 instructions fewer (Triton 3.6 and 3.9), for all but
 about two blocks per tile of a causal prefill and all but the last of a decode (on a GPU,
-once :func:`fast_choices_agree` has passed). fp32 always masks: with the branch, Triton
-spills its FMA-dot prefill to local memory.
+once :func:`~.attention_launch.fast_choices_agree` has passed). fp32 always masks: with the
+branch, Triton spills its FMA-dot prefill to local memory.
 
 Sliding window: blocks stay counted from the row's first valid key; a tile skips the key blocks
 and splits wholly before the window of its first query (the skipped work would be identity for
@@ -64,28 +65,17 @@ fixed). Query and key lengths, split and row counts and the batch / head / posit
 are never specialised on: the strides travel in units of ``UNIT`` elements (16 bytes when
 every stride allows it, a property of the layout and head dim, not of the lengths) so loads
 stay vectorised while the binary is the same for every sequence length.
+
+This module holds the kernels; which choices a call takes and the launches' arguments are
+:mod:`bik.backends.triton.attention_launch`'s.
 """
 
-from typing import Any, NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 
 from ...contract import KEY_BLOCK
-from ..base import AttentionOptions
 from ._common import (
-    ALIGNMENT,
-    I32,
-    Launch,
-    SelfCheck,
-    aligned,
-    alignments,
-    cdiv,
     dot_acc,
-    next_power_of_2,
-    tma_descriptor,
-    upcast_dot_operands,
 )
 
 BLOCK_M = 64
@@ -114,12 +104,6 @@ current one: the fold is a chain over the splits, so unpipelined each split wait
 load's full latency (36 us for 128 splits on an H200). The arithmetic and its order are the
 same; only where the operands wait changes."""
 NEG_INF = tl.constexpr(float("-inf"))
-
-SPLIT_PARALLEL_MAX_PROGRAMS = 512
-"""Split-parallel only while batch x kv heads is below this (otherwise the in-register path
-has programs enough to fill a GPU)."""
-SPLIT_PARALLEL_MAX_BYTES = 256 * 2**20
-"""Split-parallel only while its fp32 workspace stays below this."""
 
 # Batch-like integers: the binary must not change with any of them.
 _LENGTHS = ["Tq", "Tk", "n_splits"]
@@ -607,348 +591,3 @@ def _combine_kernel(
         row_max, row_sum, acc = _with_sink(row_max, row_sum, acc, sinks_ptr, heads, ok)
     out = _finish(row_sum, acc).to(out_ptr.dtype.element_ty)
     tl.store(_out_ptrs(out_ptr, b, heads, t, vdims, sob, soh, sot, sod, UNIT), out, mask=out_mask)
-
-
-def _kv_takes_tma(k, v, unit: int) -> bool:
-    """Whether TMA can read these ``[B, Hkv, Tk, D]`` keys and values, given the stride unit
-    of the launch (:func:`_stride_unit`: 16 bytes exactly when every batch, head and position
-    stride of q, k, v and out is a multiple of 16 bytes): 16-bit (fp32 keeps its FMA dots'
-    register operands), not empty (a descriptor has no zero-size dim), a contiguous last dim
-    (the bases are :func:`aligned` already). Read from facts the launch has anyway: it runs
-    at every decode step of every layer."""
-    return (
-        k.element_size() == 2
-        and unit * 2 == ALIGNMENT
-        and k.stride(3) == 1
-        and v.stride(3) == 1
-        and k.numel() > 0
-    )
-
-
-FAST_CHOICES_CHECK = SelfCheck(
-    "keys and values by TMA and unmasked whole key blocks (pointer loads and every block "
-    "masked are the plain launch)"
-)
-
-
-def _fast_choices_checked(dtype, d: int, device: torch.device) -> bool:
-    return FAST_CHOICES_CHECK.allows(
-        (dtype, d), device, lambda: fast_choices_agree(dtype, d, device)
-    )
-
-
-def fast_choices_agree(dtype, d: int, device: torch.device) -> bool:
-    """Whether the 16-bit kernel's fast choices (keys and values by TMA, no mask on the key
-    blocks a tile sees whole) give the plain launch's bits (pointer loads, every block
-    masked) for this dtype and head dim on ``device``: a causal GQA prefill of two sequences
-    with their own first keys (tile tails, several splits, whole and partial blocks) in
-    registers, and its last token's split-parallel decode."""
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, device=device).to(dtype)
-
-    q, k, v = randn(2, 4, 70, d), randn(2, 2, 300, d), randn(2, 2, 300, d)
-    kv_start = torch.tensor([0, 17], dtype=torch.int32, device=device)
-    options = AttentionOptions(True, d**-0.5, 64)
-    for query in (q, q[:, :, -1:]):
-        args = (query, k, v, kv_start, options)
-        fast = attention(*args, tma_kv=True, mask_every_block=False)
-        if not torch.equal(fast, attention(*args, tma_kv=False, mask_every_block=True)):
-            return False
-    return True
-
-
-def _stride_unit(*tensors):
-    """Elements per 16 bytes when every batch / head / position stride is a multiple of it,
-    else 1. Strides are passed divided by it (unspecialised) and multiplied back in the
-    kernel, so the compiler still knows rows start 16-byte aligned. In the usual layouts each
-    of these strides is a multiple of the head dim, so the unit depends on D and the dtype,
-    never on the sequence lengths."""
-    unit = 16 // tensors[0].element_size()
-    if all(s % unit == 0 for t in tensors for s in t.stride()[:3]):
-        return unit
-    return 1
-
-
-class AttentionTile(NamedTuple):
-    """Query rows a program (``block_m``), its warps and its pipeline stages."""
-
-    block_m: int
-    num_warps: int
-    num_stages: int
-
-
-def shipped_tile(dtype) -> AttentionTile:
-    """The tile of both paths: a function of the dtype only (so the same dot layout and
-    reduction trees for prefill and decode)."""
-    if dtype == torch.float32:
-        return AttentionTile(FP32_BLOCK_M, FP32_NUM_WARPS, NUM_STAGES)
-    return AttentionTile(BLOCK_M, NUM_WARPS, NUM_STAGES)
-
-
-PREFILL_CANDIDATES = (AttentionTile(128, 8, 3), AttentionTile(128, 8, 2))
-"""16-bit prefill tiles not shipped yet: two warpgroups (each the shipped tile's HGMMA on its
-64 rows) share every key and value block, halving those loads per FLOP; sm_90a shows no spill
-with Triton 3.6 or 3.9 (tests/backends/test_sm90_attention.py). A row's arithmetic is its
-warpgroup's, the same as in a 64-row tile, and rows its tile adds only see identity work, so
-the bits should not move: the interpreter tests check it, and benchmarks/gpu_probe.py's
-``prefill`` part times each against the shipped tile and compares every row's bits on a GPU,
-which decides whether one replaces it."""
-
-
-def _use_split_parallel(batch, hkv, rows, n_splits, d, block_m=BLOCK_M):
-    """The split-parallel path for few query rows (one tile per batch x kv head: decode,
-    short chunks) while the in-register path would leave a GPU idle and the workspace is
-    small. Either path gives the same bits; this only chooses the faster."""
-    workspace = batch * hkv * n_splits * rows * (d + 2) * 4
-    return (
-        rows <= block_m
-        and n_splits > 1
-        and batch * hkv < SPLIT_PARALLEL_MAX_PROGRAMS
-        and workspace <= SPLIT_PARALLEL_MAX_BYTES
-    )
-
-
-def attention_launches(
-    q,
-    k,
-    v,
-    kv_start,
-    out,
-    options: AttentionOptions,
-    sinks=None,
-    *,
-    split_parallel=None,
-    pages=None,
-    tile: AttentionTile | None = None,
-    tma_kv: bool | None = None,
-    mask_every_block: bool | None = None,
-    conditional_rescale: bool = False,
-) -> list[Launch]:
-    """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
-    tensors already :func:`aligned`). ``split_parallel`` None: chosen by
-    :func:`_use_split_parallel`; True / False forces a path. The split-parallel workspace is
-    allocated here, on q's device (meta tensors give meta launches for bik.testing.sm90).
-
-    ``pages`` = (block_table, query_start, seq_lens): a step over a paged cache (see
-    :func:`paged_attention`): k and v are the caches ``[num_blocks, Hkv, block_size, D]``;
-    q and out are ``[S, Hq, 1, D]`` views of a decode step's tokens (``query_start`` None),
-    or ``[1, Hq, T, D]`` views of a packed step's (a program per sequence and kv head, tiles
-    for the longest query possible, the in-register path). ``tile`` None: the shipped
-    tile (:func:`shipped_tile`); another one (a :data:`PREFILL_CANDIDATES` tile) for tests
-    and the GPU probe. ``tma_kv`` None: keys and values arrive by TMA when their layout allows
-    (:func:`_kv_takes_tma`, not paged) and, on a GPU, :func:`fast_choices_agree` has passed
-    once for the dtype and head dim; False forces the pointer loads (the same bits).
-    ``mask_every_block`` None: a 16-bit tile skips the mask of a key block all its rows see
-    whole once (on a GPU) :func:`fast_choices_agree` has passed, fp32 masks every block; True
-    / False force one or the other (the same bits; for tests and the GPU probe).
-    ``conditional_rescale``: a key block after which no row of the tile has a new maximum
-    leaves the accumulator as it is instead of multiplying it by exp(0) = 1 (the same bits;
-    a tile-wide test a block, not shipped until a GPU shows it pays: the probe times it)."""
-    batch, hq, tq, d = q.shape
-    hkv, tk = k.shape[1], k.shape[2]
-    groups = hq // hkv
-    rows = tq * groups
-    split_size, window, softcap = options.split_size, options.window, options.softcap
-    n_splits = cdiv(tk, split_size)  # enough for a row whose first key is 0
-    tile = tile or shipped_tile(q.dtype)
-    block_m = tile.block_m
-    if pages is not None:
-        table, query_start, seq_lens = pages
-        n_splits = cdiv(table.shape[1] * tk, split_size)  # the longest sequence's
-        if query_start is not None:
-            batch, split_parallel = seq_lens.shape[0], False
-    if split_parallel is None:
-        split_parallel = _use_split_parallel(batch, hkv, rows, n_splits, d, block_m)
-    unit = _stride_unit(q, k, v, out)
-    # the 16-bit fast choices, asked once a launch (fp32: its FMA dots keep their operands in
-    # registers, and spill with the mask's branch)
-    fast = (
-        q.dtype != torch.float32
-        and (tma_kv is None or mask_every_block is None)
-        and _fast_choices_checked(q.dtype, d, q.device)
-    )
-    if tma_kv is None:
-        tma_kv = fast and pages is None and _kv_takes_tma(k, v, unit)
-    elif tma_kv and (pages is not None or not _kv_takes_tma(k, v, unit)):
-        raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
-    if mask_every_block is None:
-        mask_every_block = not fast
-    tiles = cdiv(rows, block_m)
-    block_d = max(16, next_power_of_2(d))
-    block_dv = min(block_d, MAX_BLOCK_DV)
-    programs = batch * hkv * (block_d // block_dv)  # (batch, kv head, chunk of value dims)
-    common = dict(
-        kv_start_ptr=kv_start,
-        out_ptr=out,
-        PAGE_SIZE=0 if pages is None else tk,
-        Hkv=hkv,
-        GROUPS=groups,
-        Tq=tq,
-        Tk=tk,
-        n_splits=n_splits,
-        split_size=split_size,
-        window=0 if window is None else window,
-        CAUSAL=options.causal,
-        WINDOW=window is not None,
-        sinks_ptr=out if sinks is None else sinks,  # (unused without sinks)
-        SINKS=sinks is not None,
-        UNIT=unit,
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        D=d,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-    )
-    strides = {}
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", out)):
-        for axis, s in zip("bhtd", t.stride()):
-            strides[f"s{name}{axis}"] = s if axis == "d" else s // unit
-    # (unused pointers point at the output)
-    paging = dict(block_table_ptr=out, query_start_ptr=out, stable=0, VARLEN=False)
-    seq_lens_ptr = out
-    if pages is not None:  # skb, svb: the caches' page strides
-        seq_lens_ptr = seq_lens
-        paging = dict(block_table_ptr=table, query_start_ptr=out, stable=table.stride(0))
-        paging.update(VARLEN=query_start is not None)
-        if query_start is not None:  # the sequences share q and out: no batch stride
-            strides.update(sqb=0, sob=0)
-            paging.update(query_start_ptr=query_start)
-    if split_parallel:
-        f32 = dict(dtype=torch.float32, device=q.device)
-        ws_acc = torch.empty(batch * hkv, n_splits, rows, d, **f32)
-        ws_max = torch.empty(batch * hkv, n_splits, rows, **f32)
-        ws_sum = torch.empty(batch * hkv, n_splits, rows, **f32)
-    else:  # no workspace: the unused pointers point at the output
-        ws_acc = ws_max = ws_sum = out
-    pointers = [q, k, v, kv_start, out, common["sinks_ptr"], ws_acc, ws_max, ws_sum]
-    pointers += [paging["block_table_ptr"], paging["query_start_ptr"], seq_lens_ptr]
-    unspecialised = [tq, tk, n_splits, paging["stable"]]
-    unspecialised += [strides[f"s{t}{axis}"] for t in "qkvo" for axis in "bht"]
-    # What decides both kernels' binaries (LaunchPlans: cheaper than a walk over 50 arguments)
-    plan_key = (
-        options,  # causal, scale, split size, softcap, window
-        tuple(t.dtype for t in pointers),
-        alignments(*pointers),
-        (
-            hkv,
-            groups,
-            d,
-            unit,
-            split_parallel,
-            sinks is None,
-            paging["VARLEN"],
-            common["PAGE_SIZE"],
-            tma_kv,
-            mask_every_block,
-            conditional_rescale,
-        ),
-        tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
-        all(value in I32 for value in unspecialised),
-    )
-    pinned: dict[str, Any] = dict(
-        num_warps=tile.num_warps, num_stages=tile.num_stages, plan_key=(tile, plan_key)
-    )
-    launches = [
-        Launch(
-            _attention_kernel,
-            (tiles, programs, n_splits if split_parallel else 1),
-            dict(
-                q_ptr=q,
-                k_ptr=k,
-                v_ptr=v,
-                k_desc=tma_descriptor(k, [1, 1, BLOCK_N, block_d]) if tma_kv else k,
-                v_desc=tma_descriptor(v, [1, 1, BLOCK_N, block_dv]) if tma_kv else v,
-                TMA_KV=tma_kv,
-                WHOLE_BLOCKS=not mask_every_block,
-                CONDITIONAL_RESCALE=conditional_rescale,
-                ws_acc_ptr=ws_acc,
-                ws_max_ptr=ws_max,
-                ws_sum_ptr=ws_sum,
-                scale=options.scale,
-                softcap=1.0 if softcap is None else softcap,
-                **strides,
-                SOFTCAP=softcap is not None,
-                UPCAST=upcast_dot_operands(q.dtype),
-                SPLIT_PARALLEL=split_parallel,
-                seq_lens_ptr=seq_lens_ptr,
-                **paging,
-                **common,
-            ),
-            **pinned,
-        )
-    ]
-    if split_parallel:
-        combine_dv = min(block_d, COMBINE_BLOCK_DV)
-        launches.append(
-            Launch(
-                _combine_kernel,
-                (tiles, batch * hkv * (block_d // combine_dv)),
-                dict(
-                    ws_acc_ptr=ws_acc,
-                    ws_max_ptr=ws_max,
-                    ws_sum_ptr=ws_sum,
-                    seq_lens_ptr=seq_lens_ptr,
-                    **{f"so{axis}": strides[f"so{axis}"] for axis in "bhtd"},
-                    **{**common, "BLOCK_DV": combine_dv},
-                ),
-                **pinned,
-            )
-        )
-    return launches
-
-
-def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, **choices):
-    """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
-    -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``choices``
-    (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``,
-    ``conditional_rescale``): see
-    :func:`attention_launches` (the bits are the same either way)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
-    sinks = None if sinks is None else aligned(sinks)
-    for launch in attention_launches(q, k, v, kv_start, out, options, sinks, **choices):
-        launch()
-    return out
-
-
-def paged_attention(
-    query,
-    key_cache,
-    value_cache,
-    block_table,
-    query_start,
-    seq_lens,
-    options: AttentionOptions,
-    sinks=None,
-):
-    """See bik.layers.paged_attention: packed queries ``[T, Hq, D]`` of the sequences
-    ``query_start`` (int32 ``[S + 1]``) over the caches ``[num_blocks, Hkv, block_size, D]``
-    through ``block_table`` (int32 ``[S, pages]``), ``seq_lens`` (int32 ``[S]``) keys each.
-    Every sequence runs :func:`attention`'s tiles, key blocks and splits from its first key,
-    so its rows get the bits of attention over its keys made contiguous. A decode step (one
-    token per sequence, T == S: known from the shapes, no host sync) runs as a batch of S
-    one-token queries and may take the split-parallel path; any other step is one launch of
-    the in-register path over the packed queries."""
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    block_table, seq_lens = aligned(block_table), aligned(seq_lens)
-    if query.shape[0] == seq_lens.shape[0]:  # [S, Hq, 1, D]
-        starts, (q, o) = None, (aligned(t).unsqueeze(2) for t in (query, out))
-    else:  # [1, Hq, T, D]
-        starts, (q, o) = (
-            aligned(query_start),
-            (aligned(t).transpose(0, 1)[None] for t in (query, out)),
-        )
-    for launch in attention_launches(
-        q,
-        aligned(key_cache),
-        aligned(value_cache),
-        torch.zeros_like(seq_lens),  # every sequence's keys start at 0
-        o,
-        options,
-        None if sinks is None else aligned(sinks),
-        pages=(block_table, starts, seq_lens),
-    ):
-        launch()
-    return out
