@@ -17,7 +17,7 @@ import torch
 
 @dataclass
 class Tokens:
-    """What a trainer forward reads (rl_harness.trainer.token_logprobs_and_entropy)."""
+    """What a trainer forward reads (rl_harness.losses.token_logprobs_and_entropy)."""
 
     sequences: torch.Tensor  # [B, L] long: prompt (left-padded with PAD), response, PAD
     attention_mask: torch.Tensor  # [B, L] long: 0 on the prompt's left padding, else 1

@@ -291,7 +291,7 @@ class TrainConfig(Section):
     estimated per token by ``kl_estimator`` from d = log pi - log pi_ref (k1: d; k2: d^2 / 2;
     k3: the unbiased, always non-negative ``exp(-d) - 1 + d``, unclamped). ``entropy_coef``:
     weight of an entropy bonus (subtracted from the loss). Both terms are aggregated by
-    ``loss_agg`` (rl_harness.trainer.policy_loss). ``autocast``: the trainer's forward under
+    ``loss_agg`` (rl_harness.losses.policy_loss). ``autocast``: the trainer's forward under
     ``torch.autocast`` in that dtype over fp32 weights, as a mixed-precision trainer runs (a
     mismatch source: the rollout does not autocast).
 

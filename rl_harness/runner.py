@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from . import collapse, policy, report, rollout, routing, rundir, tasks, trainer, vocab
+from . import collapse, losses, policy, report, rollout, routing, rundir, tasks, trainer, vocab
 from .batch import Batch, Rollout
 from .config import Config
 from .distributed import World
@@ -151,7 +151,7 @@ class Run:
         self._phase(step, "scoring")
         scored = self.learner.score(share, rows)
         rewards = self.rewards(scored.batch, examples, share.prompt_width)
-        adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
+        adv = losses.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
         metrics = self._mismatch(scored.batch, step)
         if self.shadow is not None:
             metrics.update(self._shadow(prompts, share, scored.batch))

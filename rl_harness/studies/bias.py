@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import config as config_lib
-from .. import engines, recipes, rundir, runner, sweep, tasks, trainer
+from .. import engines, losses, recipes, rundir, runner, sweep, tasks
 from ..errors import HarnessError
 from . import edge
 
@@ -70,9 +70,9 @@ def batch_gradient(job: runner.Run, batch_index: int) -> torch.Tensor:
     share = job.rollout.sample(prompts, 7_000_003 + batch_index, rows)
     scored = job.learner.score(share, rows)
     rewards = job.rewards(scored.batch, examples, share.prompt_width)
-    adv = trainer.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
-    prepared = trainer.prepare(scored.batch, adv, cfg)
-    loss, _ = trainer.policy_loss(scored.logp, prepared, cfg, rows, scored.entropy)
+    adv = losses.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.train.advantage)
+    prepared = losses.prepare(scored.batch, adv, cfg)
+    loss, _ = losses.policy_loss(scored.logp, prepared, cfg, rows, scored.entropy)
     model = job.learner.model
     model.zero_grad(set_to_none=True)
     loss.backward()

@@ -101,7 +101,7 @@ def _sabotage():
         logp, entropy = forward(model, batch, *args)
         return logp + 1e-6 * batch.response_mask, entropy
 
-    runner.trainer.token_logprobs_and_entropy = off
+    trainer.token_logprobs_and_entropy = off
 
 
 def _rank(rank, world, tmp, cache):

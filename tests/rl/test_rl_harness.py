@@ -199,7 +199,7 @@ PPO = ["warmup.steps=150", "rollout.samples_per_prompt=4", "train.lr=1e-2"]
 def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
     """2 epochs x 2 mini-batches: the first update's forward of its rows equals the batch
     forward bit for bit (batch invariance), so its ratio is exactly 1; later ones move."""
-    forward, original = runner.trainer.token_logprobs_and_entropy, trainer.Learner.update
+    forward, original = trainer.token_logprobs_and_entropy, trainer.Learner.update
     seen = []
 
     def spy_forward(model, batch, *args):
@@ -215,7 +215,7 @@ def test_ppo_epochs_and_mini_batches(tmp_path, cache, monkeypatch):
         return out
 
     updates = updates_of_each_step(monkeypatch)
-    monkeypatch.setattr(runner.trainer, "token_logprobs_and_entropy", spy_forward)
+    monkeypatch.setattr(trainer, "token_logprobs_and_entropy", spy_forward)
     monkeypatch.setattr(trainer.Learner, "update", spy_update)
     sets = PPO + ["steps=2", "train.ppo_epochs=2", "train.mini_batches=2"]
     history = _run(tmp_path, cache, "ppo", sets)

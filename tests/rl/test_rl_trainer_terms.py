@@ -13,7 +13,7 @@ from rl_helpers import TINY as RL_TINY
 from rl_helpers import loss_batch, resumed_equals_uninterrupted, run_metrics, updates_of_each_step
 
 import bik
-from rl_harness import config, policy, runner, trainer
+from rl_harness import config, losses, policy, runner
 from rl_harness.batch import Batch, Tokens
 from rl_harness.logits import LogitsProcessor
 
@@ -41,7 +41,7 @@ def _job(cache, sets=()):
 def test_defaults_build_no_reference_and_log_no_new_metric(tmp_path, cache, monkeypatch):
     """The keys at their explicit defaults are the default run; it keeps the no-grad entropy,
     builds no reference and logs none of the new metrics."""
-    forward = trainer.token_logprobs_and_entropy
+    forward = losses.token_logprobs_and_entropy
     grads = []
 
     def spy(model, batch, *args):
@@ -68,7 +68,7 @@ def _batch(rows: int, width: int = 3) -> Batch:
 
 def test_kept_rows_are_exactly_the_groups_with_unequal_rewards():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25])
-    kept = trainer.kept_rows(rewards, 3)
+    kept = losses.kept_rows(rewards, 3)
     assert kept.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
 
 
@@ -82,12 +82,12 @@ def test_filtered_loss_is_the_loss_of_the_kept_rows_alone(how):
     kept = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     current = batch.train_logp + 0.1  # after an update: ratios away from 1
     filtered = dataclasses.replace(batch, kept=kept)
-    part = trainer.prepare(filtered, adv, cfg).take(None, current)
-    loss, stats = trainer.policy_loss(current, part, cfg)
+    part = losses.prepare(filtered, adv, cfg).take(None, current)
+    loss, stats = losses.policy_loss(current, part, cfg)
     rows = kept.bool()
     alone = Batch(**{k: v[rows] for k, v in batch.tensors().items()})
-    alone_part = trainer.prepare(alone, adv[rows], cfg).take(None, current[rows])
-    expected, alone_stats = trainer.policy_loss(current[rows], alone_part, cfg)
+    alone_part = losses.prepare(alone, adv[rows], cfg).take(None, current[rows])
+    expected, alone_stats = losses.policy_loss(current[rows], alone_part, cfg)
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     for key in ("loss", "ppo/clip_frac", "ppo/ratio_max", "ppo/ratio_min"):
         assert stats[key] == pytest.approx(alone_stats[key], rel=1e-6), key
@@ -97,7 +97,7 @@ def test_a_kl_term_without_the_references_logprobs_is_refused():
     cfg = config.build({}, ["train.kl_coef=0.1"])
     batch = _batch(2)
     with pytest.raises(ValueError, match=r"batch\.ref_logp"):
-        trainer.prepare(batch, torch.zeros(2), cfg)
+        losses.prepare(batch, torch.zeros(2), cfg)
 
 
 def test_a_step_whose_groups_are_all_filtered_does_not_update(cache):
@@ -136,16 +136,16 @@ def test_kl_estimators_against_float64(estimator):
     ref = -3 * torch.rand(64, generator=gen)
     d = logp.double() - ref.double()
     expected = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) - 1 + d}[estimator]
-    got = trainer.kl_per_token(logp, ref, estimator)
+    got = losses.kl_per_token(logp, ref, estimator)
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-6)
-    assert float(trainer.kl_per_token(ref, ref, estimator).abs().max()) == 0.0
+    assert float(losses.kl_per_token(ref, ref, estimator).abs().max()) == 0.0
     # over a whole distribution p (the policy) and q (the reference), k1 and k3 average to
     # KL(p || q) under p, and k2 to a second-order approximation of it
     p = torch.softmax(torch.randn(16, generator=gen, dtype=torch.float64), -1)
     q = torch.softmax(torch.randn(16, generator=gen, dtype=torch.float64), -1)
     exact = float((p * (p.log() - q.log())).sum())
-    mean = float((p * trainer.kl_per_token(p.log(), q.log(), estimator)).sum())
+    mean = float((p * losses.kl_per_token(p.log(), q.log(), estimator)).sum())
     if estimator == "k2":
         assert mean > 0
     else:
@@ -182,10 +182,10 @@ def test_entropy_bonus_gradient_raises_the_entropy():
     cfg = config.build({}, ["train.entropy_coef=0.5"])
 
     def entropy_and_loss():
-        logp, entropy = trainer.token_logprobs_and_entropy(model, batch, processor, 0, "none", True)
+        logp, entropy = losses.token_logprobs_and_entropy(model, batch, processor, 0, "none", True)
         full = loss_batch(batch.response_mask, logp.detach())
-        part = trainer.prepare(full, torch.zeros(4), cfg)
-        loss, _ = trainer.policy_loss(logp, part, cfg, entropy=entropy)
+        part = losses.prepare(full, torch.zeros(4), cfg)
+        loss, _ = losses.policy_loss(logp, part, cfg, entropy=entropy)
         mask = batch.response_mask
         return float((entropy.detach() * mask).sum() / mask.sum()), loss
 
@@ -196,7 +196,7 @@ def test_entropy_bonus_gradient_raises_the_entropy():
         model.table -= 1.0 * model.table.grad
     after, _ = entropy_and_loss()
     assert after > before
-    _, no_grad = trainer.token_logprobs_and_entropy(model, batch, processor, 0)
+    _, no_grad = losses.token_logprobs_and_entropy(model, batch, processor, 0)
     assert not no_grad.requires_grad
 
 
@@ -249,9 +249,9 @@ def test_autocast_changes_the_trainer_and_measures_a_mismatch(cache, monkeypatch
 def test_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     assert torch.allclose(
-        trainer.advantages(rewards, 3, "rloo"), torch.tensor([1.0, -0.5, -0.5, -1.0, 0.5, 0.5])
+        losses.advantages(rewards, 3, "rloo"), torch.tensor([1.0, -0.5, -0.5, -1.0, 0.5, 0.5])
     )
-    grpo = trainer.advantages(rewards, 3, "grpo")
+    grpo = losses.advantages(rewards, 3, "grpo")
     assert grpo[0] > 0 > grpo[1] and grpo[:3].sum().abs() < 1e-6
 
 
@@ -273,7 +273,7 @@ def test_rollout_and_trainer_share_one_logits_formula():
 def test_loss_aggregations_match_hand_computed_values():
     loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    agg = trainer.aggregate
+    agg = losses.aggregate
     assert float(agg(loss, mask, "token_mean", 2, 4)) == pytest.approx(10 / 4)
     assert float(agg(loss, mask, "seq_mean_token_mean", 2, 4)) == pytest.approx((2 + 4) / 2)
     assert float(agg(loss, mask, "seq_mean_token_sum_norm", 2, 4)) == pytest.approx(10 / 8)
@@ -289,8 +289,8 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
     mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]])
     batch = loss_batch(mask, old)
     adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
-    prepared = trainer.prepare(batch, adv, cfg)
-    _, stats = trainer.policy_loss(old, prepared, cfg)  # no update yet: ratio 1
+    prepared = losses.prepare(batch, adv, cfg)
+    _, stats = losses.policy_loss(old, prepared, cfg)  # no update yet: ratio 1
     assert stats["ppo/ratio_max"] == stats["ppo/ratio_min"] == 1.0
     assert stats["ppo/clip_frac"] == 0.0 and stats["loss"] == pytest.approx(-(2 - 1 + 4) / 7)
     # rows 2, 3 after an update: token (2, 1) at ratio 2 (clipped at 1.28), (3, 2) at 0.5
@@ -298,7 +298,7 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
     current[0, 1], current[1, 2] = math.log(2.0), math.log(0.5)
     select = slice(2, 4)
     part = prepared.take(select, current)
-    loss, stats = trainer.policy_loss(current.clone(), part, cfg)
+    loss, stats = losses.policy_loss(current.clone(), part, cfg)
     assert stats["ppo/ratio_max"] == pytest.approx(2.0)
     assert stats["ppo/ratio_min"] == pytest.approx(0.5)
     assert stats["ppo/clip_frac"] == pytest.approx(2 / 4)
@@ -311,7 +311,7 @@ def test_policy_loss_of_a_mini_batch_against_pi_old():
         ("seq_mean_token_sum_norm", per_token / (2 * 4)),
     ):
         dr = cfg.replace(**{"train.loss_agg": how})
-        loss, stats = trainer.policy_loss(current.clone(), part, dr)
+        loss, stats = losses.policy_loss(current.clone(), part, dr)
         assert float(loss) == pytest.approx(expected) and stats["loss"] == pytest.approx(expected)
 
 
@@ -320,7 +320,7 @@ def test_the_entropys_vocabulary_sum_has_one_order_in_any_batch_shape():
     bits alone as in its batch (torch's sum picked its order by the tensor's shape: a resumed
     run's entropy differed in its last bit), and agrees with float64."""
     values = torch.randn(3, 7, 37, generator=torch.Generator().manual_seed(0))
-    sums = trainer.vocabulary_sums(values)
+    sums = losses.vocabulary_sums(values)
     assert sums.shape == (3, 7)
-    assert torch.equal(trainer.vocabulary_sums(values[1:2, 4:5]), sums[1:2, 4:5])
+    assert torch.equal(losses.vocabulary_sums(values[1:2, 4:5]), sums[1:2, 4:5])
     assert torch.allclose(sums.double(), values.double().sum(-1), atol=1e-5)

@@ -91,7 +91,7 @@ def tiny_model_dir(path, seed=0):
 
 
 def loss_batch(response_mask, train_logp, rollout_logp=None, **optional):
-    """A :class:`~rl_harness.batch.Batch` for trainer.policy_loss, which reads only the
+    """A :class:`~rl_harness.batch.Batch` for losses.policy_loss, which reads only the
     response mask and the log-probs (and the ``optional`` fields given): zero tokens, full
     attention and zero entropy stand in for the rest. ``rollout_logp`` defaults to
     ``train_logp`` (zero mismatch)."""

@@ -356,6 +356,8 @@ def _out_ptrs(out_ptr, b, heads, t, cols, sob, soh, sot, sod, UNIT: tl.constexpr
 
 @triton.jit(do_not_specialize=_LENGTHS + _STRIDES + ["stable"])
 def _attention_kernel(
+    # -- tensors: queries, keys and values (pointers, or TMA descriptors with TMA_KV), each
+    # row's first key, the output, the sinks, the split-parallel workspace, the paged cache
     q_ptr,
     k_ptr,
     v_ptr,
@@ -370,15 +372,19 @@ def _attention_kernel(
     block_table_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    # -- sizes (never specialised on: the binary is the same for every length)
     Hkv,
     GROUPS,
     Tq,
     Tk,
     n_splits,
     split_size,
+    # -- scores: scale, soft-cap, sliding window
     scale,
     softcap,
     window,
+    # -- strides: the block table's, then q, k, v, out by (batch, head, position, dim), the
+    # first three in units of UNIT elements
     stable,
     sqb,
     sqh,
@@ -396,6 +402,8 @@ def _attention_kernel(
     soh,
     sot,
     sod,
+    # -- compiled in: what the scores are (head dim, masks, soft-cap, dot operands, sinks)
+    # and how they are computed (the same bits every way: attention_launch.AttentionChoices)
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -409,6 +417,7 @@ def _attention_kernel(
     WHOLE_BLOCKS: tl.constexpr,
     CONDITIONAL_RESCALE: tl.constexpr,
     VARLEN: tl.constexpr,
+    # -- tiles
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
