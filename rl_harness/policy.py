@@ -111,7 +111,7 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
         # key and value head
         args.update({key: preset[key] for key in LATENT_ATTENTION_KEYS})
         args.update(qk_rope_head_dim=model_cfg.head_dim, num_key_value_heads=model_cfg.heads)
-    if family.recurrent in ("gated_deltanet", "kimi_delta"):
+    if family.recurrent in ("gated_delta_net", "kimi_delta_attention"):
         args["layer_types"] = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
         args.update(
             linear_num_key_heads=model_cfg.kv_heads,
@@ -119,14 +119,14 @@ def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
             linear_key_head_dim=model_cfg.head_dim,
             linear_value_head_dim=model_cfg.head_dim,
         )
-        if family.recurrent == "kimi_delta":  # one head count and head dim for q, k and v
+        if family.recurrent == "kimi_delta_attention":  # one head count and head dim for q, k and v
             args = {
                 **args,
                 "linear_num_heads": model_cfg.heads,
                 "linear_head_dim": model_cfg.head_dim,
             }
     if (
-        family.recurrent == "mamba2"
+        family.recurrent == "mamba2_mixer"
     ):  # a Mamba2 mixer and an MLP per layer, the last mixer attention
         mixers = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
         args.update(

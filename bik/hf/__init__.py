@@ -11,10 +11,11 @@ What bik cannot compute is never ignored: attention keywords it does not impleme
 ``torch.autocast`` each patched module returns the dtype the unpatched one would, and the
 kernels run on the cast inputs with autocast off, so results stay batch-invariant.
 
-Modules: ``patch`` (patch_model, the report), ``classify`` (which module is what),
-``forwards`` and ``moe`` (the installed forwards), ``attention`` (the registered attention
-function and its mask analysis), ``autocast`` (how a patched forward runs its op),
-``logprobs`` (the trainer side). The families are records in ``bik.families``.
+Modules: ``patch`` (patch_model: check, classify, patch, report), ``kinds`` (the layer
+kinds, one record each: how a module is recognised, its new forward, its report line),
+``forwards``, ``moe`` and ``linear_attention`` (the installed forwards), ``attention`` (the
+registered attention function and its mask analysis), ``autocast`` (how a patched forward runs
+its op), ``logprobs`` (the trainer side). The families are records in ``bik.families``.
 """
 
 from ..families import MOE_FAMILIES, SUPPORTED_FAMILIES

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -12,16 +11,8 @@ from .. import backends, packed_weights
 from ..contract import TP_CHUNKS, check_split_size
 from ..families import FAMILIES, ROW_PARALLEL_NAMES, SUPPORTED_FAMILIES, Family
 from .attention import ATTENTION_NAME, AttentionSettings, WholeCacheAttention, register_attention
-from .classify import module_kind
-from .forwards import Activation, EagerRotary, PatchedForward
-from .linear_attention import (
-    GatedAttention,
-    GatedDeltaNet,
-    GatedRMSNorm,
-    KimiDeltaAttention,
-    Mamba2Mixer,
-)
-from .moe import ClampedSwigluExperts, Experts, GroupedSigmoidRouter, MoeBlock, Router
+from .forwards import PatchedForward
+from .kinds import UNPATCHED, LayerKind, classify
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,80 +46,6 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _router(module: torch.nn.Module, backend: str, family: Family | None) -> Router:
-    assert family is not None  # module_kind finds routers in a supported MoE family only
-    return Router(module, backend, family)
-
-
-# A module kind (see classify.module_kind) -> (its new forward, from the module, the backend
-# and the family record or None; what the report says it now runs). Attention is not here:
-# it goes through transformers' registry, with its settings on the module.
-_Forward = Callable[[torch.nn.Module, str, Family | None], Callable]
-_FORWARDS: dict[str, tuple[_Forward, str]] = {
-    "linear": (lambda m, backend, _: PatchedForward(m, "linear", backend), "bik.linear"),
-    "rms_norm": (lambda m, backend, _: PatchedForward(m, "rms_norm", backend), "bik.rms_norm"),
-    "gemma_rms_norm": (
-        lambda m, backend, _: PatchedForward(m, "gemma_rms_norm", backend),
-        "bik.rms_norm (scale 1 + weight)",
-    ),
-    "rotary": (
-        lambda m, _, family: EagerRotary(m, family is not None and family.bik_rotary),
-        "eager rotary (same cos/sin bits under torch.compile)",
-    ),
-    "silu": (lambda m, backend, _: Activation("silu"), "bik.silu"),
-    "gelu_tanh": (lambda m, backend, _: Activation("gelu_tanh"), "bik.gelu_tanh"),
-    "router": (
-        _router,
-        "bik.linear + bik MoE routing (top-k, ties to the lower expert)",
-    ),
-    "grouped_sigmoid_router": (
-        lambda m, backend, _: GroupedSigmoidRouter(m, backend),
-        "bik.linear + sigmoid routing (score bias, group-limited top-k, ties to the lower index)",
-    ),
-    "experts": (
-        lambda m, backend, _: Experts(m, backend),
-        "bik.grouped_linear experts (summed in rank order)",
-    ),
-    "clamped_swiglu_experts": (
-        lambda m, backend, _: ClampedSwigluExperts(m, backend),
-        "bik.grouped_linear experts with biases and the clamped SwiGLU (summed in rank order)",
-    ),
-    "moe_block": (
-        lambda m, backend, _: MoeBlock(m),
-        "MoE block (a shared-expert gate through bik.sigmoid)",
-    ),
-    "gated_delta_net": (
-        lambda m, backend, _: GatedDeltaNet(m),
-        "Gated DeltaNet (bik.layers.delta_rule: causal_conv1d, gated_delta_rule)",
-    ),
-    "gated_rms_norm": (
-        lambda m, backend, _: GatedRMSNorm(m, backend),
-        "bik.rms_norm times its gate through bik.silu or bik.sigmoid",
-    ),
-    "gated_attention": (
-        lambda m, backend, _: GatedAttention(m),
-        "bik.attention, its output gate through bik.sigmoid",
-    ),
-    "kimi_delta_attention": (
-        lambda m, backend, _: KimiDeltaAttention(m),
-        "Kimi Delta Attention (bik.layers.delta_rule, a decay per key channel)",
-    ),
-    "mamba2_mixer": (
-        lambda m, backend, _: Mamba2Mixer(m, backend),
-        "Mamba2 mixer (bik.layers: causal_conv1d, selective_scan; gated group RMSNorm)",
-    ),
-}
-RECURRENT_KINDS = frozenset({"gated_delta_net", "kimi_delta_attention", "mamba2_mixer"})
-# Modules that a patched parent computes itself: (the parent's kind, the child's name).
-_COMPUTED_BY_PARENT = (
-    ("gated_delta_net", "conv1d"),
-    ("kimi_delta_attention", "conv1d"),
-    ("kimi_delta_attention", "forget_gate"),
-    ("mamba2_mixer", "conv1d"),
-    ("mamba2_mixer", "norm"),
-)
-
-
 def _sliding_window(module: torch.nn.Module) -> int | None:
     """An attention module's sliding window: its own (None on a full-attention layer of a
     model that alternates), else its config's (Mistral's window for every layer)."""
@@ -155,15 +72,14 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
-_EXPERTS: dict[str, type[Experts]] = {
-    "experts": Experts,
-    "clamped_swiglu_experts": ClampedSwigluExperts,
-}
 _WHOLE_CACHE = "bik.attention, a sliding window over whole cache layers"
 _ROW_PARALLEL = f"bik.distributed.chunked_linear ({TP_CHUNKS} chunks: TP-invariant)"
 
 
-def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[str]:
+Kinds = dict[str, LayerKind | None]
+
+
+def _row_parallel(model: torch.nn.Module, kinds: Kinds) -> set[str]:
     """The names of ``model``'s row-parallel layers for ``tp_invariant=True``: its
     row-parallel linears (``ROW_PARALLEL_NAMES``) and its experts modules (whose down
     projection tensor parallelism splits along K, the intermediate size); a ValueError when
@@ -171,7 +87,11 @@ def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[s
     names = {
         name
         for name, kind in kinds.items()
-        if (kind == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES) or kind in _EXPERTS
+        if kind is not None
+        and (
+            (kind.name == "linear" and name.rsplit(".", 1)[-1] in ROW_PARALLEL_NAMES)
+            or kind.experts is not None
+        )
     }
     if not names:
         raise ValueError(
@@ -179,7 +99,7 @@ def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[s
         )
     for name in sorted(names):
         module = model.get_submodule(name)
-        experts = _EXPERTS.get(kinds[name] or "")
+        experts = cast(LayerKind, kinds[name]).experts
         if experts is not None:
             k = experts.intermediate_size(module)
         else:
@@ -193,14 +113,71 @@ def _row_parallel(model: torch.nn.Module, kinds: dict[str, str | None]) -> set[s
 
 
 def _tp_invariant_forward(
-    module: torch.nn.Module, kind: str | None, backend: str
+    module: torch.nn.Module, kind: LayerKind, backend: str
 ) -> tuple[Any, str]:
     """A row-parallel layer's forward in the TP-invariant order, and its report line."""
-    experts = _EXPERTS.get(kind or "")
-    if experts is None:
+    if kind.experts is None:
         return PatchedForward(module, "row_parallel_linear", backend), _ROW_PARALLEL
-    description = f"{_FORWARDS[cast(str, kind)][1]}, down projection in {_ROW_PARALLEL}"
-    return experts(module, backend, down_chunks=TP_CHUNKS), description
+    description = f"{kind.computes}, down projection in {_ROW_PARALLEL}"
+    return kind.experts(module, backend, down_chunks=TP_CHUNKS), description
+
+
+def _check(
+    model: PreTrainedModel, backend: str, split_size: int | None, tp_invariant: bool, pack: bool
+) -> Family | None:
+    """Refuse what cannot be patched, before any change; returns the model's family record
+    (None: a family bik does not support)."""
+    _check_model(model)
+    backends.check_name(backend)
+    check_split_size(split_size)
+    if not isinstance(tp_invariant, bool):
+        raise TypeError(f"tp_invariant: expected a bool, got {tp_invariant!r}")
+    if not isinstance(pack, bool):
+        raise TypeError(f"pack_weights: expected a bool, got {pack!r}")
+    return FAMILIES.get(model.config.model_type)
+
+
+def _classify(model: torch.nn.Module, family: Family | None) -> Kinds:
+    """Every named module's kind (bik.hf.kinds.classify); the submodules a patched parent
+    computes itself (its kind's ``children``) have none."""
+    kinds = {name: classify(module, family) for name, module in model.named_modules() if name}
+    for parent, kind in list(kinds.items()):
+        for child in kind.children if kind is not None else ():
+            kinds[f"{parent}.{child}"] = None
+    return kinds
+
+
+def _patch(
+    model: torch.nn.Module,
+    kinds: Kinds,
+    family: Family | None,
+    backend: str,
+    split_size: int | None,
+    row_parallel: set[str],
+) -> dict[str, str]:
+    """Give every module of a patched kind its new forward (attention its settings); returns
+    what each one now computes."""
+    patched = {}
+    # A recurrent layer carries its state across a packed row's sequences: such a model's
+    # packed forwards stay refused (bik.hf.packed).
+    recurrent = any(kind is not None and kind.recurrent for kind in kinds.values())
+    settings = AttentionSettings(backend, split_size, packing=not recurrent)
+    for name, kind in kinds.items():
+        if kind is None or kind is UNPATCHED:
+            continue
+        module = model.get_submodule(name)
+        patched[name] = kind.computes
+        if kind.attention:
+            # torch hints Module.__setattr__ for tensors and modules; any value is allowed
+            module._bik_attention = settings  # type: ignore[assignment]
+            if kind.forward is None and _sliding_window(module) is not None:
+                module.forward = WholeCacheAttention(module)
+                patched[name] = _WHOLE_CACHE
+        if name in row_parallel:
+            module.forward, patched[name] = _tp_invariant_forward(module, kind, backend)
+        elif kind.forward is not None:
+            module.forward = kind.forward(module, backend, family)
+    return patched
 
 
 def patch_model(
@@ -232,60 +209,27 @@ def patch_model(
     packed copy per weight; writes through ``.data`` need ``bik.weights_changed()``).
     The backend and split size live on the patched modules: deepcopy and pickle keep them.
     """
-    _check_model(model)
-    backends.check_name(backend)
-    check_split_size(split_size)
-    if not isinstance(tp_invariant, bool):
-        raise TypeError(f"tp_invariant: expected a bool, got {tp_invariant!r}")
-    if not isinstance(pack_weights, bool):
-        raise TypeError(f"pack_weights: expected a bool, got {pack_weights!r}")
+    family = _check(model, backend, split_size, tp_invariant, pack_weights)
     model_type = model.config.model_type
-    family = FAMILIES.get(model_type)
     if strict and family is None:
         raise ValueError(
             f"model: family {model_type!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_FAMILIES)}); pass strict=False to bik.patch_model to patch "
             "what can be and list the rest in report.unpatched"
         )
-    kinds = {name: module_kind(module, family) for name, module in model.named_modules() if name}
-    for parent, kind in list(kinds.items()):
-        for parent_kind, child in _COMPUTED_BY_PARENT:
-            if kind == parent_kind:
-                kinds[f"{parent}.{child}"] = None
+    kinds = _classify(model, family)
     unpatched = [
         f"{name} ({type(model.get_submodule(name)).__name__})"
         for name, kind in kinds.items()
-        if kind == "unpatched"
+        if kind is UNPATCHED
     ]
     if strict and unpatched:
         raise ValueError(
             f"model: cannot make these modules invariant: {', '.join(unpatched)}; pass "
             "strict=False to bik.patch_model to patch the rest and list them in report.unpatched"
         )
-
     row_parallel = _row_parallel(model, kinds) if tp_invariant else set()
-    patched = {}
-    # A recurrent layer carries its state across a packed row's sequences: such a model's
-    # packed forwards stay refused (bik.hf.packed).
-    recurrent = any(kind in RECURRENT_KINDS for kind in kinds.values())
-    settings = AttentionSettings(backend, split_size, packing=not recurrent)
-    for name, kind in kinds.items():
-        module = model.get_submodule(name)
-        if kind in ("attention", "gated_attention"):
-            # torch hints Module.__setattr__ for tensors and modules; any value is allowed
-            module._bik_attention = settings  # type: ignore[assignment]
-            patched[name] = "bik.attention"
-            if kind == "attention" and _sliding_window(module) is not None:
-                module.forward = WholeCacheAttention(module)
-                patched[name] = _WHOLE_CACHE
-            if kind == "gated_attention":
-                make_forward, patched[name] = _FORWARDS[kind]
-                module.forward = make_forward(module, backend, family)
-        elif name in row_parallel:
-            module.forward, patched[name] = _tp_invariant_forward(module, kind, backend)
-        elif kind in _FORWARDS:
-            make_forward, patched[name] = _FORWARDS[kind]
-            module.forward = make_forward(module, backend, family)
+    patched = _patch(model, kinds, family, backend, split_size, row_parallel)
     attention_was = model.config._attn_implementation
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)

@@ -407,7 +407,7 @@ _TP_INVARIANT_FORWARDS = (
 _VLLM_FORWARDS = {owner: owner.forward for owner, _ in _TP_INVARIANT_FORWARDS}
 
 
-# transformers' module kinds (bik.hf.classify) vLLM's Transformers backend leaves in the model
+# transformers' module kinds (bik.hf.kinds) vLLM's Transformers backend leaves in the model
 # that bik computes: a module that reduces nothing itself, the attention module (its kernel is
 # vLLM's Attention, bik's backend), and the two patched below.
 TRANSFORMERS_KINDS = (None, "attention", "rotary", "silu", "gelu_tanh")
@@ -420,8 +420,8 @@ def patch_transformers_modules(model: torch.nn.Module, model_type: str) -> None:
     forward bik.patch_model gives the trainer's (the same cos/sin bits) and activations bik's;
     check_model refuses any other kind that reduces."""
     from ..families import FAMILIES
-    from ..hf.classify import module_kind
     from ..hf.forwards import Activation, EagerRotary
+    from ..hf.kinds import module_kind
 
     family = FAMILIES.get(model_type)
     for module in model.modules():
@@ -442,7 +442,7 @@ def transformers_module_problem(name: str, module: torch.nn.Module, model_type: 
     """Why ``module`` (one of transformers' own, left in a vLLM model) would compute with
     numerics bik does not vouch for, or None."""
     from ..families import FAMILIES
-    from ..hf.classify import module_kind
+    from ..hf.kinds import module_kind
 
     family = FAMILIES.get(model_type)
     if family is None:
