@@ -9,7 +9,7 @@ docs/huggingface.md and docs/vllm.md against this registry).
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 # Config keys that hold a mixture-of-experts model's expert count: the supported families'
 # keys, and DeepSeek's (not supported; bik.vllm refuses it by this key).
@@ -22,22 +22,57 @@ ROW_PARALLEL_NAMES = ("o_proj", "down_proj")
 # projections, each rank computing whole output columns (and so whole attention heads).
 COLUMN_PARALLEL_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
-# What every tiny preset shares: 2 layers, hidden 128, GQA 4/2, head_dim 32, vocab 256.
-_TINY = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-# A tiny MoE preset: 8 experts of width 64, 2 per token, a shared expert of width 128.
-_TINY_EXPERTS = dict(experts=8, top_k=2, width=64, shared_width=128)
+
+class RecurrentHeads(NamedTuple):
+    """The recurrent (linear-attention) layers' heads of a hybrid: key heads, value heads and
+    their dims (Mamba2: heads, groups, head dim and state size as key heads, value heads...;
+    see :meth:`Family.config`)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model's size in family-neutral terms; :meth:`Family.config` spells it in a family's
+    config keys. recurrent: a hybrid's recurrent heads (None: the attention's, ``kv_heads``
+    key heads and ``heads`` value heads of ``head_dim``). full_attention_every: a hybrid's
+    full-attention layers, every that many layers (0: the last layer only)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    positions: int
+    recurrent: RecurrentHeads | None = None
+    full_attention_every: int = 0
+
+
+class ExpertShape(NamedTuple):
+    """A mixture-of-experts layer: ``total`` experts of MLP width ``width``, ``top_k`` per
+    token, and a shared expert of ``shared_width`` where the family has one."""
+
+    total: int
+    top_k: int
+    width: int
+    shared_width: int | None = None
+
+
+# What every tiny preset shares: 2 layers, hidden 128, GQA 4/2, head_dim 32, vocab 256; 8
+# experts of width 64, 2 per token, a shared expert of width 128 (the MoE families).
+TINY_SHAPE = Shape(
+    vocab=256, hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+    positions=512,
+)  # fmt: skip
+TINY_EXPERTS = ExpertShape(total=8, top_k=2, width=64, shared_width=128)
+_TINY_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# The latent-attention keys a family's tiny preset sizes (DeepSeek-V3, Kimi Linear)
+_LATENT_ATTENTION_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
 
 
 RECURRENT_KINDS = (None, "gated_delta_net", "kimi_delta_attention", "mamba2_mixer")
@@ -103,39 +138,111 @@ class Family:
     def moe(self) -> bool:
         return self.experts_key is not None
 
-    def moe_config(
-        self, experts: int, top_k: int, width: int, shared_width: int | None = None
-    ) -> dict[str, Any]:
-        """The config keys of ``experts`` experts of MLP width ``width``, ``top_k`` per token
-        (and a shared expert of ``shared_width`` where the family has one), router jitter off:
-        it would make a token's routing a random draw. Empty for a dense family."""
+    def moe_config(self, experts: ExpertShape) -> dict[str, Any]:
+        """The config keys of ``experts``, router jitter off: it would make a token's routing a
+        random draw. Empty for a dense family."""
         if self.experts_key is None or self.expert_width_key is None:  # dense
             return {}
         keys: dict[str, Any] = {
-            "num_experts_per_tok": top_k,
+            "num_experts_per_tok": experts.top_k,
             "router_jitter_noise": 0.0,
-            self.experts_key: experts,
-            self.expert_width_key: width,
+            self.experts_key: experts.total,
+            self.expert_width_key: experts.width,
             **dict(self.moe_keys),
         }
         if self.shared_expert_key is not None:
-            if shared_width is None:
-                raise ValueError(f"shared_width: {self.model_type} has a shared expert")
-            keys[self.shared_expert_key] = shared_width
+            if experts.shared_width is None:
+                raise ValueError(f"experts: {self.model_type} has a shared expert: its width")
+            keys[self.shared_expert_key] = experts.shared_width
         return keys
 
-    def tiny_config(self, **overrides: Any) -> Any:
-        """A random-init-sized transformers config of this family (see _TINY), with
-        ``overrides``: the verify presets, the tests and small benchmarks load it."""
+    def config(self, shape: Shape, experts: ExpertShape | None = None, **overrides: Any) -> Any:
+        """A transformers config of this family at ``shape`` (with ``experts`` for an MoE
+        family), then ``overrides``: what the tiny presets, the RL harness's policies and the
+        bench build, so that no other module spells a family's config keys.
+
+        The family's features at that size: gpt-oss's sliding window and latent attention's
+        ranks and head dims (DeepSeek-V3, Kimi Linear) as the tiny preset's, RoPE over
+        ``head_dim`` and every query head its own key and value head; a hybrid's recurrent
+        layers (:attr:`Shape.recurrent`'s heads: Gated DeltaNet's key and value heads; Kimi
+        Delta Attention's value heads of the key dim; Nemotron-H's Mamba2 mixer with the value
+        heads of the value dim, the key heads as groups and the key dim as state size, and an
+        MLP block per layer) beside full attention (:attr:`Shape.full_attention_every`)."""
         from transformers import AutoConfig
 
-        keys = {**_TINY, **self.moe_config(**_TINY_EXPERTS), **dict(self.tiny_keys), **overrides}
-        return AutoConfig.for_model(self.model_type, **keys)
+        keys = {
+            "vocab_size": shape.vocab,
+            "hidden_size": shape.hidden,
+            "intermediate_size": shape.intermediate,
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "max_position_embeddings": shape.positions,
+            **self._feature_keys(shape),
+        }
+        if experts is not None:
+            keys.update(self.moe_config(experts))
+        return AutoConfig.for_model(self.model_type, **{**keys, **overrides})
 
-    def engine_config(self, **overrides: Any) -> Any:
+    def _feature_keys(self, shape: Shape) -> dict[str, Any]:
+        """The keys of the family's features at ``shape`` (see :meth:`config`)."""
+        preset = dict(self.tiny_keys)
+        keys: dict[str, Any] = {}
+        if "sliding_window" in preset:  # gpt-oss: the preset's window, which replies outgrow
+            keys["sliding_window"] = preset["sliding_window"]
+        if "kv_lora_rank" in preset:
+            keys.update({key: preset[key] for key in _LATENT_ATTENTION_KEYS})
+            keys.update(qk_rope_head_dim=shape.head_dim, num_key_value_heads=shape.heads)
+        if self.recurrent is None:
+            return keys
+        every = shape.full_attention_every
+        mixers = [
+            "full_attention" if (every and (i + 1) % every == 0) else "linear_attention"
+            for i in range(shape.layers)
+        ]
+        if not every:
+            mixers[-1] = "full_attention"
+        heads = shape.recurrent or RecurrentHeads(
+            shape.kv_heads, shape.heads, shape.head_dim, shape.head_dim
+        )
+        if self.recurrent == "mamba2_mixer":  # a Mamba2 mixer and an MLP per layer
+            return keys | {
+                "layer_types": [kind for mixer in mixers for kind in (mixer, "mlp")],
+                "mamba_num_heads": heads.value_heads,
+                "mamba_head_dim": heads.value_dim,
+                "n_groups": heads.key_heads,
+                "ssm_state_size": heads.key_dim,
+            }
+        keys["layer_types"] = mixers
+        if self.recurrent == "kimi_delta_attention":  # one head count and head dim for q, k, v
+            return keys | {"linear_num_heads": heads.value_heads, "linear_head_dim": heads.key_dim}
+        return keys | {
+            "linear_num_key_heads": heads.key_heads,
+            "linear_num_value_heads": heads.value_heads,
+            "linear_key_head_dim": heads.key_dim,
+            "linear_value_head_dim": heads.value_dim,
+        }
+
+    def tiny_config(self, shape: Shape = TINY_SHAPE, **overrides: Any) -> Any:
+        """The family's tiny preset (:data:`TINY_SHAPE`, :data:`TINY_EXPERTS` and its own
+        ``tiny_keys``), with ``overrides``: the verify presets, the tests and small benchmarks
+        load it. Another ``shape``: the preset's features at that size (its layer count and
+        positions win over the preset's, its layer-type pattern repeats over the layers)."""
+        preset = dict(self.tiny_keys)
+        if shape != TINY_SHAPE:
+            preset.pop("num_hidden_layers", None)
+            preset.pop("max_position_embeddings", None)
+            if "layer_types" in preset:
+                pattern = preset["layer_types"]
+                preset["layer_types"] = (pattern * shape.layers)[: shape.layers]
+        experts = TINY_EXPERTS if self.moe else None
+        return self.config(shape, experts, **{**_TINY_TOKENS, **preset, **overrides})
+
+    def engine_config(self, shape: Shape = TINY_SHAPE, **overrides: Any) -> Any:
         """:meth:`tiny_config` with ``overrides``, then the keys vLLM needs (``vllm_keys``,
         which win): a model that bik's vLLM engine and the trainer both load."""
-        return self.tiny_config(**{**overrides, **dict(self.vllm_keys)})
+        return self.tiny_config(shape, **{**overrides, **dict(self.vllm_keys)})
 
 
 _DENSE = "nothing more"

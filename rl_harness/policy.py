@@ -23,7 +23,7 @@ import torch
 
 import bik
 from bik.contract import DTYPE_NAMES
-from bik.families import FAMILIES
+from bik.families import FAMILIES, ExpertShape, Shape
 from bik.hf import generation_position_ids
 from bik.testing.machine import cpu_numerics
 from bik.testing.models import MODELS
@@ -43,7 +43,7 @@ def build_master(model_cfg: ModelConfig, seed: int) -> PreTrainedModel:
     """The fp32 master policy: ``model.path`` loaded, or a random-init ``model.family``; its
     config (and generation config) carries the run vocabulary's special ids
     (rl_harness.vocab.of), which the samplers read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     words = vocab.of(model_cfg)
     if model_cfg.path:
@@ -65,87 +65,45 @@ def build_master(model_cfg: ModelConfig, seed: int) -> PreTrainedModel:
             config.eos_token_id = words.eos
         return model.train()
     torch.manual_seed(seed)
-    args: dict[str, Any] = {
-        "vocab_size": words.size,
-        "hidden_size": model_cfg.hidden_size,
-        "intermediate_size": 4 * model_cfg.hidden_size,
-        "num_hidden_layers": model_cfg.layers,
-        "num_attention_heads": model_cfg.heads,
-        "num_key_value_heads": model_cfg.kv_heads,
-        "head_dim": model_cfg.head_dim,
-        "max_position_embeddings": 256,
-        "pad_token_id": words.pad,
-        "bos_token_id": words.bos,
-        "eos_token_id": words.eos,
-        "tie_word_embeddings": False,
-    }
-    config = AutoConfig.for_model(model_cfg.family, **{**args, **family_config_args(model_cfg)})
+    config = FAMILIES[model_cfg.family].config(
+        policy_shape(model_cfg),
+        policy_experts(model_cfg),
+        pad_token_id=words.pad,
+        bos_token_id=words.bos,
+        eos_token_id=words.eos,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(config).train()
 
 
-LATENT_ATTENTION_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+def policy_shape(model_cfg: ModelConfig) -> Shape:
+    """A random-init policy's size (bik.families.Family.config spells it in the family's
+    keys): the run vocabulary, an MLP 4 x hidden wide, 256 positions; a hybrid's recurrent
+    layers with the attention's heads (``model.kv_heads`` key heads, ``model.heads`` value
+    heads of ``model.head_dim``; Nemotron-H's Mamba2 mixer: ``model.heads`` heads,
+    ``model.kv_heads`` groups), the last layer full attention."""
+    return Shape(
+        vocab=vocab.of(model_cfg).size,
+        hidden=model_cfg.hidden_size,
+        intermediate=4 * model_cfg.hidden_size,
+        layers=model_cfg.layers,
+        heads=model_cfg.heads,
+        kv_heads=model_cfg.kv_heads,
+        head_dim=model_cfg.head_dim,
+        positions=256,
+    )
 
 
-def family_config_args(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The transformers config keys a family adds to (or replaces in) the common ones.
-
-    Mixture-of-experts families (bik.families.MOE_FAMILIES): ``model.experts`` experts,
-    ``model.experts_per_token`` per token, each 4 x hidden / experts_per_token wide (a
-    token's active MLP width is the dense policy's); Qwen2-MoE's shared expert is 4 x hidden
-    wide; router jitter off (it would make a token's routing a random draw).
-
-    Linear-attention families (Qwen3.5, Qwen3-Next, Kimi Linear): Gated DeltaNet (Kimi Delta
-    Attention) layers with the attention's head counts and head dim (``model.kv_heads`` key
-    heads, ``model.heads`` value heads; Kimi: ``model.heads`` of each), the last layer a
-    full-attention one. Nemotron-H: a Mamba2 mixer (``model.heads`` heads of
-    ``model.head_dim``, ``model.kv_heads`` groups) and an MLP block per layer, the last
-    layer's mixer attention. gpt-oss: its tiny preset's sliding window (8 keys), active in
-    the harness's sequences."""
-    family = FAMILIES[model_cfg.family]
-    args: dict[str, Any] = {}
-    preset = dict(family.tiny_keys)
-    if "sliding_window" in preset:  # gpt-oss: the preset's window, which replies outgrow
-        args["sliding_window"] = preset["sliding_window"]
-    if "kv_lora_rank" in preset:  # latent attention (DeepSeek-V3, Kimi Linear): the tiny
-        # preset's ranks and head dims, RoPE over model.head_dim, every query head its own
-        # key and value head
-        args.update({key: preset[key] for key in LATENT_ATTENTION_KEYS})
-        args.update(qk_rope_head_dim=model_cfg.head_dim, num_key_value_heads=model_cfg.heads)
-    if family.recurrent in ("gated_delta_net", "kimi_delta_attention"):
-        args["layer_types"] = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
-        args.update(
-            linear_num_key_heads=model_cfg.kv_heads,
-            linear_num_value_heads=model_cfg.heads,
-            linear_key_head_dim=model_cfg.head_dim,
-            linear_value_head_dim=model_cfg.head_dim,
-        )
-        if family.recurrent == "kimi_delta_attention":  # one head count and head dim for q, k and v
-            args = {
-                **args,
-                "linear_num_heads": model_cfg.heads,
-                "linear_head_dim": model_cfg.head_dim,
-            }
-    if (
-        family.recurrent == "mamba2_mixer"
-    ):  # a Mamba2 mixer and an MLP per layer, the last mixer attention
-        mixers = ["linear_attention"] * (model_cfg.layers - 1) + ["full_attention"]
-        args.update(
-            layer_types=[kind for mixer in mixers for kind in (mixer, "mlp")],
-            mamba_num_heads=model_cfg.heads,
-            mamba_head_dim=model_cfg.head_dim,
-            n_groups=model_cfg.kv_heads,
-            ssm_state_size=model_cfg.head_dim,
-        )
-    if model_cfg.moe:
-        args.update(
-            family.moe_config(
-                experts=model_cfg.experts,
-                top_k=model_cfg.experts_per_token,
-                width=max(1, 4 * model_cfg.hidden_size // model_cfg.experts_per_token),
-                shared_width=4 * model_cfg.hidden_size,
-            )
-        )
-    return args
+def policy_experts(model_cfg: ModelConfig) -> ExpertShape | None:
+    """A mixture-of-experts policy's experts (None: dense): ``model.experts``, of them
+    ``model.experts_per_token`` a token, each 4 x hidden / experts_per_token wide (a token's
+    active MLP width is the dense policy's), a shared expert (Qwen2-MoE, Qwen3-Next) 4 x hidden
+    wide."""
+    if not model_cfg.moe:
+        return None
+    width = 4 * model_cfg.hidden_size
+    top_k = model_cfg.experts_per_token
+    return ExpertShape(model_cfg.experts, top_k, max(1, width // top_k), width)
 
 
 def working_copy(

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import bik
 from bik.distributed import chunked_linear
-from bik.families import FAMILIES
+from bik.families import FAMILIES, TINY_SHAPE, ExpertShape, RecurrentHeads, Shape
 from bik.layers.delta_rule import gated_delta_rule
 from bik.layers.paged_attention import paged_attention
 
@@ -233,48 +233,40 @@ def paged_decode(batch: int, heads: int, kv_heads: int, tk: int, dim: int, model
 MOE_EXPERTS, MOE_TOP_K = 16, 4
 
 
-def _qwen_shape(hidden: int, layers: int, vocab: int, positions: int) -> dict:
+def _qwen_shape(
+    hidden: int, layers: int, vocab: int, positions: int, recurrent: RecurrentHeads | None = None
+) -> Shape:
     """The benchmarks' Qwen-style shape: head_dim 64, GQA (one KV head per 4 query heads),
     MLP 3 x hidden."""
-    return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
+    return Shape(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=3 * hidden,
+        layers=layers,
+        heads=hidden // 64,
+        kv_heads=max(1, hidden // 256),
         head_dim=64,
-        max_position_embeddings=positions,
-        pad_token_id=0,
+        positions=positions,
+        recurrent=recurrent,
+        full_attention_every=4,
     )
 
 
 def qwen3_config(hidden: int, layers: int, vocab: int, positions: int, moe: bool = False):
     """The benchmarks' Qwen3-style config (:func:`_qwen_shape`); with ``moe``, Qwen3-MoE with
     MOE_EXPERTS experts, MOE_TOP_K per token."""
-    from transformers import AutoConfig
-
     family = FAMILIES["qwen3_moe" if moe else "qwen3"]
-    experts = family.moe_config(experts=MOE_EXPERTS, top_k=MOE_TOP_K, width=hidden // 2)
-    return AutoConfig.for_model(
-        family.model_type, **experts, **_qwen_shape(hidden, layers, vocab, positions)
-    )
+    experts = ExpertShape(MOE_EXPERTS, MOE_TOP_K, hidden // 2) if moe else None
+    return family.config(_qwen_shape(hidden, layers, vocab, positions), experts, pad_token_id=0)
 
 
 def qwen3_5_config(hidden: int, layers: int, vocab: int, positions: int):
     """A Qwen3.5-style hybrid of :func:`_qwen_shape`: three Gated DeltaNet layers in four (the
     last of each four full attention, as the model's default), linear heads of 128 (hidden /
     128 key heads, twice as many value heads)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
-        "qwen3_5_text",
-        **_qwen_shape(hidden, layers, vocab, positions),
-        linear_num_key_heads=hidden // 128,
-        linear_num_value_heads=2 * (hidden // 128),
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-    )
+    heads = RecurrentHeads(hidden // 128, 2 * (hidden // 128), 128, 128)
+    shape = _qwen_shape(hidden, layers, vocab, positions, heads)
+    return FAMILIES["qwen3_5_text"].config(shape, pad_token_id=0)
 
 
 def family_config(
@@ -285,37 +277,16 @@ def family_config(
     its layer-type pattern repeated over them; with ``engine``, the keys vLLM needs too
     (Family.engine_config)."""
     record = FAMILIES[family]
-    pattern = dict(record.tiny_keys).get("layer_types")
-    types = {} if pattern is None else {"layer_types": (pattern * layers)[:layers]}
-    make = record.engine_config if engine else record.tiny_config
-    return make(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        max_position_embeddings=positions,
-        **types,
-    )
+    shape = replace(TINY_SHAPE, vocab=vocab, hidden=hidden, layers=layers, positions=positions)
+    return (record.engine_config if engine else record.tiny_config)(shape)
 
 
 def smollm2_config(positions: int):
     """SmolLM2-135M's shapes (the embedded real model: Llama, 30 layers, hidden 576, MLP 1536,
     9 query / 3 KV heads of 64, vocabulary 49152, tied embeddings), to be randomly
     initialised."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
-        "llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=positions,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
+    shape = Shape(49152, 576, 1536, 30, 9, 3, 64, positions)
+    return FAMILIES["llama"].config(shape, tie_word_embeddings=True, pad_token_id=0)
 
 
 def plain_and_patched(config, device, dtype):
