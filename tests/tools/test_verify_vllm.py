@@ -16,6 +16,7 @@ from test_cli import _never, usage_error
 pytest.importorskip("vllm")
 
 from bik import testing
+from bik.testing.presets import SHARED_PREFIX
 from bik.tools import verify, verify_vllm
 from bik.vllm import engine as vllm_engine
 
@@ -124,7 +125,7 @@ def test_prompts_are_seeded_mixed_and_share_a_prefix():
     prompts = testing.sample_prompts(0, 8, 512)
     assert prompts == testing.sample_prompts(0, 8, 512) != testing.sample_prompts(1, 8, 512)
     assert len({len(p) for p in prompts}) > 2 and all(3 <= t < 512 for p in prompts for t in p)
-    shared = testing.SHARED_PREFIX
+    shared = SHARED_PREFIX
     assert prompts[1][:shared] == prompts[3][:shared]
 
 
