@@ -116,8 +116,6 @@ def _router(module: torch.nn.Module, backend: str, family: Family | None) -> Rou
     return Router(module, backend, family)
 
 
-_RECURRENT_LAYERS = ("gated_delta_net", "kimi_delta_attention", "mamba2_mixer")
-
 KINDS: tuple[LayerKind, ...] = (
     # -- mixture of experts
     LayerKind(
@@ -223,8 +221,6 @@ KINDS: tuple[LayerKind, ...] = (
         "gelu_tanh", _is_gelu_tanh, "bik.gelu_tanh", lambda m, _, __: Activation("gelu_tanh")
     ),
 )
-BY_NAME = {kind.name: kind for kind in KINDS}
-assert set(_RECURRENT_LAYERS) == {kind.name for kind in KINDS if kind.recurrent}
 
 UNPATCHED = LayerKind("unpatched", lambda m, _: True, "reduces, but bik cannot vouch for its order")
 

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bik.families import FAMILIES, TINY_EXPERTS, TINY_SHAPE, ExpertShape, RecurrentHeads
+from bik.families import (
+    FAMILIES,
+    RECURRENT_KINDS,
+    TINY_EXPERTS,
+    TINY_SHAPE,
+    ExpertShape,
+    RecurrentHeads,
+)
+from bik.hf.kinds import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = ("rl_harness", "bik/testing", "bik/tools", "benchmarks")
@@ -95,3 +103,10 @@ def test_a_hybrids_recurrent_heads_and_full_attention_follow_the_shape():
 def test_a_shared_expert_needs_its_width():
     with pytest.raises(ValueError, match="experts: qwen2_moe has a shared expert"):
         FAMILIES["qwen2_moe"].moe_config(ExpertShape(4, 2, 32))
+
+
+def test_a_familys_recurrent_kind_is_a_recurrent_layer_kind():
+    """Family.recurrent names a record of bik.hf.kinds that carries a state (and only those)."""
+    recurrent = {kind.name for kind in KINDS if kind.recurrent}
+    assert recurrent == set(RECURRENT_KINDS) - {None}
+    assert {f.recurrent for f in FAMILIES.values()} - {None} <= recurrent
