@@ -86,13 +86,13 @@ from bik.backends.triton import _common
 from bik.contract import KEY_BLOCK, TP_CHUNKS
 from bik.distributed import chunked_linear, combine_partials, rank_partial
 from bik.testing import cases, cutlass_sm90, graphs
+from bik.testing.attention_candidates import PREFILL_CANDIDATES, rescale_when_max_moved
 from bik.testing.plain_static import PlainStaticDecode
 
 # the modules (the package exports functions of the same names)
 triton_matmul = importlib.import_module("bik.backends.triton.matmul")
 triton_grouped = importlib.import_module("bik.backends.triton.grouped")
 triton_attention = importlib.import_module("bik.backends.triton.attention_launch")
-PREFILL_CANDIDATES = triton_attention.PREFILL_CANDIDATES
 
 TokenBucket = triton_matmul.TokenBucket
 
@@ -577,7 +577,7 @@ def prefill_variants(dtype) -> list[tuple[str, dict[str, Any], int]]:
     shipped = triton_attention.shipped_tile(dtype)
     variants = [("shipped", {}, KEY_BLOCK), ("pointer loads", {"tma_kv": False}, KEY_BLOCK)]
     variants += [("every block masked", {"mask_every_block": True}, KEY_BLOCK)]
-    variants += [("conditional rescale", {"conditional_rescale": True}, KEY_BLOCK)]
+    variants += [("conditional rescale", {"rescale_acc": rescale_when_max_moved}, KEY_BLOCK)]
     variants += [(f"tile {tuple(t)}", {"tile": t}, KEY_BLOCK) for t in PREFILL_CANDIDATES]
     variants += [(f"{2 * KEY_BLOCK}-key blocks, tile {tuple(t)}", {"tile": t}, 2 * KEY_BLOCK)
                  for t in (shipped, *PREFILL_CANDIDATES)]  # fmt: skip

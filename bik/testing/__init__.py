@@ -12,6 +12,7 @@ computing bik's numerics.
   vllm_compare   a vLLM engine's log-probs against the trainer's
   sm90           Triton launches compiled for Hopper (sm_90a) with no GPU, and their SASS
   cutlass_sm90   the CUTLASS sm_90a GEMM, a candidate backend measured on a GPU
+  attention_candidates  the Triton attention's candidate tiles and rescale, not shipped
 
 The command line (``bik/tools``) builds on it; nothing here imports the command line.
 """

@@ -18,10 +18,12 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
 from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.runtime.jit import KernelInterface
 
 HOPPER = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -139,21 +141,41 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True)
+class _FunctionName:
+    """A Triton function by module and name: how a launch's kernel and function arguments
+    reach the child process (an interpreter function does not pickle)."""
+
+    module: str
+    name: str
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        """``value``'s name if it is a Triton function, else ``value``."""
+        if isinstance(value, KernelInterface):
+            return cls(value.fn.__module__, value.fn.__name__)
+        return value
+
+    def function(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+
 def compile_launches(launches: list) -> list[Binary]:
     """The sm_90a binaries of ``launches`` (:class:`~bik.backends.triton._common.Launch` es).
 
     Under ``TRITON_INTERPRET=1`` (the CPU test suite) every ``triton.jit`` function, Triton's
     own library included, is an interpreter function that cannot be compiled; the launches
-    are then compiled in one child process without the interpreter, each kernel found again
-    by its module and name.
+    are then compiled in one child process without the interpreter, each kernel (and each
+    Triton function passed as an argument) found again by its module and name.
     """
     if not _interpreting():
         return [_compile_here(launch) for launch in launches]
     described = [
-        (
-            launch.kernel.fn.__module__,
-            launch.kernel.fn.__name__,
-            dataclasses.replace(launch, kernel=None),
+        dataclasses.replace(
+            launch,
+            kernel=_FunctionName.of(launch.kernel),
+            args={name: _FunctionName.of(value) for name, value in launch.args.items()},
+            plan_key=None,  # (read by launches on a GPU only)
         )
         for launch in launches
     ]
@@ -176,10 +198,16 @@ def compile_launch(launch) -> Binary:
 
 
 def _child() -> None:
-    """Compile the pickled (module, kernel name, launch) list from stdin, pickle the results."""
+    """Compile the pickled launches from stdin, pickle the results."""
+    # (this module runs as __main__: the launches hold bik.testing.sm90's _FunctionName)
+    named = importlib.import_module("bik.testing.sm90")._FunctionName
     results = []
-    for module, name, launch in pickle.load(sys.stdin.buffer):
-        launch.kernel = getattr(importlib.import_module(module), name)
+    for launch in pickle.load(sys.stdin.buffer):
+        launch.kernel = launch.kernel.function()
+        launch.args = {
+            name: value.function() if isinstance(value, named) else value
+            for name, value in launch.args.items()
+        }
         if "UPCAST" in launch.args:  # the interpreter's bf16 work-around; never on a GPU
             launch.args["UPCAST"] = False
         results.append(dataclasses.asdict(_compile_here(launch)))

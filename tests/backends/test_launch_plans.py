@@ -20,6 +20,7 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 common = importlib.import_module("bik.backends.triton._common")
+attention_candidates = importlib.import_module("bik.testing.attention_candidates")
 
 PARAMETERS = [  # (name, constexpr, do_not_specialize)
     ("x_ptr", False, False),
@@ -242,9 +243,12 @@ def test_the_attention_launchers_plan_key_decides_its_binaries():
                 launches += attention.attention_launches(
                     q, k, values, kv_start, out, option, sinks, split_parallel=split_parallel
                 )
-        for choice in ("mask_every_block", "conditional_rescale"):
+        for choice in (
+            {"mask_every_block": True},
+            {"rescale_acc": attention_candidates.rescale_when_max_moved},
+        ):
             launches += attention.attention_launches(
-                q, k, v, kv_start, out, option, sinks, **{choice: True}
+                q, k, v, kv_start, out, option, sinks, **choice
             )
         table = torch.empty(2, 64, dtype=torch.int32, device="meta")
         lens = torch.empty(2, dtype=torch.int32, device="meta")

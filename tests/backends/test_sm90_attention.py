@@ -23,7 +23,10 @@ from bik.backends.base import AttentionOptions
 
 sm90 = pytest.importorskip("bik.testing.sm90")
 
-from bik.backends.triton.attention_launch import PREFILL_CANDIDATES  # noqa: E402 (needs triton)
+from bik.testing.attention_candidates import (  # noqa: E402 (needs triton)
+    PREFILL_CANDIDATES,
+    rescale_when_max_moved,
+)
 
 pytestmark = pytest.mark.skipif(
     not all((sm90.TOOLS / tool).exists() for tool in ("ptxas", "cuobjdump")),
@@ -102,7 +105,7 @@ def paged_launches(tokens, sequences, dtype):
 CANDIDATES: dict[str, dict] = {
     f"prefill_{'x'.join(map(str, tile))}": {"tile": tile} for tile in PREFILL_CANDIDATES
 }
-CANDIDATES["prefill_conditional_rescale"] = {"conditional_rescale": True}
+CANDIDATES["prefill_conditional_rescale"] = {"rescale_acc": rescale_when_max_moved}
 
 
 @pytest.fixture(scope="module")

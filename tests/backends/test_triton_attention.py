@@ -17,11 +17,11 @@ from bik.backends import reference
 from bik.backends.base import AttentionOptions
 from bik.backends.triton.attention import BLOCK_M
 from bik.backends.triton.attention_launch import (
-    PREFILL_CANDIDATES,
     _use_split_parallel,
     attention,
     attention_launches,
 )
+from bik.testing.attention_candidates import PREFILL_CANDIDATES, rescale_when_max_moved
 
 pytestmark = pytest.mark.skipif(
     "triton" not in invariant_backends(), reason="the triton backend cannot run here"
@@ -109,7 +109,11 @@ def test_a_candidate_prefill_tile_gives_the_shipped_tiles_bits(
 # instead of TMA boxes, every key block masked (the shipped 16-bit kernel skips the mask of a
 # block all its rows see whole), and the accumulator rescaled only after a block that gave
 # some row of the tile a new maximum.
-SAME_BITS_CHOICES = [{"tma_kv": False}, {"mask_every_block": True}, {"conditional_rescale": True}]
+SAME_BITS_CHOICES = [
+    {"tma_kv": False},
+    {"mask_every_block": True},
+    {"rescale_acc": rescale_when_max_moved},
+]
 
 
 @pytest.mark.parametrize("choice", SAME_BITS_CHOICES, ids=lambda choice: next(iter(choice)))

@@ -70,6 +70,8 @@ This module holds the kernels; which choices a call takes and the launches' argu
 :mod:`bik.backends.triton.attention_launch`'s.
 """
 
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -179,45 +181,108 @@ def _in_head(dims, D: tl.constexpr, BLOCK_D: tl.constexpr):
     return dims[None, :] < D
 
 
+# Records of the split state's runtime values (named Triton tuples). The compile-time choices
+# stay parameters of their own: a tuple built in a kernel turns a constexpr field into a
+# tensor (Triton 3.6 and 3.9), which a static branch cannot test.
+
+
+class Operand(NamedTuple):
+    """The keys or the values of a program's kv head: where their rows are and which of their
+    dims the program reads (keys: the whole head, values: the program's chunk)."""
+
+    base: Any  # the head's row 0 (a paged cache: of page 0)
+    desc: Any  # the TMA descriptor of the whole tensor [B, Hkv, Tk, D] (TMA_KV)
+    row_stride: Any
+    col_stride: Any
+    page_stride: Any  # (a paged cache)
+    cols: Any  # the dims read, ``tl.arange``
+    col_start: Any  # the first of them: the TMA box's column
+
+
+class KeySource(NamedTuple):
+    """A program's keys and values, its TMA coordinates (b, kv_head), and, for a paged cache,
+    its block table's row (key n is row ``n % PAGE_SIZE`` of page ``pages_ptr[n //
+    PAGE_SIZE]``); Tk keys."""
+
+    k: Operand  # (not "keys" and "values": a Triton tuple's own attribute)
+    v: Operand
+    b: Any
+    kv_head: Any
+    pages_ptr: Any
+    Tk: Any
+
+
+class RowWindow(NamedTuple):
+    """Which keys the tile's rows see (:func:`_tile`): each row's own position ``pos``, keys
+    from ``first_key`` (with a window: from the block ``block_lo`` of the first row's
+    window, ``window`` keys a row) up to ``key_hi``, all of ``[all_lo, all_hi)`` seen by
+    every row."""
+
+    pos: Any
+    first_key: Any
+    block_lo: Any
+    key_hi: Any
+    all_lo: Any
+    all_hi: Any
+    window: Any
+
+
 @triton.jit
-def _page_rows(base, page, slot, page_stride, row_stride, cols, col_stride, mask):
-    """A key block's rows of a paged cache: row ``slot`` of page ``page`` for each key,
-    columns ``cols`` (zeros where ``mask`` is off)."""
-    rows = page * page_stride + slot * row_stride
-    return tl.load(base + rows[:, None] + cols[None, :] * col_stride, mask=mask, other=0.0)
+def rescale_acc(acc, rescale, row_max, new_max):
+    """The accumulator after a key block moved the rows' maxima: every row by its rescale (a
+    row whose maximum held is multiplied by exp(0) = 1)."""
+    return acc * rescale[:, None]
+
+
+@triton.jit
+def _split_rows(operand, lo, offs):
+    """The pointer loads' split base (64-bit) and a block's offsets from it (32-bit: fewer
+    registers than a block of pointers)."""
+    rows = operand.base + lo.to(tl.int64) * operand.row_stride
+    return rows, offs[:, None] * operand.row_stride + operand.cols[None, :] * operand.col_stride
+
+
+@triton.jit
+def _key_block(
+    operand,
+    source,
+    split_rows,
+    n0,
+    lo,
+    page,
+    slot,
+    mask,
+    PAGE_SIZE: tl.constexpr,
+    TMA_KV: tl.constexpr,
+):
+    """Keys (or values: ``operand``) ``n0 + arange(BLOCK_N)``, dims ``operand.cols``, however
+    they arrive: from a paged cache (each key's ``page`` and ``slot``), by TMA boxes of one head's
+    BLOCK_N keys, or by pointer loads from ``split_rows`` (:func:`_split_rows` of the split
+    starting at key ``lo``). Each way gives the dots the same tile (zeros where ``mask`` is
+    off: past Tk and past the head dim), so the same bits."""
+    if PAGE_SIZE > 0:
+        rows = (page * operand.page_stride + slot * operand.row_stride)[:, None]
+        cols = operand.cols[None, :]
+        block = tl.load(operand.base + rows + cols * operand.col_stride, mask=mask, other=0.0)
+    elif TMA_KV:
+        box = operand.desc.load([source.b, source.kv_head, n0, operand.col_start])
+        block = box.reshape(mask.shape[0], operand.cols.shape[0])
+    else:
+        base, offsets = split_rows
+        block = tl.load(base + (n0 - lo) * operand.row_stride + offsets, mask=mask, other=0.0)
+    return block
 
 
 @triton.jit
 def _split_state(
     q,
-    k_desc,
-    v_desc,
-    b,
-    kv_head,
-    k_base,
-    v_base,
-    skt,
-    skd,
-    svt,
-    svd,
-    vdims,
-    vdims_start,
+    source,
+    rows,
     split,
-    first_key,
-    block_lo,
-    key_hi,
-    all_lo,
-    all_hi,
-    pos,
-    Tk,
-    D: tl.constexpr,
     split_size,
     scale,
     softcap,
-    window,
-    pages_ptr,
-    skp,
-    svp,
+    D: tl.constexpr,
     CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -225,81 +290,61 @@ def _split_state(
     PAGE_SIZE: tl.constexpr,
     TMA_KV: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
-    CONDITIONAL_RESCALE: tl.constexpr,
+    RESCALE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """Online softmax of the tile's rows over split ``split``, from an empty state.
+    """Online softmax of the tile's rows (``rows``: :class:`RowWindow`) over split ``split``,
+    from an empty state, their key blocks from ``source`` (:class:`KeySource`).
 
     The split's key blocks run in ascending order; inside a block the row maximum is exact
     and the row sum of probabilities is one fixed tree (the dot layout, the same in every
     kernel that calls this). Returns the unnormalised state (max, sum, acc) per row, acc for
-    the value dims ``vdims`` only (every chunk of value dims computes the same scores).
-
-    PAGE_SIZE > 0: the keys and values sit in a paged cache; key n is row ``n % PAGE_SIZE`` of
-    page ``pages_ptr[n // PAGE_SIZE]`` (pages ``skp`` / ``svp`` elements apart). TMA_KV: they
-    arrive by TMA from the descriptors ``k_desc`` / ``v_desc`` (``[B, Hkv, Tk, D]``, boxes of
-    one head's BLOCK_N keys), which fill keys past Tk and dims past D with zeros, as the
-    masked loads do. Only the addresses change: a block loads the same tile, so the same bits.
+    the values' dims only (every chunk of value dims computes the same scores).
+    ``RESCALE_ACC``: :func:`rescale_acc` (or a candidate of bik.testing the GPU probe times).
     """
-    lo = first_key + split * split_size
-    hi = tl.minimum(lo + split_size, key_hi)
+    lo = rows.first_key + split * split_size
+    hi = tl.minimum(lo + split_size, rows.key_hi)
     if WINDOW:
-        lo = tl.maximum(lo, block_lo)
+        lo = tl.maximum(lo, rows.block_lo)
     offs = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    # 64-bit split bases, 32-bit offsets inside the split (fewer registers than pointers).
-    k_split = k_base + lo.to(tl.int64) * skt
-    v_split = v_base + lo.to(tl.int64) * svt
-    k_offs = offs[:, None] * skt + dims[None, :] * skd
-    v_offs = offs[:, None] * svt + vdims[None, :] * svd
+    k_rows = _split_rows(source.k, lo, offs)
+    v_rows = _split_rows(source.v, lo, offs)
     row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + offs
-        k_mask = (keys[:, None] < Tk) & _in_head(dims, D, BLOCK_D)
+        k_mask = (keys[:, None] < source.Tk) & _in_head(source.k.cols, D, BLOCK_D)
+        page, slot = keys, keys  # a paged cache: key n is row n % PAGE_SIZE of its page
         if PAGE_SIZE > 0:
-            page = tl.load(pages_ptr + keys // PAGE_SIZE, mask=keys < Tk, other=0).to(tl.int64)
-            slot = keys % PAGE_SIZE
-            k = _page_rows(k_base, page, slot, skp, skt, dims, skd, k_mask)
-        elif TMA_KV:
-            k = k_desc.load([b, kv_head, n0, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = tl.load(k_split + (n0 - lo) * skt + k_offs, mask=k_mask, other=0.0)
+            page = tl.load(source.pages_ptr + keys // PAGE_SIZE, mask=keys < source.Tk, other=0)
+            page, slot = page.to(tl.int64), keys % PAGE_SIZE
+        k = _key_block(source.k, source, k_rows, n0, lo, page, slot, k_mask, PAGE_SIZE, TMA_KV)
         scores = dot_acc(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
         scores = scores * scale
         if SOFTCAP:  # transformers' order: divide, tanh, multiply
             scores = _tanh(scores / softcap) * softcap
         partial = True
         if WHOLE_BLOCKS:  # a block every row sees whole skips the mask (exact: it keeps all)
-            partial = (n0 < all_lo) | (n0 + BLOCK_N > all_hi)
+            partial = (n0 < rows.all_lo) | (n0 + BLOCK_N > rows.all_hi)
         if partial:
-            visible = keys[None, :] < Tk
+            visible = keys[None, :] < source.Tk
             if CAUSAL:
-                visible = visible & (keys[None, :] <= pos[:, None])
+                visible = visible & (keys[None, :] <= rows.pos[:, None])
             if WINDOW:
-                visible = visible & (keys[None, :] > pos[:, None] - window)
+                visible = visible & (keys[None, :] > rows.pos[:, None] - rows.window)
             scores = tl.where(visible, scores, NEG_INF)
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)  # rows with nothing seen yet
         rescale = tl.exp(row_max - safe_max)
         probs = tl.exp(scores - safe_max[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        v_mask = (keys[:, None] < Tk) & _in_head(vdims, D, BLOCK_D)
-        if PAGE_SIZE > 0:
-            v = _page_rows(v_base, page, slot, svp, svt, vdims, svd, v_mask)
-        elif TMA_KV:
-            v = v_desc.load([b, kv_head, n0, vdims_start]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            v = tl.load(v_split + (n0 - lo) * svt + v_offs, mask=v_mask, other=0.0)
-        if CONDITIONAL_RESCALE:  # exact: a row whose max held rescales by exp(0) = 1
-            if tl.max((new_max != row_max).to(tl.int32), axis=0) > 0:
-                acc = acc * rescale[:, None]
-        else:
-            acc = acc * rescale[:, None]
+        v_mask = (keys[:, None] < source.Tk) & _in_head(source.v.cols, D, BLOCK_D)
+        v = _key_block(source.v, source, v_rows, n0, lo, page, slot, v_mask, PAGE_SIZE, TMA_KV)
+        acc = RESCALE_ACC(acc, rescale, row_max, new_max)
         acc = dot_acc(probs.to(v.dtype), v, acc, UPCAST)
         row_max = new_max
     return row_max, row_sum, acc
@@ -415,7 +460,7 @@ def _attention_kernel(
     PAGE_SIZE: tl.constexpr,
     TMA_KV: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
-    CONDITIONAL_RESCALE: tl.constexpr,
+    RESCALE_ACC: tl.constexpr,
     VARLEN: tl.constexpr,
     # -- tiles
     BLOCK_M: tl.constexpr,
@@ -470,40 +515,26 @@ def _attention_kernel(
     if SPLIT_PARALLEL:
         split_first = tl.program_id(2)
         split_last = split_first + 1
+    b32, kv_head32 = b.to(tl.int32), kv_head.to(tl.int32)
+    k_row_stride, v_row_stride = skt * UNIT, svt * UNIT
+    k_page_stride, v_page_stride = skb * UNIT, svb * UNIT  # (skb / svb: see k_base)
+    keys = Operand(k_base, k_desc, k_row_stride, skd, k_page_stride, dims, 0)
+    values = Operand(v_base, v_desc, v_row_stride, svd, v_page_stride, vdims, chunk * BLOCK_DV)
+    source = KeySource(keys, values, b32, kv_head32, pages_ptr, Tk)
+    window_rows = RowWindow(pos, first_key, block_lo, key_hi, all_lo, all_hi, window)
     row_max = tl.full((BLOCK_M,), NEG_INF, dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     for split in range(split_first, split_last):
         part_max, part_sum, part_acc = _split_state(
             q,
-            k_desc,
-            v_desc,
-            b.to(tl.int32),
-            kv_head.to(tl.int32),
-            k_base,
-            v_base,
-            skt * UNIT,
-            skd,
-            svt * UNIT,
-            svd,
-            vdims,
-            chunk * BLOCK_DV,
+            source,
+            window_rows,
             split,
-            first_key,
-            block_lo,
-            key_hi,
-            all_lo,
-            all_hi,
-            pos,
-            Tk,
-            D,
             split_size,
             scale,
             softcap,
-            window,
-            pages_ptr,
-            skb * UNIT,
-            svb * UNIT,
+            D,
             CAUSAL,
             SOFTCAP,
             WINDOW,
@@ -511,7 +542,7 @@ def _attention_kernel(
             PAGE_SIZE,
             TMA_KV,
             WHOLE_BLOCKS,
-            CONDITIONAL_RESCALE,
+            RESCALE_ACC,
             BLOCK_M,
             BLOCK_N,
             BLOCK_D,

@@ -33,6 +33,7 @@ from .attention import (
     NUM_WARPS,
     _attention_kernel,
     _combine_kernel,
+    rescale_acc,
 )
 
 SPLIT_PARALLEL_MAX_PROGRAMS = 512
@@ -120,16 +121,6 @@ def shipped_tile(dtype) -> AttentionTile:
     return AttentionTile(BLOCK_M, NUM_WARPS, NUM_STAGES)
 
 
-PREFILL_CANDIDATES = (AttentionTile(128, 8, 3), AttentionTile(128, 8, 2))
-"""16-bit prefill tiles not shipped yet: two warpgroups (each the shipped tile's HGMMA on its
-64 rows) share every key and value block, halving those loads per FLOP; sm_90a shows no spill
-with Triton 3.6 or 3.9 (tests/backends/test_sm90_attention.py). A row's arithmetic is its
-warpgroup's, the same as in a 64-row tile, and rows its tile adds only see identity work, so
-the bits should not move: the interpreter tests check it, and benchmarks/gpu_probe.py's
-``prefill`` part times each against the shipped tile and compares every row's bits on a GPU,
-which decides whether one replaces it."""
-
-
 def _use_split_parallel(batch, hkv, rows, n_splits, d, block_m=BLOCK_M):
     """The split-parallel path for few query rows (one tile per batch x kv head: decode,
     short chunks) while the in-register path would leave a GPU idle and the workspace is
@@ -147,18 +138,17 @@ class AttentionChoices(NamedTuple):
     """How one launch computes: every combination gives the same bits (the tests force each).
 
     tile: query rows a program, warps, stages (:func:`shipped_tile`, or a
-    :data:`PREFILL_CANDIDATES` tile for tests and the GPU probe); split_parallel: the split
+    candidate of :mod:`bik.testing.attention_candidates`); split_parallel: the split
     states in a workspace folded by a second kernel (else in registers); tma_kv: keys and
     values by TMA (else pointer loads); mask_every_block: no key block skips its mask (else a
-    block every row of the tile sees whole does); conditional_rescale: a block after which no
-    row of the tile has a new maximum leaves the accumulator as it is (not shipped: the GPU
-    probe times it)."""
+    block every row of the tile sees whole does); rescale_acc: the accumulator's rescale after
+    a key block (the kernel's :func:`~.attention.rescale_acc`, or a candidate)."""
 
     tile: AttentionTile
     split_parallel: bool
     tma_kv: bool
     mask_every_block: bool
-    conditional_rescale: bool
+    rescale_acc: Any
 
 
 def resolve_choices(
@@ -175,7 +165,7 @@ def resolve_choices(
     tile: AttentionTile | None = None,
     tma_kv: bool | None = None,
     mask_every_block: bool | None = None,
-    conditional_rescale: bool = False,
+    rescale_acc: Any = rescale_acc,
 ) -> AttentionChoices:
     """The choices of a launch over ``batch`` sequences (k's kv heads each) of ``rows`` query
     rows and ``n_splits`` splits: those given, the others (None) chosen here. ``split_parallel``:
@@ -199,7 +189,7 @@ def resolve_choices(
         raise ValueError("tma_kv: TMA cannot read these keys and values (see _kv_takes_tma)")
     if mask_every_block is None:
         mask_every_block = not fast
-    return AttentionChoices(tile, split_parallel, tma_kv, mask_every_block, conditional_rescale)
+    return AttentionChoices(tile, split_parallel, tma_kv, mask_every_block, rescale_acc)
 
 
 def _strides(q, k, v, out, unit: int) -> dict[str, int]:
@@ -254,7 +244,7 @@ def attention_launches(
     """The launches computing ``out = attention(q, k, v)`` (arguments as :func:`attention`;
     tensors already :func:`aligned`). ``choices``: any of :class:`AttentionChoices`' fields
     (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``,
-    ``conditional_rescale``), the others chosen by :func:`resolve_choices`. The
+    ``rescale_acc``), the others chosen by :func:`resolve_choices`. The
     split-parallel workspace is allocated here, on q's device (meta tensors give meta
     launches for bik.testing.sm90).
 
@@ -326,7 +316,7 @@ def attention_launches(
             common["PAGE_SIZE"],
             chosen.tma_kv,
             chosen.mask_every_block,
-            chosen.conditional_rescale,
+            chosen.rescale_acc,
         ),
         tuple(strides[f"s{t}d"] for t in "qkvo"),  # specialised on (1 in the usual layouts)
         all(value in I32 for value in unspecialised),
@@ -346,7 +336,7 @@ def attention_launches(
                 v_desc=tma_descriptor(v, [1, 1, BLOCK_N, block_dv]) if chosen.tma_kv else v,
                 TMA_KV=chosen.tma_kv,
                 WHOLE_BLOCKS=not chosen.mask_every_block,
-                CONDITIONAL_RESCALE=chosen.conditional_rescale,
+                RESCALE_ACC=chosen.rescale_acc,
                 ws_acc_ptr=ws_acc,
                 ws_max_ptr=ws_max,
                 ws_sum_ptr=ws_sum,
@@ -387,7 +377,7 @@ def attention(q, k, v, kv_start, options: AttentionOptions, sinks=None, **choice
     """See bik.ops.attention: ``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, Tk, D]``
     -> ``[B, Hq, Tq, D]``; ``sinks`` (fp32 ``[Hq]``) None: off. ``choices``
     (``split_parallel``, ``tile``, ``tma_kv``, ``mask_every_block``,
-    ``conditional_rescale``): see
+    ``rescale_acc``): see
     :func:`attention_launches` (the bits are the same either way)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     q, k, v, kv_start = (aligned(t) for t in (q, k, v, kv_start))
