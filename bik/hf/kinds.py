@@ -4,9 +4,9 @@ recognised, what forward replaces its own, and what the report says it now compu
 ``patch_model`` checks the model, classifies every module (:func:`classify`: the first record
 of :data:`KINDS` that recognises it, else one that reduces nothing, else :data:`UNPATCHED`),
 patches each by its record and reports. A family that brings a new layer kind adds one record
-here (its recogniser, its forward in ``forwards.py``, ``moe.py`` or ``linear_attention.py``)
-and names it in its ``bik.families.Family`` record; the vLLM side (``bik.vllm.layers``) reads
-the same names.
+here (its recogniser, its forward in ``forwards.py``, ``moe.py`` or ``linear_attention.py``);
+a recurrent kind also gets a ``bik.families.RecurrentKind`` record (its name and config keys),
+which the family's record points at. The vLLM side (``bik.vllm.layers``) reads the same names.
 
 The order of :data:`KINDS` is the order of recognition: a family's mixture-of-experts and
 recurrent kinds come first (their modules would otherwise read as unpatched or as plain
@@ -20,7 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..families import Family
+from ..families import (
+    GATED_DELTA_NET,
+    KIMI_DELTA_ATTENTION,
+    MAMBA2_MIXER,
+    Family,
+    RecurrentKind,
+)
 from .forwards import Activation, EagerRotary, PatchedForward
 from .linear_attention import (
     GatedAttention,
@@ -74,10 +80,10 @@ def _moe(recognise: Recogniser) -> Recogniser:
     return lambda m, family: family is not None and family.moe and recognise(m, family)
 
 
-def _recurrent(kind: str, recognise: Recogniser) -> Recogniser:
+def _recurrent(kind: RecurrentKind, recognise: Recogniser) -> Recogniser:
     """``recognise`` within a hybrid family whose recurrent layers are of kind ``kind``."""
     return lambda m, family: (
-        family is not None and family.recurrent == kind and recognise(m, family)
+        family is not None and family.recurrent is kind and recognise(m, family)
     )
 
 
@@ -96,7 +102,7 @@ def _gated_rms_norm(module: torch.nn.Module, family: Family | None) -> bool:
     mixer: group-wise)."""
     recurrent = family.recurrent if family is not None else None
     return (
-        recurrent in ("gated_delta_net", "kimi_delta_attention")
+        recurrent in (GATED_DELTA_NET, KIMI_DELTA_ATTENTION)
         and _type_name(module).endswith("RMSNormGated")
         and hasattr(module, "variance_epsilon")
     )
@@ -154,24 +160,24 @@ KINDS: tuple[LayerKind, ...] = (
     ),
     # -- the recurrent layers of hybrid families, their gated norms and gated attention
     LayerKind(
-        "gated_delta_net",  # Qwen3-Next, Qwen3.5
-        _recurrent("gated_delta_net", _ends("GatedDeltaNet")),
+        GATED_DELTA_NET.name,
+        _recurrent(GATED_DELTA_NET, _ends("GatedDeltaNet")),
         "Gated DeltaNet (bik.layers.delta_rule: causal_conv1d, gated_delta_rule)",
         lambda m, backend, _: GatedDeltaNet(m),
         children=("conv1d",),
         recurrent=True,
     ),
     LayerKind(
-        "kimi_delta_attention",  # Kimi Linear
-        _recurrent("kimi_delta_attention", _ends("DeltaAttention")),
+        KIMI_DELTA_ATTENTION.name,
+        _recurrent(KIMI_DELTA_ATTENTION, _ends("DeltaAttention")),
         "Kimi Delta Attention (bik.layers.delta_rule, a decay per key channel)",
         lambda m, backend, _: KimiDeltaAttention(m),
         children=("conv1d", "forget_gate"),
         recurrent=True,
     ),
     LayerKind(
-        "mamba2_mixer",  # Nemotron-H
-        _recurrent("mamba2_mixer", _ends("Mamba2Mixer")),
+        MAMBA2_MIXER.name,
+        _recurrent(MAMBA2_MIXER, _ends("Mamba2Mixer")),
         "Mamba2 mixer (bik.layers: causal_conv1d, selective_scan; gated group RMSNorm)",
         lambda m, backend, _: Mamba2Mixer(m, backend),
         children=("conv1d", "norm"),
@@ -185,7 +191,7 @@ KINDS: tuple[LayerKind, ...] = (
     ),
     LayerKind(
         "gated_attention",  # Qwen3-Next, Qwen3.5: full attention with an output gate
-        _recurrent("gated_delta_net", _ends("Attention", "config")),
+        _recurrent(GATED_DELTA_NET, _ends("Attention", "config")),
         "bik.attention, its output gate through bik.sigmoid",
         lambda m, backend, _: GatedAttention(m),
         attention=True,

@@ -15,6 +15,7 @@ from bik.families import (
     TINY_EXPERTS,
     TINY_SHAPE,
     ExpertShape,
+    Family,
     RecurrentHeads,
 )
 from bik.hf.kinds import KINDS
@@ -106,7 +107,13 @@ def test_a_shared_expert_needs_its_width():
 
 
 def test_a_familys_recurrent_kind_is_a_recurrent_layer_kind():
-    """Family.recurrent names a record of bik.hf.kinds that carries a state (and only those)."""
+    """Family.recurrent is a RecurrentKind record whose name is a layer kind of bik.hf.kinds
+    that carries a state (and every such layer kind has its record)."""
     recurrent = {kind.name for kind in KINDS if kind.recurrent}
-    assert recurrent == set(RECURRENT_KINDS) - {None}
-    assert {f.recurrent for f in FAMILIES.values()} - {None} <= recurrent
+    assert recurrent == {kind.name for kind in RECURRENT_KINDS}
+    assert {f.recurrent for f in FAMILIES.values()} - {None} <= set(RECURRENT_KINDS)
+
+
+def test_a_recurrent_kind_must_be_a_record():
+    with pytest.raises(ValueError, match="recurrent: expected None or one of the records"):
+        Family("x", "X", "", recurrent="gated_delta_net")  # type: ignore[arg-type]
