@@ -6,7 +6,8 @@ of :data:`KINDS` that recognises it, else one that reduces nothing, else :data:`
 patches each by its record and reports. A family that brings a new layer kind adds one record
 here (its recogniser, its forward in ``forwards.py``, ``moe.py`` or ``linear_attention.py``);
 a recurrent kind also gets a ``bik.families.RecurrentKind`` record (its name and config keys),
-which the family's record points at. The vLLM side (``bik.vllm.layers``) reads the same names.
+which the family's record points at. The engine's layers (``bik.vllm.layers.ENGINE_LAYERS``)
+are keyed by the same names.
 
 The order of :data:`KINDS` is the order of recognition: a family's mixture-of-experts and
 recurrent kinds come first (their modules would otherwise read as unpatched or as plain

@@ -18,12 +18,14 @@ identity of addition (+0.0 is not: -0.0 + 0.0 = +0.0), so the sum is the owner's
 The LM head needs nothing: vLLM gathers its vocab shards' logits before the sampler.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import torch
 from vllm.distributed import split_tensor_along_last_dim
+from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.activation import (
     GeluAndMul,
     ReLUSquaredActivation,
@@ -381,25 +383,55 @@ def _vocab_parallel_embedding_forward(
     return out
 
 
-_REPLACED_OPS = {
-    "RMSNorm": BikRMSNorm,
-    "GemmaRMSNorm": BikGemmaRMSNorm,
-    "RMSNormGated": BikRMSNormGated,
-    "TPAwareRMSNorm": BikTPAwareRMSNorm,
-    "SiluAndMul": BikSiluAndMul,
-    "ReLUSquaredActivation": BikReLUSquaredActivation,
-    "GeluAndMul": BikGeluAndMul,
-    "RotaryEmbedding": BikRotaryEmbedding,
-    "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
-    "DeepseekScalingRotaryEmbedding": BikDeepseekScalingRotaryEmbedding,
+Method = tuple[type, str, Callable]  # (vLLM's class, the method's name, bik's method)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayers:
+    """What computes one layer kind in vLLM: bik's subclasses of vLLM's custom ops, by the
+    op's name in vLLM's registry, and bik's methods set on vLLM's classes."""
+
+    ops: dict[str, type[CustomOp]] = dataclasses.field(default_factory=dict)
+    methods: tuple[Method, ...] = ()
+
+
+# bik's vLLM layers by layer kind, keyed by the names bik.hf.kinds gives the kinds (and the
+# report, and bik.families): tests/integrations/test_vllm_errors.py checks that every kind is
+# here, computed by the MoE runner's forward, or refused in vLLM.
+ENGINE_LAYERS: dict[str, EngineLayers] = {
+    "linear": EngineLayers(  # unquantized linears and the LM head, on the weights as loaded
+        methods=(
+            (UnquantizedLinearMethod, "apply", _linear_apply),
+            (UnquantizedLinearMethod, "process_weights_after_loading", _keep_weights),
+            (UnquantizedEmbeddingMethod, "apply", _linear_apply),
+        )
+    ),
+    "rms_norm": EngineLayers({"RMSNorm": BikRMSNorm, "TPAwareRMSNorm": BikTPAwareRMSNorm}),
+    "gemma_rms_norm": EngineLayers({"GemmaRMSNorm": BikGemmaRMSNorm}),
+    "gated_rms_norm": EngineLayers({"RMSNormGated": BikRMSNormGated}),
+    "silu": EngineLayers({"SiluAndMul": BikSiluAndMul}),
+    "gelu_tanh": EngineLayers({"GeluAndMul": BikGeluAndMul}),
+    # Nemotron-H's MLP activation: elementwise in transformers (no kind there), a custom op here
+    "relu_squared": EngineLayers({"ReLUSquaredActivation": BikReLUSquaredActivation}),
+    "rotary": EngineLayers(
+        {
+            "RotaryEmbedding": BikRotaryEmbedding,
+            "YaRNScalingRotaryEmbedding": BikYaRNRotaryEmbedding,
+            "DeepseekScalingRotaryEmbedding": BikDeepseekScalingRotaryEmbedding,
+        }
+    ),
+    # plain attention: vLLM's Attention on bik's backend (bik.vllm.attention); latent attention
+    # (DeepSeek-V3) in the trainer's form
+    "attention": EngineLayers(methods=mla.PATCHED_METHODS),
+    "gated_attention": EngineLayers(
+        methods=((Qwen3NextAttention, "forward", _gated_attention_forward),)
+    ),
+    # the router, the experts and the block in one runner's forward (bik.vllm.moe)
+    "experts": EngineLayers(methods=moe.PATCHED_METHODS),
+    "gated_delta_net": EngineLayers(methods=gdn.PATCHED_METHODS),
+    "mamba2_mixer": EngineLayers(methods=mamba2.PATCHED_METHODS),
 }
-_PATCHED_METHODS = (
-    (UnquantizedLinearMethod, "apply", _linear_apply),
-    (UnquantizedLinearMethod, "process_weights_after_loading", _keep_weights),
-    (UnquantizedEmbeddingMethod, "apply", _linear_apply),  # the LM head
-    (Qwen3NextAttention, "forward", _gated_attention_forward),
-)
-BIK_LAYERS = tuple(_REPLACED_OPS.values())
+BIK_LAYERS = tuple(cls for layers in ENGINE_LAYERS.values() for cls in layers.ops.values())
 _TP_INVARIANT_FORWARDS = (
     (RowParallelLinear, _row_parallel_forward),
     (VocabParallelEmbedding, _vocab_parallel_embedding_forward),
@@ -455,14 +487,14 @@ def transformers_module_problem(name: str, module: torch.nn.Module, model_type: 
 
 def install() -> None:
     """Register bik's layers with vLLM (once per process)."""
-    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor.custom_op import op_registry_oot
 
-    for name, cls in _REPLACED_OPS.items():
-        if op_registry_oot.get(name) is not cls:
-            CustomOp.register_oot(cls, name=name)
-    extra = (*moe.PATCHED_METHODS, *gdn.PATCHED_METHODS, *mamba2.PATCHED_METHODS)
-    for owner, name, method in (*_PATCHED_METHODS, *extra, *mla.PATCHED_METHODS):
-        setattr(owner, name, method)
+    for layers in ENGINE_LAYERS.values():
+        for name, cls in layers.ops.items():
+            if op_registry_oot.get(name) is not cls:
+                CustomOp.register_oot(cls, name=name)
+        for owner, name, method in layers.methods:
+            setattr(owner, name, method)
 
 
 def use_tp_invariant(on: bool) -> None:
