@@ -281,71 +281,11 @@ def check_model(model: torch.nn.Module, hf_config: "PreTrainedConfig") -> None:
     cannot route (bik.vllm.moe), a quantized linear layer, or a logits soft-cap/scale; with
     tp_invariant, a row-parallel linear whose K slice does not split into its rank's
     chunks."""
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.model_executor.layers.linear import (
-        LinearBase,
-        RowParallelLinear,
-        UnquantizedLinearMethod,
-    )
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-        QwenGatedDeltaNetAttention,
-    )
-    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
-
-    from . import gdn, mamba2, mla, moe, tp_invariant
-    from .layers import BIK_LAYERS, transformers_module_problem
+    from . import tp_invariant
+    from .model_checks import ModelFacts, module_problems
 
     model_type = MTP_FAMILIES.get(hf_config.model_type, hf_config.model_type)
-    problems: list[str] = []
-    bik_layers: list[str] = []
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if any(name.startswith(f"{owner}.") for owner in bik_layers):
-            continue  # a part of a bik layer that its forward does not call
-        if isinstance(module, BIK_LAYERS):
-            bik_layers.append(name)
-        elif isinstance(module, (*gdn.UNCALLED, *mamba2.UNCALLED)):
-            continue
-        elif isinstance(module, MLAAttention):
-            bik_layers.append(name)  # bik's forward_impl calls none of its parts
-            problem = mla.problem(name, module)
-            problems.extend([] if problem is None else [problem])
-        elif isinstance(module, MambaMixer2):
-            problem = mamba2.problem(name, module, hf_config)
-            problems.extend([] if problem is None else [problem])
-        elif isinstance(module, QwenGatedDeltaNetAttention):
-            problem = gdn.problem(name, module)
-            problems.extend([] if problem is None else [problem])
-        elif isinstance(module, MambaBase):  # a recurrent layer: its ops are not CustomOps
-            problems.append(f"{name} ({kind}): a recurrent layer bik does not compute in vLLM")
-        elif isinstance(module, MoERunner):
-            bik_layers.append(name)
-            limit = getattr(hf_config, "swiglu_limit", None)
-            problems.extend(moe.problems(name, module, model_type, limit, tp_invariant()))
-        elif isinstance(module, CustomOp):
-            problems.append(f"{name} ({kind}): not computed by bik")
-        elif isinstance(module, LinearBase) and not isinstance(
-            module.quant_method, UnquantizedLinearMethod
-        ):
-            problems.append(f"{name} ({kind}): quantized ({type(module.quant_method).__name__})")
-        elif type(module).__module__.startswith("transformers."):
-            problem = transformers_module_problem(name, module, model_type)
-            problems.extend([] if problem is None else [problem])
-        elif isinstance(module, LogitsProcessor) and (
-            module.soft_cap is not None or module.scale != 1.0
-        ):
-            problems.append(f"{name}: logits soft-cap or scale")
-        if tp_invariant() and isinstance(module, RowParallelLinear):
-            chunks = TP_CHUNKS // module.tp_size
-            if module.input_size_per_partition % chunks:
-                problems.append(
-                    f"{name}: K = {module.input_size} is not divisible by "
-                    f"bik.contract.TP_CHUNKS = {TP_CHUNKS} (the TP-invariant order's chunks)"
-                )
+    problems = module_problems(model, ModelFacts(hf_config, model_type, tp_invariant()))
     if problems:
         raise NotImplementedError(
             "bik.vllm: these layers would run vLLM's own numerics, so rollout log-probs "
