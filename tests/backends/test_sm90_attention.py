@@ -172,6 +172,13 @@ def test_only_hgmma_and_the_same_mma_in_prefill_and_decode(facts):
         assert facts[prefill][0]["num_warps"] == facts[decode][0]["num_warps"]
 
 
+def test_each_candidate_reaches_the_kernel(facts):
+    """A candidate the launch dropped (a tile or a rescale function not passed on) would
+    compile to the shipped prefill's code, and its same-bits tests would pass vacuously."""
+    for candidate in CANDIDATES:
+        assert facts[candidate][0]["code"] != facts["prefill"][0]["code"], candidate
+
+
 def test_keys_and_values_arrive_by_tma_unless_paged(facts):
     """16-bit contiguous keys and values by TMA boxes (fewer registers: no per-element
     addresses); fp32 and paged caches by pointer loads."""
